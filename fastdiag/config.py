@@ -1,0 +1,75 @@
+"""Configuration of one training run (SPEC §4). A run is identified by its full configuration."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+ARCHS = ("transformer", "mlp", "lstm", "mamba")
+OPS = ("+", "-", "*", "/")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    arch: str = "transformer"
+    preset: str = "canonical"          # transformer: canonical | 19m | 85m | custom
+    n_layers: int | None = None        # None: take it from the preset / the architecture's default
+    n_heads: int | None = None
+    d_model: int | None = None
+    d_ff: int | None = None
+    op: str = "+"
+    p: int = 97
+    weight_decay: float = 1.0
+    lr: float = 1e-3
+    batch_size: int = 512
+    epochs: int = 1000                 # horizon, in epochs
+    seed: int = 42
+    train_frac: float = 0.5
+    eval_every: int = 1                # epochs
+    diag_every: int = 10               # steps
+    grok_threshold: float = 0.99
+    stop_at_grok: bool = True
+    patience: int = 0                  # epochs to keep training after grokking when stop_at_grok
+    device: str = "auto"
+
+    def validate(self) -> "RunConfig":
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch: unknown architecture {self.arch!r}; expected one of {', '.join(ARCHS)}")
+        if self.op not in OPS:
+            raise ValueError(f"op: unknown operation {self.op!r}; expected one of {' '.join(OPS)}")
+        if self.p < 2:
+            raise ValueError(f"p: modulus must be >= 2, got {self.p}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {self.batch_size}")
+        if self.epochs < 1:
+            raise ValueError(f"epochs: must be >= 1, got {self.epochs}")
+        if not 0.0 < self.train_frac < 1.0:
+            raise ValueError(f"train_frac: must be in (0, 1), got {self.train_frac}")
+        if self.eval_every < 1 or self.diag_every < 1:
+            raise ValueError("eval_every and diag_every: must be >= 1")
+        if self.patience < 0:
+            raise ValueError(f"patience: must be >= 0, got {self.patience}")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+    def run_id(self) -> str:
+        """Stable identity of the run: a hash of the full configuration (device excluded)."""
+        d = self.to_dict()
+        d.pop("device")
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -1,0 +1,110 @@
+"""`head_stats`: attention probabilities -> `HeadStats`, on the backend that fits the device."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fastdiag.kernels import head_stats_ref, head_stats_torch
+from fastdiag.stats import HeadStats
+
+BACKENDS = ("auto", "reference", "torch", "triton")
+
+
+def triton_available() -> bool:
+    """True when the fused kernel can run: a CUDA device with triton, or the Triton interpreter."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_inputs(probs, query_mask):
+    if not isinstance(probs, torch.Tensor):
+        raise TypeError(f"probs: expected a torch.Tensor, got {type(probs).__name__}")
+    if not probs.is_floating_point():
+        raise TypeError(f"probs: expected a floating-point tensor (fp32, bf16, fp16, fp64), got {probs.dtype}")
+    if probs.dim() not in (4, 5):
+        raise ValueError(f"probs: expected shape [B, H, Tq, Tk] or [N, B, H, Tq, Tk], got {tuple(probs.shape)}")
+    stacked = probs.dim() == 5
+    p5 = probs if stacked else probs.unsqueeze(0)
+    n, b, h, tq, tk = p5.shape
+    if min(b, h, tq, tk) == 0 or n == 0:
+        raise ValueError(f"probs: every dimension must be non-empty, got {tuple(probs.shape)}")
+    m3 = None
+    if query_mask is not None:
+        if not isinstance(query_mask, torch.Tensor):
+            raise TypeError(f"query_mask: expected a bool torch.Tensor, got {type(query_mask).__name__}")
+        if query_mask.dtype != torch.bool:
+            raise TypeError(f"query_mask: expected dtype torch.bool (True = valid query row), got {query_mask.dtype}")
+        if query_mask.device != probs.device:
+            raise ValueError(f"query_mask: on {query_mask.device}, probs on {probs.device}")
+        if query_mask.dim() == 2:
+            expected = (b, tq)
+            m3 = query_mask.unsqueeze(0)
+        elif query_mask.dim() == 3 and stacked:
+            expected = (n, b, tq)
+            m3 = query_mask
+        else:
+            expected = (n, b, tq) if stacked else (b, tq)
+        if tuple(query_mask.shape) != expected:
+            raise ValueError(f"query_mask: expected shape {list(expected)} for probs of shape "
+                             f"{tuple(probs.shape)}, got {tuple(query_mask.shape)}")
+    return p5, m3, stacked
+
+
+def head_stats(probs: torch.Tensor, query_mask: torch.Tensor | None = None, backend: str = "auto",
+               validate: bool = False) -> HeadStats:
+    """Sufficient statistics of attention heads from post-softmax probabilities.
+
+    probs: ``[B, H, Tq, Tk]``, or ``[N, B, H, Tq, Tk]`` for N independent problems (layers,
+        ensemble members) in one call; fp32, bf16, fp16 or fp64; any strides.
+    query_mask: bool ``[B, Tq]`` (or ``[N, B, Tq]``), True = valid query row; padded rows are left out.
+    backend: ``"auto"`` (fused Triton kernel on CUDA, vectorised PyTorch elsewhere), ``"triton"``,
+        ``"torch"`` or ``"reference"`` (float64, the ground truth).
+    validate: check the values and raise ValueError on entries outside [0, 1], non-finite values or
+        an all-padded mask. This syncs with the host. Without it, bad values never raise: the
+        derived statistics come out NaN and ``HeadStats.valid()`` is False, found on the device.
+
+    Gradients do not flow through the statistics (they are diagnostics).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    p5, m3, stacked = _check_inputs(probs, query_mask)
+    p5 = p5.detach()
+    if backend == "auto":
+        backend = "triton" if p5.is_cuda and triton_available() else "torch"
+    if backend == "reference":
+        sums = head_stats_ref(p5, m3)
+    elif backend == "torch":
+        sums = head_stats_torch(p5, m3)
+    else:
+        sums = _run_triton(p5, m3)
+    stats = HeadStats(*sums)
+    if not stacked:
+        stats = stats[0]
+    if validate:
+        _raise_if_invalid(stats)
+    return stats
+
+
+def _run_triton(p5: torch.Tensor, m3: torch.Tensor | None):
+    if not triton_available():
+        raise ValueError("backend: 'triton' needs triton and a CUDA device, or TRITON_INTERPRET=1 "
+                         "set before import to run the kernel in the interpreter")
+    from fastdiag.kernels import head_stats_triton as kernel
+
+    if p5.is_cuda:
+        return kernel.head_stats_op(p5, m3)
+    if not kernel.INTERPRETING:
+        raise ValueError("backend: 'triton' on a CPU tensor needs TRITON_INTERPRET=1 set before import")
+    # The interpreter cannot run behind torch.library's wrappers: launch the raw kernel.
+    return kernel.head_stats_triton(p5, m3)
+
+
+def _raise_if_invalid(stats: HeadStats) -> None:
+    if bool((stats.invalid > 0).any()):
+        raise ValueError("probs: holds values outside [0, 1] or non-finite values in valid rows")
+    if bool((stats.rows == 0).any()):
+        raise ValueError("query_mask: marks no valid query row for at least one problem")
