@@ -162,7 +162,8 @@ def _as_float_array(values, name: str, *, allow_nan: bool = False) -> np.ndarray
     bad = np.isinf(array) if allow_nan else ~np.isfinite(array)
     if bad.any():
         allowed = "finite numbers, or NaN/None" if allow_nan else "finite numbers"
-        raise ValueError(f"{name}: expected {allowed}, got {float(array[bad][0])!r} at index {int(np.flatnonzero(bad)[0])}")
+        first = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{name}: expected {allowed}, got {float(array[first])!r} at index {first}")
     return array
 
 
@@ -392,11 +393,13 @@ def fit_nu(
     _require_same_length(lambdas=lambdas, t_grok=t_grok)
     if (lambdas < 0).any():
         raise ValueError(f"lambdas: weight decays must be >= 0, got {float(lambdas[lambdas < 0][0])!r}")
-    if isinstance(lambda_c, bool) or not isinstance(lambda_c, numbers.Real) or not math.isfinite(lambda_c) or lambda_c < 0:
+    is_number = isinstance(lambda_c, numbers.Real) and not isinstance(lambda_c, bool)
+    if not (is_number and math.isfinite(lambda_c) and lambda_c >= 0):
         raise ValueError(f"lambda_c: expected a finite number >= 0, got {lambda_c!r}")
     did_grok = np.isfinite(t_grok)
-    if (t_grok[did_grok] <= 0).any():
-        raise ValueError(f"t_grok: grokking times must be > 0 (log scale), got {float(t_grok[did_grok & (t_grok <= 0)][0])!r}")
+    non_positive = did_grok & (t_grok <= 0)
+    if non_positive.any():
+        raise ValueError(f"t_grok: grokking times must be > 0 (log scale), got {float(t_grok[non_positive][0])!r}")
     if not isinstance(joint, bool):
         raise TypeError(f"joint: expected a bool, got {type(joint).__name__}")
     if grokked is not None:

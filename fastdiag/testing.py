@@ -1,4 +1,5 @@
-"""Random attention probabilities shared by tests and benchmarks: causal, with padded query rows."""
+"""Inputs shared by tests and benchmarks: random causal attention probabilities with padded query
+rows, and a nanoGPT-style model that calls SDPA."""
 from __future__ import annotations
 
 import torch
@@ -38,3 +39,41 @@ def random_query_mask(shape, seed=0, keep=0.7, device="cpu"):
     flat = mask.reshape(-1, shape[-2] * shape[-1]) if len(shape) >= 2 else mask.reshape(1, -1)
     flat[:, 0] = True
     return flat.reshape(shape).to(device)
+
+
+class NanoGPT(torch.nn.Module):
+    """A nanoGPT-style causal LM that calls ``F.scaled_dot_product_attention`` (for tests and benchmarks)."""
+
+    def __init__(self, vocab: int = 64, d_model: int = 64, n_heads: int = 4, n_layers: int = 2, seq_len: int = 32):
+        super().__init__()
+        self.n_heads = n_heads
+        self.tok = torch.nn.Embedding(vocab, d_model)
+        self.pos = torch.nn.Embedding(seq_len, d_model)
+        self.blocks = torch.nn.ModuleList(_NanoBlock(d_model, n_heads) for _ in range(n_layers))
+        self.ln = torch.nn.LayerNorm(d_model)
+        self.head = torch.nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+class _NanoBlock(torch.nn.Module):
+    def __init__(self, d_model, n_heads):
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d_model), torch.nn.LayerNorm(d_model)
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model)
+        self.proj = torch.nn.Linear(d_model, d_model)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d_model, 4 * d_model), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))

@@ -34,8 +34,11 @@ def head_stats_ref(probs: torch.Tensor, query_mask: torch.Tensor | None = None,
     return gram, entropy_sum, rows, invalid
 
 
+_SMALL_ROWS = 4096
+
+
 def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None):
-    """Fast path: float32 accumulation, one batched matmul per batch row, no head-major copy."""
+    """Fast path: float32 accumulation, Gram by matmul, entropy and range check in two more passes."""
     n, b, h, tq, tk = probs.shape
     x = probs if probs.dtype in (torch.float32, torch.float64) else probs.float()
     if query_mask is not None:
@@ -43,7 +46,12 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
         keep = query_mask.expand(n, b, tq)[:, :, None, :, None]
         x = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
     flat = x.reshape(n, b, h, tq * tk)
-    gram = torch.matmul(flat, flat.transpose(-1, -2)).sum(1)           # [N, H, H]
+    if b > 1 and tq * tk < _SMALL_ROWS:
+        # Tiny per-batch blocks (grokking: T = 3) starve a batched matmul; one head-major copy is cheaper.
+        heads = flat.transpose(1, 2).reshape(n, h, b * tq * tk)
+        gram = heads @ heads.transpose(-1, -2)
+    else:
+        gram = torch.matmul(flat, flat.transpose(-1, -2)).sum(1)       # no head-major copy
     entropy_sum = torch.special.entr(flat).sum(dim=(1, 3))              # [N, H]
     lo, hi = torch.aminmax(x.reshape(n, -1), dim=-1)                    # NaN propagates
     invalid = (~((lo >= 0) & (hi <= 1))).to(torch.float32)

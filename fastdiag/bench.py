@@ -1,0 +1,228 @@
+"""Measured overhead of the diagnostics: kernel level and training-step level.
+
+Kernel level: for each shape and dtype, the pure-PyTorch reference written the obvious way
+(`head_stats_ref` at float32, eager), the same reference under `torch.compile`, and fastdiag's backend
+for the device (`auto`). Step level: a training step without fastdiag and with `attach(every=10)` /
+`attach(every=1)`, timed as alternating blocks in one process so machine noise cancels.
+
+Timing: warm-up first (compilation is never timed), then many repeats and medians; on CUDA,
+`triton.testing.do_bench` (CUDA events, cache flushed between repeats).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from fastdiag.diagnostics import head_stats
+from fastdiag.kernels import head_stats_ref
+from fastdiag.testing import random_probs
+
+# (name, [N, B, H, T]) — N stacked problems (layers) in one call.
+KERNEL_SHAPES = {
+    "grokking": (4, 512, 8, 3),
+    "gpt2-small": (1, 8, 12, 1024),
+    "long-context": (1, 1, 16, 4096),
+}
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+
+
+@dataclass
+class KernelResult:
+    shape: str
+    dims: tuple
+    dtype: str
+    device: str
+    bytes_read: int
+    timings: dict = field(default_factory=dict)          # method -> Timing
+    copy_bandwidth_gbs: float | None = None               # device-to-device copy, same run
+
+    def row(self) -> dict:
+        d = asdict(self)
+        fast = self.timings["fastdiag"].median_ms
+        d["gbytes_per_s"] = self.bytes_read / (fast * 1e-3) / 1e9
+        d["speedup_vs_eager"] = self.timings["eager"].median_ms / fast
+        if "compiled" in self.timings:
+            d["speedup_vs_compiled"] = self.timings["compiled"].median_ms / fast
+        if self.copy_bandwidth_gbs:
+            d["fraction_of_copy_bandwidth"] = d["gbytes_per_s"] / self.copy_bandwidth_gbs
+        return d
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 3, repeats: int = 20) -> Timing:
+    if device.type == "cuda":
+        import triton.testing
+
+        q = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+        return Timing(*q)
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    samples.sort()
+    return Timing(statistics.median(samples), samples[int(0.2 * (len(samples) - 1))],
+                  samples[int(0.8 * (len(samples) - 1))])
+
+
+def _copy_bandwidth_gbs(x: torch.Tensor) -> float:
+    dst = torch.empty_like(x)
+    t = time_fn(lambda: dst.copy_(x), x.device)
+    return 2 * x.numel() * x.element_size() / (t.median_ms * 1e-3) / 1e9   # read + write
+
+
+def bench_kernel(shape_name: str, dims: tuple, dtype: torch.dtype, device: torch.device,
+                 compiled: bool = True, repeats: int = 20, progress: Callable[[str], None] = print) -> KernelResult:
+    n, b, h, t = dims
+    probs = random_probs((n, b, h, t, t), dtype=dtype, seed=0, device=device)
+    mask = None
+    result = KernelResult(shape_name, dims, str(dtype).replace("torch.", ""), device.type,
+                          probs.numel() * probs.element_size())
+    eager_ref = lambda: head_stats_ref(probs, mask, acc_dtype=torch.float32)  # noqa: E731
+    methods = {"eager": eager_ref, "fastdiag": lambda: head_stats(probs, mask, backend="auto")}
+    if compiled:
+        compiled_ref = torch.compile(lambda p: head_stats_ref(p, None, acc_dtype=torch.float32))
+        methods["compiled"] = lambda: compiled_ref(probs)
+    for method, fn in methods.items():
+        progress(f"kernel {shape_name} {result.dtype} {method} ...")
+        result.timings[method] = time_fn(fn, device, repeats=repeats)
+    if device.type == "cuda":
+        result.copy_bandwidth_gbs = _copy_bandwidth_gbs(probs)
+    return result
+
+
+def kernel_dtypes(device: torch.device) -> list[torch.dtype]:
+    if device.type == "cuda":
+        dtypes = [torch.float32, torch.float16]
+        if torch.cuda.is_bf16_supported():
+            dtypes.append(torch.bfloat16)
+        return dtypes
+    return [torch.float32, torch.bfloat16]
+
+
+# ---- step level --------------------------------------------------------------------------------
+
+@dataclass
+class StepResult:
+    name: str
+    device: str
+    base_ms: float
+    every10_ms: float
+    every1_ms: float
+    overhead_every10_pct: float
+    overhead_every1_pct: float
+    blocks: int
+
+
+def _training_step(model, batch, targets, optimizer, last_position_only: bool):
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(batch)
+    if last_position_only:
+        logits = logits[:, -1] if logits.dim() == 3 else logits
+        loss = torch.nn.functional.cross_entropy(logits, targets)
+    else:
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    optimizer.step()
+
+
+def step_workloads(device: torch.device) -> dict[str, Callable[[], tuple]]:
+    """name -> factory of (model, batch, targets, last_position_only)."""
+
+    def grokking():
+        from fastdiag.config import RunConfig
+        from fastdiag.models import build_from_run_config
+
+        cfg = RunConfig()
+        model = build_from_run_config(cfg, vocab_size=cfg.p + 1, seq_len=3).to(device)
+        g = torch.Generator().manual_seed(0)
+        batch = torch.randint(0, cfg.p, (512, 3), generator=g).to(device)
+        batch[:, 2] = cfg.p
+        targets = torch.randint(0, cfg.p, (512,), generator=g).to(device)
+        return model, batch, targets, True
+
+    def nanogpt():
+        from fastdiag.testing import NanoGPT
+
+        seq = 256 if device.type == "cuda" else 128
+        width = (768, 12, 6) if device.type == "cuda" else (256, 8, 4)
+        model = NanoGPT(vocab=512, d_model=width[0], n_heads=width[1], n_layers=width[2], seq_len=seq).to(device)
+        g = torch.Generator().manual_seed(0)
+        bsz = 16 if device.type == "cuda" else 8
+        batch = torch.randint(0, 512, (bsz, seq), generator=g).to(device)
+        return model, batch, torch.roll(batch, -1, dims=1), False
+
+    return {"grokking-canonical": grokking, "nanogpt-sdpa": nanogpt}
+
+
+def bench_step(name: str, factory, device: torch.device, blocks: int = 15, block_steps: int = 10,
+               progress: Callable[[str], None] = print) -> StepResult:
+    import copy
+
+    import fastdiag
+
+    model, batch, targets, last_only = factory()
+    variants = {"base": model, "every10": copy.deepcopy(model), "every1": copy.deepcopy(model)}
+    monitors = [fastdiag.attach(variants["every10"], every=10), fastdiag.attach(variants["every1"], every=1)]
+    optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in variants.items()}
+
+    def run_block(key):
+        m, opt = variants[key], optimizers[key]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(block_steps):
+            _training_step(m, batch, targets, opt, last_only)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3 / block_steps
+
+    for key in variants:  # warm-up
+        run_block(key)
+    samples = {k: [] for k in variants}
+    for i in range(blocks):
+        progress(f"step {name} block {i + 1}/{blocks}")
+        for key in variants:  # alternate so drifts hit every variant alike
+            samples[key].append(run_block(key))
+    for m in monitors:
+        m.history()   # the statistics were really computed and are readable
+        m.detach()
+    ratio10 = statistics.median(a / b for a, b in zip(samples["every10"], samples["base"]))
+    ratio1 = statistics.median(a / b for a, b in zip(samples["every1"], samples["base"]))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return StepResult(name, device.type, med["base"], med["every10"], med["every1"],
+                      100 * (ratio10 - 1), 100 * (ratio1 - 1), blocks)
+
+
+def format_kernel_table(rows: list[dict]) -> str:
+    head = f"{'shape':<13} {'dtype':<9} {'eager ms':>9} {'compiled':>9} {'fastdiag':>9} {'x eager':>8} {'x comp':>7} {'GB/s':>7} {'%copy':>6}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        t = r["timings"]
+        comp = t.get("compiled")
+        lines.append(
+            f"{r['shape']:<13} {r['dtype']:<9} {t['eager']['median_ms']:>9.3f} "
+            f"{(comp['median_ms'] if comp else float('nan')):>9.3f} {t['fastdiag']['median_ms']:>9.3f} "
+            f"{r['speedup_vs_eager']:>8.2f} {r.get('speedup_vs_compiled', float('nan')):>7.2f} "
+            f"{r['gbytes_per_s']:>7.1f} {100 * r.get('fraction_of_copy_bandwidth', float('nan')):>6.1f}")
+    return "\n".join(lines)
+
+
+def format_step_table(rows: list[dict]) -> str:
+    head = f"{'step':<20} {'base ms':>9} {'every=10':>9} {'every=1':>9} {'ovh@10 %':>9} {'ovh@1 %':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['name']:<20} {r['base_ms']:>9.3f} {r['every10_ms']:>9.3f} {r['every1_ms']:>9.3f} "
+                     f"{r['overhead_every10_pct']:>9.2f} {r['overhead_every1_pct']:>8.2f}")
+    return "\n".join(lines)

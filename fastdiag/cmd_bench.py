@@ -1,0 +1,78 @@
+"""`fastdiag bench`: kernel and training-step overhead, as a table and optionally JSON."""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from dataclasses import asdict
+from datetime import datetime, timezone
+
+import click
+import torch
+
+from fastdiag import bench
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise click.ClickException("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def _machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+@click.command("bench")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--shapes", default=",".join(bench.KERNEL_SHAPES), show_default=True,
+              help="Comma list of kernel shapes: " + ", ".join(f"{k}={v}" for k, v in bench.KERNEL_SHAPES.items()))
+@click.option("--steps/--no-steps", default=True, show_default=True, help="Also time training steps with attach.")
+@click.option("--no-compile", is_flag=True, help="Skip the torch.compile'd reference.")
+@click.option("--repeats", type=click.IntRange(3), default=15, show_default=True, help="Timed repeats (CPU).")
+@click.option("--blocks", type=click.IntRange(3), default=15, show_default=True, help="Alternating step blocks.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write all measurements to this JSON file.")
+def bench_command(device, shapes, steps, no_compile, repeats, blocks, json_path):
+    """Measure fastdiag's overhead against a pure-PyTorch reference (kernel) and per training step."""
+    dev = _device(device)
+    names = [s.strip() for s in shapes.split(",") if s.strip()]
+    unknown = [s for s in names if s not in bench.KERNEL_SHAPES]
+    if unknown:
+        raise click.ClickException(f"--shapes: unknown shape(s) {', '.join(unknown)}; "
+                                   f"expected some of {', '.join(bench.KERNEL_SHAPES)}")
+
+    def progress(msg: str) -> None:
+        click.echo(f"\r\033[K{msg}", nl=False, err=True)
+
+    kernel_rows = []
+    for name in names:
+        for dtype in bench.kernel_dtypes(dev):
+            r = bench.bench_kernel(name, bench.KERNEL_SHAPES[name], dtype, dev, compiled=not no_compile,
+                                   repeats=repeats, progress=progress)
+            kernel_rows.append(r.row())
+    step_rows = []
+    if steps:
+        for name, factory in bench.step_workloads(dev).items():
+            step_rows.append(asdict(bench.bench_step(name, factory, dev, blocks=blocks, progress=progress)))
+    click.echo("\r\033[K", nl=False, err=True)
+    click.echo(f"fastdiag bench — {_machine(dev)}, torch {torch.__version__}, "
+               f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+    click.echo(bench.format_kernel_table(kernel_rows))
+    if step_rows:
+        click.echo()
+        click.echo(bench.format_step_table(step_rows))
+    if json_path:
+        payload = {"machine": _machine(dev), "device": dev.type, "torch": torch.__version__,
+                   "python": sys.version.split()[0], "date": datetime.now(timezone.utc).isoformat(),
+                   "kernel": kernel_rows, "step": step_rows}
+        with open(json_path, "w") as f:
+            json.dump(payload, f, indent=2, default=str)
+        click.echo(f"wrote {json_path}")
+
+
+COMMANDS = [bench_command]
