@@ -12,6 +12,9 @@ from fastdiag.testing import random_probs, random_query_mask
 # SPEC §3: relative error against float64 on the same (rounded) inputs.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-3}
 FAST_BACKENDS = ["torch", "triton"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 arithmetic is not supported by the Triton interpreter: bf16 is tested on GPU only.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 T_PAIRS = [(1, 1), (3, 3), (17, 17), (130, 130), (3, 17), (17, 130), (130, 3)]
 CASES = [(h, tq, tk, b, n) for h, (tq, tk), b, n in itertools.product([2, 3, 8, 12], T_PAIRS, [1, 5], [1, 4])]
 
@@ -26,14 +29,14 @@ def _check_backend(backend):
         pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d).replace("torch.", "") for d in DTYPES])
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize("h,tq,tk,b,n", CASES, ids=[f"H{h}-Tq{tq}-Tk{tk}-B{b}-N{n}" for h, tq, tk, b, n in CASES])
 def test_backend_matches_float64_reference(backend, dtype, h, tq, tk, b, n):
     _check_backend(backend)
     seed = hash((h, tq, tk, b, n)) % 10_000
-    mask = random_query_mask((n, b, tq), seed=seed)
-    probs = random_probs((n, b, h, tq, tk), dtype=dtype, seed=seed, garbage_rows=~mask)
+    mask = random_query_mask((n, b, tq), seed=seed, device=DEVICE)
+    probs = random_probs((n, b, h, tq, tk), dtype=dtype, seed=seed, garbage_rows=~mask.cpu(), device=DEVICE)
     if n == 1:  # the un-stacked [B, H, Tq, Tk] form
         probs, mask = probs[0], mask[0]
     ref = fastdiag.head_stats(probs, mask, backend="reference")
@@ -54,7 +57,7 @@ def test_backend_matches_float64_reference(backend, dtype, h, tq, tk, b, n):
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_non_contiguous_input_is_read_in_place(backend):
     _check_backend(backend)
-    base = random_probs((2, 9, 5, 6), seed=3)               # [B, Tq, H, Tk] memory order
+    base = random_probs((2, 9, 5, 6), seed=3, device=DEVICE)             # [B, Tq, H, Tk] memory order
     probs = base.permute(0, 2, 1, 3)                          # [B, H, Tq, Tk] view, not contiguous
     assert not probs.is_contiguous()
     ref = fastdiag.head_stats(probs.contiguous(), backend="reference")

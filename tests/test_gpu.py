@@ -1,0 +1,82 @@
+"""Checks that need a CUDA device (run by benchmarks/gpu_check.sh on a lent GPU; skipped elsewhere)."""
+import pytest
+import torch
+
+import fastdiag
+from fastdiag.testing import random_probs, random_query_mask
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _probs(dtype=torch.bfloat16):
+    mask = random_query_mask((2, 4, 257), seed=1, device="cuda")
+    probs = random_probs((2, 4, 12, 257, 257), dtype=dtype, seed=1, device="cuda")
+    return probs, mask
+
+
+def test_triton_op_under_compile_fullgraph_matches_reference():
+    probs, mask = _probs()
+    fn = torch.compile(lambda p, m: fastdiag.head_stats(p, m).sync(), fullgraph=True)
+    ref = fastdiag.head_stats(probs, mask, backend="reference").sync()
+    torch.testing.assert_close(fn(probs, mask), ref, rtol=1e-3, atol=1e-6)
+
+
+def test_triton_op_is_captured_by_cuda_graph():
+    probs, mask = _probs(torch.float16)
+    out = {}
+
+    def step():
+        out["stats"] = fastdiag.head_stats(probs, mask, backend="triton")
+
+    step()  # compile the kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    probs.copy_(random_probs(tuple(probs.shape), dtype=probs.dtype, seed=2, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = fastdiag.head_stats(probs, mask, backend="reference")
+    torch.testing.assert_close(out["stats"].gram.double(), want.gram, rtol=1e-3, atol=1e-6)
+
+
+def test_head_stats_has_no_host_sync():
+    probs, mask = _probs()
+    fastdiag.head_stats(probs, mask)  # warm-up: compile the kernel
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        s = fastdiag.head_stats(probs, mask)
+        values = (s.sync(), s.entropy_spread(), s.participation_ratio(), s.valid())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(v.is_cuda for v in values)
+
+
+def test_training_step_with_attach_has_no_host_sync():
+    from fastdiag.testing import NanoGPT
+
+    model = NanoGPT(vocab=128, d_model=128, n_heads=4, n_layers=2, seq_len=64).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, foreach=True)
+    batch = torch.randint(0, 128, (4, 64), device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(batch).flatten(0, 1), batch.flatten())
+        loss.backward()
+        opt.step()
+
+    monitor = fastdiag.attach(model, every=1)
+    for _ in range(2):  # warm-up: kernels compiled, optimizer state allocated
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    history = monitor.history()
+    monitor.detach()
+    assert len(history) >= 3
