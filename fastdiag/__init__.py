@@ -5,17 +5,10 @@
     monitor = fastdiag.attach(model)             # the same, inside an existing training loop
 """
 from fastdiag.diagnostics import head_stats
+from fastdiag.monitor import Monitor, attach
 from fastdiag.stats import HeadStats, Summary, summarize
 
 __version__ = "0.1.0"
 
-__all__ = ["HeadStats", "Summary", "attach", "head_stats", "summarize", "__version__"]
+__all__ = ["HeadStats", "Monitor", "Summary", "attach", "head_stats", "summarize", "__version__"]
 
-
-def __getattr__(name):
-    # attach pulls in the adapters; load it on first use so `import fastdiag` stays light.
-    if name == "attach":
-        from fastdiag.attach import attach
-
-        return attach
-    raise AttributeError(f"module 'fastdiag' has no attribute {name!r}")

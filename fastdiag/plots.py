@@ -26,6 +26,7 @@ def plot_trajectory(trace: list[dict], path: str | os.PathLike, result: dict | N
     """Three stacked panels sharing a log epoch axis: accuracy, head synchronisation s̄ and entropy
     spread σ_H, with t_mem / t_grok marked. Runs without attention get the accuracy panel only."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no GUI backend, no global state
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     result = result or {}
     has_attention = result.get("has_attention", any(r.get("s_bar") is not None for r in trace))
@@ -57,6 +58,8 @@ def plot_trajectory(trace: list[dict], path: str | os.PathLike, result: dict | N
             if epoch:
                 ax.axvline(epoch, color=color, ls=":", lw=1.2, label=f"{label} = {epoch}")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.25)
         ax.legend(loc="best", fontsize=8)
     axes[-1].set_xlabel("epoch (log scale)")

@@ -1,0 +1,43 @@
+"""`fastdiag plot STORE --out DIR`: the sweep figures (regime diagram, P(grok), t_grok, trajectories)."""
+from __future__ import annotations
+
+import click
+
+
+@click.command("plot")
+@click.argument("store_path", metavar="STORE", type=click.Path())
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Directory for the figures (created if missing).")
+@click.option("--n-boot", type=int, default=1500, show_default=True, help="Bootstrap resamples of the fits.")
+@click.option("--n-band", type=int, default=300, show_default=True,
+              help="Bootstrap resamples of the P(grok) confidence band.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstraps.")
+@click.option("--format", "formats", default="png,svg", show_default=True, help="Comma list of png, svg, pdf.")
+def plot_cmd(store_path, out_dir, n_boot, n_band, seed, formats):
+    """Draw the sweep figures of STORE as PNG and SVG into DIR: regime diagram (λ × N), P(grok) with
+    the logistic fit and its bootstrap band, t_grok against λ − λ_c with the power-law fit, and median/IQR
+    trajectories of test accuracy, s̄ and σ_H per λ."""
+    from .cli import CLIError
+    from .store import open_existing
+
+    if n_boot < 1 or n_band < 1:
+        raise CLIError("--n-boot and --n-band: must be >= 1")
+    fmts = tuple(f.strip().lower() for f in formats.split(",") if f.strip())
+    bad = [f for f in fmts if f not in ("png", "svg", "pdf")]
+    if not fmts or bad:
+        raise CLIError(f"--format: expected a comma list of png, svg, pdf, got {formats!r}")
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    from .sweep_plots import plot_store
+
+    with open_existing(store_path) as store:
+        paths, analyses = plot_store(store, out_dir, n_boot=n_boot, n_band=n_band, seed=seed, formats=fmts)
+    for path in paths:
+        click.echo(str(path))
+    for a in analyses:
+        for key, name in (("lambda_c", "λ_c"), ("nu", "ν")):
+            if "error" in a[key]:
+                click.echo(f"plot: {a['group']}: drawn without the {name} fit ({a[key]['error']})", err=True)
+
+
+COMMANDS = [plot_cmd]

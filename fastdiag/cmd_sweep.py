@@ -1,0 +1,242 @@
+"""`fastdiag sweep`, `fastdiag merge`, `fastdiag export`."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from .cli import CLIError
+from .config import RunConfig
+
+_DEFAULTS = RunConfig()
+
+
+@click.command("sweep")
+@click.option("--wd", "wd", required=True, metavar="LIST|START:STOP:COUNT",
+              help="Weight decays λ: a comma list (0,0.01,0.1,1) or COUNT log-spaced values, e.g. 1e-3:2:13.")
+@click.option("--seeds", default="1", show_default=True, metavar="N|LIST",
+              help="A count N (seeds 0..N-1) or a comma list of seeds.")
+@click.option("--arch", default=_DEFAULTS.arch, show_default=True, metavar="ARCH[,ARCH...]",
+              help="transformer, mlp, lstm, mamba (comma list: one grid per architecture).")
+@click.option("--preset", default=_DEFAULTS.preset, show_default=True, metavar="NAME[,NAME...]",
+              help="Transformer size: canonical, 19m, 85m, custom (comma list: one grid per size).")
+@click.option("--layers", "n_layers", type=int, default=None, help="Number of layers (overrides the preset).")
+@click.option("--heads", "n_heads", type=int, default=None, help="Attention heads (transformer).")
+@click.option("--d-model", "d_model", type=int, default=None, help="Model width (MLP/LSTM: hidden width).")
+@click.option("--d-ff", "d_ff", type=int, default=None, help="Feed-forward width (transformer).")
+@click.option("--op", default=_DEFAULTS.op, show_default=True, type=click.Choice(["+", "-", "*", "/"]),
+              help="The operation of c = a ∘ b mod p.")
+@click.option("--p", "p", type=int, default=_DEFAULTS.p, show_default=True, help="The modulus p.")
+@click.option("--epochs", type=int, default=_DEFAULTS.epochs, show_default=True, help="Horizon in epochs.")
+@click.option("--lr", type=float, default=_DEFAULTS.lr, show_default=True, help="AdamW learning rate.")
+@click.option("--batch-size", "--batch", "batch_size", type=int, default=_DEFAULTS.batch_size, show_default=True,
+              help="Minibatch size.")
+@click.option("--train-frac", type=float, default=_DEFAULTS.train_frac, show_default=True)
+@click.option("--eval-every", type=int, default=_DEFAULTS.eval_every, show_default=True, help="Epochs.")
+@click.option("--diag-every", type=int, default=_DEFAULTS.diag_every, show_default=True, help="Steps.")
+@click.option("--grok-threshold", type=float, default=_DEFAULTS.grok_threshold, show_default=True)
+@click.option("--stop-at-grok/--no-stop-at-grok", default=_DEFAULTS.stop_at_grok, show_default=True)
+@click.option("--patience", type=int, default=_DEFAULTS.patience, show_default=True,
+              help="Epochs to keep training after grokking.")
+@click.option("--device", default=_DEFAULTS.device, show_default=True, help="auto, cpu, cuda, cuda:N.")
+@click.option("--store", "store_path", default="sweep.sqlite", show_default=True, type=click.Path(),
+              help="The SQLite result store (created if missing; finished runs in it are skipped).")
+@click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True)
+@click.option("--workers", type=int, default=None,
+              help="Local processes (default: what the cores and memory hold).")
+@click.option("--threads", type=int, default=None, help="Torch threads per local worker (default cores/workers).")
+@click.option("--address", default=None, help="Ray cluster address (default: start Ray locally).")
+@click.option("--max-retries", type=int, default=2, show_default=True,
+              help="Retries of a run whose worker was lost.")
+@click.option("--shard", default=None, metavar="I/N",
+              help="Run only shard I of N (0 <= I < N; runs split by run_id), e.g. $SLURM_ARRAY_TASK_ID/8.")
+@click.option("--retry-failed/--skip-failed", default=True, show_default=True,
+              help="Rerun runs recorded as failed by an earlier invocation.")
+@click.option("--dry-run", is_flag=True, help="Print the grid size and exit without running.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress line.")
+def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, epochs, lr, batch_size,
+              train_frac, eval_every, diag_every, grok_threshold, stop_at_grok, patience, device,
+              store_path, backend, workers, threads, address, max_retries, shard, retry_failed,
+              dry_run, quiet):
+    """Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."""
+    from . import sweep as sw
+    from .store import Store
+
+    if workers is not None and workers < 1:
+        raise CLIError(f"--workers: must be >= 1, got {workers}")
+    if threads is not None and threads < 1:
+        raise CLIError(f"--threads: must be >= 1, got {threads}")
+    if max_retries < 0:
+        raise CLIError(f"--max-retries: must be >= 0, got {max_retries}")
+    weight_decays = sw.parse_wd(wd)
+    seed_list = sw.parse_seeds(seeds)
+    archs = sw.parse_list(arch, "arch")
+    presets = sw.parse_list(preset, "preset")
+    shard_spec = sw.parse_shard(shard)
+    base = dict(n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff, op=op, p=p, epochs=epochs,
+                lr=lr, batch_size=batch_size, train_frac=train_frac, eval_every=eval_every,
+                diag_every=diag_every, grok_threshold=grok_threshold, stop_at_grok=stop_at_grok,
+                patience=patience, device=device)
+    configs = sw.build_grid(base, weight_decays, seed_list, archs, presets)
+    if shard_spec is not None:
+        grid_size = len(configs)
+        configs = sw.shard(configs, *shard_spec)
+        if not configs:
+            click.echo(f"sweep: shard {shard} of a {grid_size}-run grid is empty; nothing to do", err=True)
+            return
+    if dry_run:
+        click.echo(f"{len(configs)} runs: {len(archs)} arch × {len(presets)} preset × "
+                   f"{len(weight_decays)} λ × {len(seed_list)} seeds"
+                   + (f", shard {shard}" if shard_spec else ""))
+        click.echo("λ: " + ", ".join(f"{w:g}" for w in weight_decays))
+        return
+    store = Store(store_path, create=True)
+    try:
+        summary = sw.run_sweep(configs, store, backend=backend, workers=workers, threads=threads,
+                               address=address, max_retries=max_retries, retry_failed=retry_failed,
+                               progress=not quiet)
+    finally:
+        store.close()
+    regimes = ", ".join(f"{r} {n}" for r, n in sorted(summary.regimes.items())) or "none"
+    click.echo(f"sweep: {summary.total} runs in {store_path}: {summary.skipped} already done, "
+               f"{summary.done} finished now ({regimes}), {summary.failed} failed, "
+               f"{summary.wall_seconds:.1f} s", err=True)
+    if summary.failures:
+        for rid, error in summary.failures[:10]:
+            click.echo(f"sweep: failed run {rid}: {' '.join(str(error).split())}", err=True)
+        if len(summary.failures) > 10:
+            click.echo(f"sweep: ... and {len(summary.failures) - 10} more failed runs", err=True)
+        sys.exit(1)
+
+
+@click.command("merge")
+@click.argument("out", type=click.Path())
+@click.argument("inputs", nargs=-1, required=True, type=click.Path())
+def merge_cmd(out, inputs):
+    """Merge shard stores IN... into OUT (created if missing). Idempotent: no run is duplicated, and a
+    finished run is never replaced by an unfinished copy."""
+    from .store import Store, open_existing
+
+    sources = []
+    for path in inputs:                       # check every input before touching OUT
+        sources.append(open_existing(path))
+    target = Store(out, create=True)
+    total = {"added": 0, "updated": 0, "unchanged": 0}
+    try:
+        for src in sources:
+            stats = target.merge_from(src)
+            for k in total:
+                total[k] += stats[k]
+        counts = target.counts()
+    finally:
+        target.close()
+        for src in sources:
+            src.close()
+    click.echo(f"merge: {len(sources)} store(s) into {out}: {total['added']} runs added, "
+               f"{total['updated']} updated, {total['unchanged']} unchanged; now "
+               + ", ".join(f"{k} {v}" for k, v in counts.items()))
+
+
+def flatten_runs(runs: list[dict]) -> tuple[list[str], list[dict]]:
+    """Runs table rows as flat dicts: bookkeeping, then config fields, then result fields."""
+    head = ["run_id", "status", "error", "attempts", "created_at", "started_at", "finished_at", "worker"]
+    config_cols: list[str] = []
+    result_cols: list[str] = []
+    for run in runs:
+        for k in run["config"]:
+            if k not in config_cols:
+                config_cols.append(k)
+    for run in runs:
+        for k in (run["result"] or {}):
+            if k in ("run_id", "config"):
+                continue
+            name = k if k not in head and k not in config_cols else f"result_{k}"
+            if name not in result_cols:
+                result_cols.append(name)
+    rows = []
+    for run in runs:
+        row = {k: run[k] for k in head}
+        row.update(run["config"])
+        for k, v in (run["result"] or {}).items():
+            if k in ("run_id", "config"):
+                continue
+            name = k if k not in head and k not in config_cols else f"result_{k}"
+            row[name] = json.dumps(v) if isinstance(v, (dict, list)) else v
+        rows.append(row)
+    return head + config_cols + result_cols, rows
+
+
+def _write_table(columns: list[str], rows: list[dict], path: Path, fmt: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    if fmt == "csv":
+        with open(tmp, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
+    else:
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise CLIError("export --format parquet: needs pyarrow (pip install pyarrow)") from None
+        data = {}
+        for col in columns:
+            values = [row.get(col) for row in rows]
+            kinds = {type(v) for v in values if v is not None}
+            if kinds <= {int, bool} and bool in kinds and int not in kinds:
+                data[col] = pa.array(values, type=pa.bool_())
+            elif kinds <= {int}:
+                data[col] = pa.array(values, type=pa.int64())
+            elif kinds <= {int, float}:
+                data[col] = pa.array([None if v is None else float(v) for v in values], type=pa.float64())
+            else:
+                data[col] = pa.array([None if v is None else str(v) for v in values], type=pa.string())
+        pq.write_table(pa.table(data), tmp)
+    os.replace(tmp, path)
+
+
+@click.command("export")
+@click.argument("store_path", metavar="STORE", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["csv", "parquet"]), default="csv", show_default=True)
+@click.option("--out", "out", required=True, type=click.Path(), help="Output file of the runs table.")
+@click.option("--trace-out", default=None, type=click.Path(),
+              help="Also write the trace rows (run_id, one column per trace field) to this file.")
+@click.option("--status", default=None, type=click.Choice(["pending", "running", "done", "failed"]),
+              help="Only runs with this status (default: all).")
+def export_cmd(store_path, fmt, out, trace_out, status):
+    """Export a store's runs table (config and result flattened into columns), optionally its traces."""
+    from .store import open_existing
+
+    out_path = Path(out)
+    if not out_path.parent.exists():
+        raise CLIError(f"--out: directory {out_path.parent} does not exist")
+    with open_existing(store_path) as store:
+        runs = store.runs(status)
+        columns, rows = flatten_runs(runs)
+        _write_table(columns, rows, out_path, fmt)
+        n_trace = 0
+        if trace_out:
+            trace_path = Path(trace_out)
+            if not trace_path.parent.exists():
+                raise CLIError(f"--trace-out: directory {trace_path.parent} does not exist")
+            wanted = {r["run_id"] for r in runs}
+            trace_rows, trace_cols = [], ["run_id", "idx"]
+            for rid, idx, row in store.traces():
+                if rid not in wanted:
+                    continue
+                for k in row:
+                    if k not in trace_cols:
+                        trace_cols.append(k)
+                trace_rows.append({"run_id": rid, "idx": idx, **row})
+            _write_table(trace_cols, trace_rows, trace_path, fmt)
+            n_trace = len(trace_rows)
+    click.echo(f"export: {len(rows)} runs ({len(columns)} columns) to {out_path}"
+               + (f"; {n_trace} trace rows to {trace_out}" if trace_out else ""))
+
+
+COMMANDS = [sweep_cmd, merge_cmd, export_cmd]

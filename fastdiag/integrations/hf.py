@@ -1,0 +1,46 @@
+"""Hugging Face ``Trainer``: ``Trainer(..., callbacks=[FastdiagCallback(every=10)])``.
+
+The callback attaches to the model when training begins and detaches when it ends. A step is one
+training forward pass of the model (with gradient accumulation, one micro-batch). Whenever the
+Trainer logs, the latest measured values are added to its ``logs`` (so callbacks and integrations
+after this one, and ``trainer.state.log_history``, see them) as ``fastdiag/s_bar``,
+``fastdiag/sigma_h``, ``fastdiag/sync/<layer>`` and ``fastdiag/spread/<layer>``. Every record is in
+``callback.monitor.history()``; pass ``log=SummaryWriter(...)`` to write each one to TensorBoard.
+"""
+from __future__ import annotations
+
+from transformers import TrainerCallback
+
+from fastdiag.monitor import Monitor, attach
+
+__all__ = ["FastdiagCallback"]
+
+
+class FastdiagCallback(TrainerCallback):
+    def __init__(self, every: int = 10, **attach_kwargs):
+        """every, attach_kwargs: as `fastdiag.attach`."""
+        self.every, self.attach_kwargs = every, attach_kwargs
+        self.monitor: Monitor | None = None
+        self._records_seen = 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            raise ValueError("FastdiagCallback: the Trainer passed no model to on_train_begin")
+        self.monitor = attach(model, every=self.every, **self.attach_kwargs)
+        self._records_seen = 0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.monitor is None or logs is None or self.monitor.num_records == self._records_seen:
+            return
+        self._records_seen = self.monitor.num_records
+        latest = self.monitor.latest(mode="train")
+        if latest is None:
+            return
+        values = {f"fastdiag/{k}": v for k, v in latest.items() if k not in ("step", "mode")}
+        logs.update(values)
+        if state.log_history:
+            state.log_history[-1].update(values)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.detach()

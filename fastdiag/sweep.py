@@ -1,0 +1,707 @@
+"""Weight-decay sweeps: the grid, its shards, and running it into a result store.
+
+``build_grid`` turns the sweep options into validated ``RunConfig``s (one per distinct run_id);
+``shard`` splits a grid deterministically (by run_id) for Slurm job arrays; ``run_sweep`` registers
+the grid in a ``Store``, skips finished runs and executes the rest on a backend:
+
+* ``local``: a spawn-context process pool, ``workers`` processes with ``threads`` torch threads each
+  (workers × threads ≤ cores); ``workers = 1`` runs in the calling process.
+* ``ray``: each run a Ray task (``num_gpus=1`` for CUDA runs, else ``num_cpus=1``) with ``max_retries``
+  so a run on a lost worker is retried; results are written by the driver as tasks finish.
+
+Either way only the driver writes the store; a finished run's result and trace land in one
+transaction, so rerunning after a crash redoes only unfinished runs and never duplicates one. A run
+whose trainer raises is recorded ``failed`` with its error; the sweep goes on.
+
+``load_groups`` / ``analyze_group`` read a store back for ``fastdiag analyze`` and ``fastdiag plot``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from .config import ARCHS, RunConfig
+from .store import Store
+
+REGIMES = ("grok", "memorization", "collapse", "anti-grok", "diverged")
+GROKKED = ("grok", "anti-grok")          # reached t_grok within the horizon
+BACKENDS = ("local", "ray")
+
+
+# =============================================================================== the grid
+
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+
+
+def parse_wd(spec: str) -> list[float]:
+    """``"0.01,0.1,1"`` → those values; ``"1e-3:2:13"`` → 13 log-spaced values from 1e-3 to 2."""
+    text = str(spec).strip()
+    if not text:
+        raise ValueError("--wd: empty weight-decay grid")
+    if ":" in text:
+        parts = text.split(":")
+        if len(parts) != 3 or not all(re.fullmatch(_NUMBER, s.strip()) for s in parts[:2]) \
+                or not re.fullmatch(r"[-+]?\d+", parts[2].strip()):
+            raise ValueError(f"--wd: bad range {text!r}; expected START:STOP:COUNT, e.g. 1e-3:2:13 "
+                             "(COUNT log-spaced values from START to STOP)")
+        start, stop, count = float(parts[0]), float(parts[1]), int(parts[2])
+        if count < 1:
+            raise ValueError(f"--wd: range count must be >= 1, got {count}")
+        if not (start > 0 and stop > 0 and math.isfinite(start) and math.isfinite(stop)):
+            raise ValueError(f"--wd: a log-spaced range needs START > 0 and STOP > 0, got {start:g}:{stop:g}; "
+                             "list 0 explicitly (e.g. 0,0.01,0.1) if you want it")
+        if count == 1:
+            if start != stop:
+                raise ValueError(f"--wd: a range of 1 value needs START = STOP, got {start:g}:{stop:g}")
+            return [start]
+        a, b = math.log10(start), math.log10(stop)
+        values = [10.0 ** (a + (b - a) * i / (count - 1)) for i in range(count)]
+        values[0], values[-1] = start, stop          # the end points exactly as written
+        return [float(f"{v:.6g}") for v in values]
+    values = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            raise ValueError(f"--wd: empty item in {text!r}")
+        if not re.fullmatch(_NUMBER, item):
+            raise ValueError(f"--wd: {item!r} is not a number")
+        value = float(item)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"--wd: weight decay must be a finite number >= 0, got {item}")
+        values.append(value)
+    return sorted(set(values))
+
+
+def parse_seeds(spec: str | int) -> list[int]:
+    """``"5"`` → seeds 0..4; ``"0,3,7"`` → those seeds."""
+    text = str(spec).strip()
+    if not text:
+        raise ValueError("--seeds: empty")
+    if "," not in text:
+        if not re.fullmatch(r"[-+]?\d+", text):
+            raise ValueError(f"--seeds: expected a count N (seeds 0..N-1) or a comma list, got {text!r}")
+        n = int(text)
+        if n < 1:
+            raise ValueError(f"--seeds: the count must be >= 1, got {n}")
+        return list(range(n))
+    seeds = []
+    for item in text.split(","):
+        item = item.strip()
+        if not re.fullmatch(r"\d+", item):
+            raise ValueError(f"--seeds: {item!r} is not a seed (an integer >= 0)")
+        seeds.append(int(item))
+    return sorted(set(seeds))
+
+
+def parse_list(spec: str, name: str) -> list[str]:
+    items = [s.strip() for s in str(spec).split(",")]
+    if not items or any(not s for s in items):
+        raise ValueError(f"--{name}: empty item in {spec!r}")
+    return list(dict.fromkeys(items))
+
+
+def parse_shard(spec: str | None) -> tuple[int, int] | None:
+    """``"i/n"`` (0 ≤ i < n) → (i, n); None → None."""
+    if spec is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(spec))
+    if not m:
+        raise ValueError(f"--shard: expected I/N with 0 <= I < N (e.g. 0/4), got {spec!r}")
+    i, n = int(m.group(1)), int(m.group(2))
+    if n < 1 or not 0 <= i < n:
+        raise ValueError(f"--shard: expected I/N with 0 <= I < N, got {spec!r}")
+    return i, n
+
+
+def check_buildable(cfg: RunConfig) -> None:
+    """Raise ValueError now (not in a worker an hour later) for a config the model zoo rejects."""
+    cfg.validate()
+    try:
+        from fastdiag.models import resolve_run_config
+    except ImportError:  # pragma: no cover - the model zoo not installed
+        return
+    try:
+        resolve_run_config(cfg, cfg.p + 1, 3)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def build_grid(base: dict, weight_decays: Sequence[float], seeds: Sequence[int],
+               archs: Sequence[str] | None = None, presets: Sequence[str] | None = None) -> list[RunConfig]:
+    """Every (arch, preset, λ, seed) combination on top of ``base`` (RunConfig fields), validated,
+    one per distinct run_id, ordered by run_id."""
+    archs = list(archs) if archs else [base.get("arch", "transformer")]
+    presets = list(presets) if presets else [base.get("preset", "canonical")]
+    if not weight_decays or not seeds:
+        raise ValueError("sweep: empty grid (no weight decays or no seeds)")
+    for arch in archs:
+        if arch not in ARCHS:
+            raise ValueError(f"--arch: unknown architecture {arch!r}; expected one of {', '.join(ARCHS)}")
+    configs: dict[str, RunConfig] = {}
+    for arch in archs:
+        for preset in presets:
+            for wd in weight_decays:
+                for seed in seeds:
+                    cfg = RunConfig.from_dict({**base, "arch": arch, "preset": preset,
+                                               "weight_decay": float(wd), "seed": int(seed)})
+                    check_buildable(cfg)
+                    configs.setdefault(cfg.run_id(), cfg)
+    if not configs:
+        raise ValueError("sweep: empty grid")
+    return [configs[k] for k in sorted(configs)]
+
+
+def shard(configs: Sequence[RunConfig], index: int, count: int) -> list[RunConfig]:
+    """The ``index``-th of ``count`` deterministic shards: runs ordered by run_id, every count-th."""
+    ordered = sorted(configs, key=lambda c: c.run_id())
+    return ordered[index::count]
+
+
+# =============================================================================== resources
+
+
+def available_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover
+        pass
+    return None
+
+
+def _parameter_count(cfg: RunConfig) -> int | None:
+    try:
+        import torch
+
+        from fastdiag.models import build_from_run_config, count_parameters
+        with torch.device("meta"):
+            model = build_from_run_config(cfg, cfg.p + 1, 3, device=torch.device("meta"))
+        return int(count_parameters(model))
+    except Exception:  # noqa: BLE001 - only an estimate for sizing the pool
+        return None
+
+
+def memory_per_run(cfg: RunConfig) -> int:
+    """Rough bytes one worker needs: the torch runtime plus parameters, gradients and AdamW state."""
+    n = _parameter_count(cfg) or 1_000_000
+    return 400 * 2**20 + 6 * 4 * n
+
+
+def plan_local(configs: Sequence[RunConfig], workers: int | None = None, cores: int | None = None,
+               memory: int | None = None) -> tuple[int, int]:
+    """(workers, torch threads per worker) with workers × threads ≤ cores and the memory estimate."""
+    cores = cores or available_cores()
+    if workers is None:
+        workers = min(cores, max(1, len(configs)))
+        memory = available_memory() if memory is None else memory
+        if memory and configs:
+            per_run = max(memory_per_run(c) for c in {(c.arch, c.preset, c.n_layers, c.d_model): c
+                                                       for c in configs}.values())
+            workers = max(1, min(workers, int(0.8 * memory) // per_run))
+    if workers < 1:
+        raise ValueError(f"--workers: must be >= 1, got {workers}")
+    threads = max(1, cores // workers)
+    return workers, threads
+
+
+# =============================================================================== executing
+
+
+def _execute(cfg_dict: dict, train_fn: Callable | None = None) -> dict:
+    """Run one config; never raises for a failing run (the error comes back as data)."""
+    started = time.time()
+    try:
+        if train_fn is None:
+            from fastdiag.train import train_run as train_fn
+        cfg = RunConfig.from_dict(cfg_dict)
+        outcome = train_fn(cfg)
+        result = dict(outcome.result)
+        result.setdefault("run_id", cfg.run_id())
+        if result.get("n_params") is None:
+            n = _parameter_count(cfg)
+            if n is not None:
+                result["n_params"] = n
+        return {"ok": True, "result": result, "trace": list(outcome.trace), "started": started,
+                "finished": time.time(), "worker": f"{_hostname()}:{os.getpid()}"}
+    except Exception as exc:  # noqa: BLE001 - recorded as a failed run, the sweep goes on
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}{where}", "started": started,
+                "finished": time.time(), "worker": f"{_hostname()}:{os.getpid()}"}
+
+
+def _hostname() -> str:
+    import socket
+    return socket.gethostname()
+
+
+def _init_worker(threads: int, gpu_counter=None, started_queue=None) -> None:
+    global _STARTED
+    _STARTED = started_queue
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["MKL_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    if gpu_counter is not None and torch.cuda.is_available():
+        with gpu_counter.get_lock():
+            index = gpu_counter.value
+            gpu_counter.value += 1
+        torch.cuda.set_device(index % torch.cuda.device_count())
+
+
+@dataclass
+class SweepSummary:
+    total: int = 0                 # runs in this (shard of the) grid
+    skipped: int = 0               # already done before this invocation
+    done: int = 0                  # finished in this invocation
+    failed: int = 0                # failed in this invocation (after retries)
+    regimes: dict = field(default_factory=dict)
+    failures: list = field(default_factory=list)   # (run_id, error)
+    wall_seconds: float = 0.0
+
+
+class Progress:
+    """One updating line on stderr: runs done / total, ETA, counts per regime so far."""
+
+    def __init__(self, total: int, skipped: int = 0, stream=None, enabled: bool = True,
+                 regimes: dict | None = None):
+        self.total, self.skipped = total, skipped
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.started = time.time()
+        self.done_now = 0
+        self.failed = 0
+        self.regimes = dict(regimes or {})
+        self._last = 0.0
+        self._width = 0
+        self._shown = None
+
+    def line(self) -> str:
+        done = self.skipped + self.done_now + self.failed
+        remaining = self.total - done
+        worked = self.done_now + self.failed
+        if remaining == 0:
+            eta = "done"
+        elif worked:
+            eta = "ETA " + _duration((time.time() - self.started) / worked * remaining)
+        else:
+            eta = "ETA ?"
+        regimes = " ".join(f"{r} {n}" for r, n in self.regimes.items() if n)
+        parts = [f"sweep: {done}/{self.total} runs", eta]
+        if self.failed:
+            parts.append(f"{self.failed} failed")
+        if regimes:
+            parts.append(regimes)
+        return " | ".join(parts)
+
+    def update(self, regime: str | None = None, failed: bool = False, force: bool = False) -> None:
+        if failed:
+            self.failed += 1
+        else:
+            self.done_now += 1
+            if regime:
+                self.regimes[regime] = self.regimes.get(regime, 0) + 1
+        self.show(force=force)
+
+    def show(self, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.time()
+        if not force and not self.tty and now - self._last < 2.0 and \
+                self.skipped + self.done_now + self.failed < self.total:
+            return                                      # logs: at most a line every 2 s
+        text = self.line()
+        if text == self._shown and not self.tty:
+            return
+        self._last, self._shown = now, text
+        if self.tty:
+            pad = max(0, self._width - len(text))
+            self.stream.write("\r" + text + " " * pad)
+            self._width = len(text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "local",
+              workers: int | None = None, threads: int | None = None, address: str | None = None,
+              max_retries: int = 2, retry_failed: bool = True,
+              train_fn: Callable | None = None, progress: bool | Progress = True) -> SweepSummary:
+    """Register ``configs`` in ``store`` and run those not finished yet. Returns a SweepSummary."""
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if max_retries < 0:
+        raise ValueError(f"--max-retries: must be >= 0, got {max_retries}")
+    started = time.time()
+    by_id = {c.run_id(): c for c in configs}
+    store.add_runs([c.to_dict() for c in by_id.values()])
+    status = store.status_of(by_id)
+    redo = ("pending", "running", "failed") if retry_failed else ("pending", "running")
+    todo = [by_id[rid] for rid in sorted(by_id) if status.get(rid) in redo]
+    summary = SweepSummary(total=len(by_id), skipped=len(by_id) - len(todo))
+    regimes_so_far: dict = {}
+    for run in store.runs("done"):
+        if run["run_id"] in by_id and run["result"]:
+            r = run["result"].get("regime")
+            regimes_so_far[r] = regimes_so_far.get(r, 0) + 1
+    if isinstance(progress, Progress):
+        bar = progress
+    else:
+        bar = Progress(summary.total, summary.skipped, enabled=bool(progress), regimes=regimes_so_far)
+    bar.total, bar.skipped = summary.total, summary.skipped
+    bar.show(force=True)
+
+    def finish(cfg: RunConfig, out: dict) -> None:
+        rid = cfg.run_id()
+        if out.get("ok"):
+            store.record_done(rid, out["result"], out["trace"], started_at=out.get("started"),
+                              finished_at=out.get("finished"), worker=out.get("worker"))
+            regime = out["result"].get("regime")
+            summary.done += 1
+            summary.regimes[regime] = summary.regimes.get(regime, 0) + 1
+            bar.update(regime)
+        else:
+            store.record_failed(rid, out["error"])
+            summary.failed += 1
+            summary.failures.append((rid, out["error"]))
+            bar.update(failed=True)
+
+    try:
+        if todo:
+            if backend == "ray":
+                _run_ray(todo, store, finish, address=address, max_retries=max_retries, train_fn=train_fn)
+            else:
+                _run_local(todo, store, finish, workers=workers, threads=threads,
+                           max_retries=max_retries, train_fn=train_fn)
+    finally:
+        bar.show(force=True)
+        bar.close()
+    summary.wall_seconds = time.time() - started
+    return summary
+
+
+def _uses_cuda(cfg: RunConfig) -> bool:
+    if cfg.device.startswith("cuda"):
+        return True
+    if cfg.device == "auto":
+        try:
+            import torch
+            return torch.cuda.is_available()
+        except ImportError:  # pragma: no cover
+            return False
+    return False
+
+
+def _run_local(todo: list[RunConfig], store: Store, finish, *, workers, threads, max_retries, train_fn) -> None:
+    cuda = any(_uses_cuda(c) for c in todo)
+    if workers is None and cuda:
+        import torch
+        workers = max(1, torch.cuda.device_count())
+    n_workers, n_threads = plan_local(todo, workers)
+    if threads is not None:
+        n_threads = threads
+    n_workers = min(n_workers, len(todo))
+    if n_workers == 1:
+        # In this process: no pool, the simplest and most debuggable path.
+        import torch
+        previous = torch.get_num_threads()
+        torch.set_num_threads(n_threads)
+        try:
+            for cfg in todo:
+                store.mark_running([cfg.run_id()])
+                finish(cfg, _execute(cfg.to_dict(), train_fn))
+        finally:
+            torch.set_num_threads(previous)
+        return
+
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    ctx = multiprocessing.get_context("spawn")
+    started_q = ctx.SimpleQueue()        # workers say which run they start (written synchronously)
+    attempts = {c.run_id(): 0 for c in todo}
+
+    def make_pool(n: int) -> ProcessPoolExecutor:
+        gpu_counter = ctx.Value("i", 0) if cuda else None
+        return ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker,
+                                   initargs=(n_threads, gpu_counter, started_q))
+
+    def started_ids() -> set:
+        ids = set()
+        while not started_q.empty():
+            ids.add(started_q.get())
+        return ids
+
+    def give_up(cfg: RunConfig) -> None:
+        finish(cfg, {"ok": False, "error": f"worker process died (killed, crashed or out of memory) on each "
+                                           f"of {attempts[cfg.run_id()]} attempts"})
+
+    def collect(fut, cfg, broken: list) -> None:
+        try:
+            out = fut.result()
+        except BrokenProcessPool:
+            broken.append(cfg)
+            return
+        except Exception as exc:  # noqa: BLE001 - e.g. the result did not pickle
+            out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        finish(cfg, out)
+
+    queue, suspects = list(todo), []
+    while queue or suspects:
+        if queue:
+            # All queued runs in a pool of n_workers. If a worker dies the pool breaks: the runs that had
+            # started then are suspects (retried one at a time, so the blame is exact); the others go
+            # back to the queue without an attempt counted against them.
+            started_ids()                          # drain anything stale
+            pool = make_pool(n_workers)
+            broken: list[RunConfig] = []
+            try:
+                pending = {pool.submit(_execute_tracked, cfg.to_dict(), train_fn): cfg for cfg in queue}
+                store.mark_running([c.run_id() for c in queue])
+                while pending:
+                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        collect(fut, pending.pop(fut), broken)
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            pool.shutdown(wait=True)
+            began = started_ids()
+            hit = [c for c in broken if c.run_id() in began] or broken
+            for cfg in hit:
+                attempts[cfg.run_id()] += 1
+            suspects += hit
+            queue = [c for c in broken if c not in hit]
+        solo = None                            # a one-worker pool, replaced only after it breaks
+        try:
+            while suspects:
+                cfg = suspects.pop(0)
+                if attempts[cfg.run_id()] > max_retries:
+                    give_up(cfg)
+                    continue
+                attempts[cfg.run_id()] += 1
+                solo = solo or make_pool(1)
+                broken = []
+                store.mark_running([cfg.run_id()])
+                collect(solo.submit(_execute_tracked, cfg.to_dict(), train_fn), cfg, broken)
+                started_ids()
+                if broken:
+                    solo.shutdown(wait=True)
+                    solo = None
+                    if attempts[cfg.run_id()] > max_retries:
+                        give_up(cfg)
+                    else:
+                        suspects.insert(0, cfg)
+        finally:
+            if solo is not None:
+                solo.shutdown(wait=True, cancel_futures=True)
+
+
+_STARTED = None
+
+
+def _execute_tracked(cfg_dict: dict, train_fn: Callable | None = None) -> dict:
+    if _STARTED is not None:
+        _STARTED.put(RunConfig.from_dict(cfg_dict).run_id())
+    return _execute(cfg_dict, train_fn)
+
+
+def _run_ray(todo: list[RunConfig], store: Store, finish, *, address, max_retries, train_fn) -> None:
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--backend ray: the ray package is not installed (pip install 'ray[default]')") from None
+    started_here = False
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"--backend ray: cannot connect to the Ray cluster "
+                             f"{address or '(local)'}: {' '.join(str(exc).split())}") from None
+        started_here = True
+    try:
+        gpus = ray.cluster_resources().get("GPU", 0)
+
+        def remote_for(cfg: RunConfig):
+            want_gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and gpus > 0)
+            opts = {"num_gpus": 1, "num_cpus": 1} if want_gpu else {"num_cpus": 1}
+            return _ray_task.options(max_retries=max_retries, retry_exceptions=False, **opts)
+
+        _ray_task = ray.remote(_ray_execute)
+        refs = {}
+        for cfg in todo:
+            refs[remote_for(cfg).remote(cfg.to_dict(), train_fn)] = cfg
+        store.mark_running([c.run_id() for c in todo], worker="ray")
+        while refs:
+            ready, _ = ray.wait(list(refs), num_returns=1)
+            for ref in ready:
+                cfg = refs.pop(ref)
+                try:
+                    out = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - lost worker after retries, task error, ...
+                    msg = " ".join(str(exc).split())
+                    if len(msg) > 500:
+                        msg = msg[:500] + "..."
+                    out = {"ok": False, "error": f"ray task failed after {max_retries} retries: "
+                                                 f"{type(exc).__name__}: {msg}"}
+                finish(cfg, out)
+    except BaseException:
+        if started_here:
+            ray.shutdown()
+        raise
+    if started_here:
+        ray.shutdown()
+
+
+def _ray_execute(cfg_dict: dict, train_fn=None) -> dict:
+    import ray
+    try:
+        cpus = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)) or 1
+    except Exception:  # noqa: BLE001
+        cpus = 1
+    _init_worker(max(1, cpus))
+    return _execute(cfg_dict, train_fn)
+
+
+# =============================================================================== reading back
+
+
+GROUP_EXCLUDE = ("weight_decay", "seed", "device")
+
+
+@dataclass
+class Group:
+    """Done runs that differ only in λ and seed: one experimental condition."""
+
+    key: tuple
+    config: dict                       # the shared configuration (λ, seed, device removed)
+    runs: list = field(default_factory=list)    # store run dicts (status done)
+
+    @property
+    def label(self) -> str:
+        c = self.config
+        parts = [c["arch"]]
+        if c["arch"] == "transformer" and c.get("preset") not in (None, "custom"):
+            parts.append(c["preset"])
+        sizes = [f"{short}{c[name]}" for name, short in
+                 (("n_layers", "L"), ("n_heads", "H"), ("d_model", "d"), ("d_ff", "ff")) if c.get(name)]
+        parts += sizes
+        parts.append(f"a{c['op']}b mod {c['p']}")
+        parts.append(f"{c['epochs']} ep")
+        return " ".join(parts)
+
+    @property
+    def slug(self) -> str:
+        """A file-name-safe short name: arch[-preset][-L..-H..-d..-ff..]-op-pP-eE."""
+        c = self.config
+        parts = [c["arch"]]
+        if c["arch"] == "transformer" and c.get("preset") not in (None, "custom"):
+            parts.append(c["preset"])
+        parts += [f"{short}{c[name]}" for name, short in
+                  (("n_layers", "L"), ("n_heads", "H"), ("d_model", "d"), ("d_ff", "ff")) if c.get(name)]
+        parts += [{"+": "add", "-": "sub", "*": "mul", "/": "div"}.get(c["op"], "op"), f"p{c['p']}",
+                  f"e{c['epochs']}"]
+        return re.sub(r"[^A-Za-z0-9]+", "-", "-".join(str(x) for x in parts)).strip("-").lower()
+
+    @property
+    def n_params(self) -> int | None:
+        values = sorted(r["result"]["n_params"] for r in self.runs if r["result"].get("n_params"))
+        if values:
+            return int(values[len(values) // 2])
+        return _parameter_count(RunConfig.from_dict({**self.config, "weight_decay": 1.0, "seed": 0}))
+
+    def arrays(self):
+        lambdas = [float(r["config"]["weight_decay"]) for r in self.runs]
+        regimes = [r["result"].get("regime") for r in self.runs]
+        grokked = [g in GROKKED for g in regimes]
+        t_grok = [float(r["result"]["t_grok_epoch"]) if r["result"].get("t_grok_epoch") is not None
+                  and g else float("nan") for r, g in zip(self.runs, grokked)]
+        return lambdas, regimes, grokked, t_grok
+
+
+def load_groups(store: Store) -> tuple[list[Group], dict[str, int]]:
+    """Done runs grouped by everything but λ, seed and device; plus the store's status counts."""
+    groups: dict[tuple, Group] = {}
+    for run in store.runs("done"):
+        cfg = {k: v for k, v in run["config"].items() if k not in GROUP_EXCLUDE}
+        key = tuple(sorted((k, repr(v)) for k, v in cfg.items()))
+        groups.setdefault(key, Group(key=key, config=cfg)).runs.append(run)
+    ordered = sorted(groups.values(), key=lambda g: (g.config["arch"], g.n_params or 0, g.label))
+    return ordered, store.counts()
+
+
+def analyze_group(group: Group, n_boot: int = 1500, seed: int = 0) -> dict:
+    """λ_c, ν (fixed and joint), regime table and median t_grok of one group, as a JSON-able dict.
+    A fit that cannot be made is ``{"error": reason}``, never a number."""
+    from fastdiag import analysis
+
+    lambdas, regimes, grokked, t_grok = group.arrays()
+    n_zero = sum(1 for lam in lambdas if lam == 0)
+    out: dict = {
+        "group": group.label, "config": group.config, "n_runs": len(lambdas),
+        "n_params": group.n_params, "n_zero_lambda": n_zero,
+        "notes": [],
+    }
+    if n_zero:
+        out["notes"].append(f"{n_zero} run(s) at λ = 0 kept out of the λ_c fit (log-λ axis)")
+    try:
+        fit = analysis.fit_lambda_c(lambdas, grokked, n_boot=n_boot, seed=seed, drop_zero=True)
+        out["lambda_c"] = {"lambda_c": fit.lambda_c, "ci": list(fit.ci), "k": fit.k,
+                           "n_boot_ok": fit.n_boot_ok, "n_boot": n_boot, "n_runs": fit.n_runs,
+                           "bins": [list(b) for b in fit.bins]}
+    except analysis.FitError as exc:
+        out["lambda_c"] = {"error": str(exc)}
+        fit = None
+    for name, joint in (("nu", False), ("nu_joint", True)):
+        if fit is None:
+            out[name] = {"error": "nu: no λ_c (the λ_c fit failed, see above)"}
+            continue
+        try:
+            nf = analysis.fit_nu(lambdas, t_grok, fit.lambda_c, n_boot=n_boot, seed=seed, joint=joint,
+                                 grokked=grokked)
+            out[name] = {"nu": nf.nu, "ci": list(nf.ci), "amplitude": nf.amplitude, "n": nf.n,
+                         "n_boot_ok": nf.n_boot_ok, "n_boot": n_boot, "lambda_c": nf.lambda_c}
+        except analysis.FitError as exc:
+            out[name] = {"error": str(exc)}
+    table = analysis.regime_table(lambdas, regimes)
+    medians = analysis.median_t_grok(lambdas, t_grok)
+    out["regimes"] = [{"lambda": lam, **counts, "n": sum(counts.values()), "median_t_grok": medians.get(lam)}
+                      for lam, counts in table.items()]
+    return out

@@ -1,0 +1,58 @@
+"""`fastdiag run`: a tiny real run, and bad input as one line with exit status 2."""
+import json
+
+import pytest
+
+from fastdiag.cli import main
+
+
+def _run(capsys, *argv):
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_tiny_run_writes_outputs(capsys, tmp_path):
+    out_dir = tmp_path / "run"
+    code, out, err = _run(capsys, "run", "--p", "7", "--preset", "custom", "--layers", "1", "--heads", "2",
+                          "--d-model", "16", "--epochs", "3", "--batch", "8", "--train-frac", "0.6",
+                          "--diag-every", "2", "--device", "cpu", "--out", str(out_dir))
+    assert code == 0, err
+    assert "regime:" in out and "t_grok:" in out and "result.json" in out
+    assert "epoch 1/3" in err and "s̄" in err  # the progress line
+    result = json.loads((out_dir / "result.json").read_text())
+    assert result["config"]["p"] == 7 and result["epochs_run"] == 3
+    assert (out_dir / "trace.csv").exists() and (out_dir / "trajectory.png").exists()
+
+
+def test_help_lists_the_options(capsys):
+    code, out, _ = _run(capsys, "run", "--help")
+    assert code == 0
+    for option in ("--arch", "--preset", "--layers", "--heads", "--d-model", "--d-ff", "--op", "--p", "--wd",
+                   "--lr", "--batch", "--epochs", "--seed", "--train-frac", "--eval-every", "--diag-every",
+                   "--patience", "--no-stop-at-grok", "--device", "--out"):
+        assert option in out, option
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--arch", "gpt"], "arch"),
+    (["--op", "^"], "op"),
+    (["--op", "/", "--p", "91"], "prime"),
+    (["--wd", "-0.5"], "weight_decay"),
+    (["--batch", "0"], "batch"),
+    (["--heads", "3"], "divisible"),
+    (["--arch", "lstm", "--heads", "4"], "n_heads"),
+    (["--preset", "7b"], "preset"),
+    (["--p", "abc"], "--p"),
+    (["--device", "tpu:9"], "device"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
+    code, out, err = _run(capsys, "run", *argv, "--epochs", "1")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fastdiag: error:") and needle in lines[0], err
+    assert "Traceback" not in err

@@ -1,0 +1,220 @@
+"""Sweep grid parsing, sharding, resuming and failure handling (fast: fake trainers, no real training)."""
+import math
+import random
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from fastdiag import sweep as sw
+from fastdiag.store import Store
+
+TINY = dict(preset="custom", n_layers=1, n_heads=2, d_model=32, d_ff=64, p=11, epochs=3)
+
+
+# ------------------------------------------------------------------------------ parsing
+
+def test_parse_wd_list_and_range():
+    assert sw.parse_wd("1, 0.1,0,0.1") == [0.0, 0.1, 1.0]
+    values = sw.parse_wd("1e-3:2:13")
+    assert len(values) == 13 and values[0] == 1e-3 and values[-1] == 2.0
+    ratios = [b / a for a, b in zip(values, values[1:])]
+    assert max(ratios) / min(ratios) < 1.0001                       # log-spaced
+    assert sw.parse_wd("0.5:0.5:1") == [0.5]
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("", "empty"),
+    ("0.1,,1", "empty item"),
+    ("-0.1,1", ">= 0"),
+    ("abc", "not a number"),
+    ("1e-3:2:0", "count must be >= 1"),
+    ("1e-3:2", "bad range"),
+    ("1e-3:2:x", "bad range"),
+    ("0:1:5", "START > 0"),
+    ("nan", "not a number"),
+    ("inf", "not a number"),
+])
+def test_parse_wd_rejects(spec, match):
+    with pytest.raises(ValueError, match=match):
+        sw.parse_wd(spec)
+
+
+def test_parse_seeds_and_shard():
+    assert sw.parse_seeds("3") == [0, 1, 2]
+    assert sw.parse_seeds("7,3,3") == [3, 7]
+    for bad in ("0", "-2", "a", "1,,2", ""):
+        with pytest.raises(ValueError, match="--seeds"):
+            sw.parse_seeds(bad)
+    assert sw.parse_shard("1/4") == (1, 4)
+    for bad in ("4/4", "1/0", "x", "1-4"):
+        with pytest.raises(ValueError, match="--shard"):
+            sw.parse_shard(bad)
+
+
+def test_grid_unique_validated_and_sharded():
+    grid = sw.build_grid(TINY, [0.01, 0.1, 1.0], [0, 1])
+    assert len(grid) == 6 and len({c.run_id() for c in grid}) == 6
+    shards = [sw.shard(grid, i, 4) for i in range(4)]
+    ids = [c.run_id() for s in shards for c in s]
+    assert sorted(ids) == sorted(c.run_id() for c in grid) and len(ids) == len(set(ids))
+    assert [c.run_id() for c in sw.shard(list(reversed(grid)), 1, 4)] == [c.run_id() for c in shards[1]]
+    with pytest.raises(ValueError, match="unknown architecture"):
+        sw.build_grid(TINY, [0.1], [0], ["gpt5"])
+    with pytest.raises(ValueError, match="n_heads"):          # the model zoo's check, before any run
+        sw.build_grid({**TINY, "preset": "canonical"}, [0.1], [0], ["mlp"])
+    with pytest.raises(ValueError, match="epochs"):
+        sw.build_grid({**TINY, "epochs": 0}, [0.1], [0])
+
+
+def test_plan_local_fits_cores_and_memory():
+    grid = sw.build_grid(TINY, [0.1, 1.0], [0, 1, 2, 3])
+    workers, threads = sw.plan_local(grid, cores=4, memory=64 * 2**30)
+    assert workers == 4 and threads == 1
+    workers, threads = sw.plan_local(grid, cores=8, memory=int(1.2 * 2**30))   # ~0.4 GiB per worker
+    assert workers == 2 and threads == 4
+    workers, threads = sw.plan_local(grid[:1], cores=8, memory=64 * 2**30)
+    assert workers == 1 and threads == 8
+    assert sw.plan_local(grid, workers=3, cores=8) == (3, 2)
+
+
+# ------------------------------------------------------------------------------ running (fake trainers)
+
+def fake_train(cfg):
+    """Grokking probability logistic in log10 λ (λ_c = 0.02, k = 4), t_grok = 50 (λ − λ_c)^-0.75,
+    collapse for λ ≥ 5; deterministic per (λ, seed)."""
+    rng = random.Random(f"{cfg.weight_decay}/{cfg.seed}/{cfg.arch}")
+    lam, lc = cfg.weight_decay, 0.02
+    t_grok = None
+    if lam >= 5:
+        regime = "collapse"
+    else:
+        p = 0.0 if lam == 0 else 1 / (1 + math.exp(-4 * (math.log10(lam) - math.log10(lc))))
+        if rng.random() < p:
+            regime = "grok"
+            t_grok = 50 * (lam - lc) ** -0.75 * math.exp(rng.gauss(0, 0.05)) if lam > lc else 900.0
+        else:
+            regime = "memorization"
+    trace = [{"epoch": e, "step": e, "train_acc": 1.0, "test_acc": 1.0 if t_grok and e >= t_grok else 0.1,
+              "s_bar": 0.9 + 0.001 * e, "sigma_h": 0.05} for e in (1, 10, 100, 1000)]
+    result = {"run_id": cfg.run_id(), "regime": regime, "t_grok_epoch": t_grok, "n_params": 12345}
+    return SimpleNamespace(config=cfg, result=result, trace=trace)
+
+
+def test_resume_skips_done_and_redoes_unfinished(tmp_path):
+    grid = sw.build_grid(TINY, [0.01, 0.1, 1.0], [0, 1])
+    calls = []
+
+    def counting(cfg):
+        calls.append(cfg.run_id())
+        return fake_train(cfg)
+
+    with Store(tmp_path / "s.sqlite") as st:
+        s1 = sw.run_sweep(grid[:4], st, workers=1, train_fn=counting, progress=False)
+        assert (s1.total, s1.done, s1.skipped) == (4, 4, 0)
+        # A crash mid-way leaves a run 'running': it is redone, the finished ones are not.
+        st.add_runs([grid[4].to_dict()])
+        st.mark_running([grid[4].run_id()])
+        before = {r["run_id"]: r["finished_at"] for r in st.runs("done")}
+        calls.clear()
+        s2 = sw.run_sweep(grid, st, workers=1, train_fn=counting, progress=False)
+        assert sorted(calls) == sorted(c.run_id() for c in grid[4:])
+        assert (s2.total, s2.done, s2.skipped) == (6, 2, 4)
+        after = {r["run_id"]: r["finished_at"] for r in st.runs("done")}
+        assert all(after[k] == v for k, v in before.items())
+        assert st.counts() == {"pending": 0, "running": 0, "done": 6, "failed": 0}
+        assert st.conn.execute("SELECT COUNT(*) FROM trace").fetchone()[0] == 6 * 4
+
+
+def test_failing_run_is_recorded_and_sweep_goes_on(tmp_path):
+    grid = sw.build_grid(TINY, [0.1, 1.0], [0, 1])
+
+    def flaky(cfg):
+        if cfg.weight_decay == 1.0 and cfg.seed == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return fake_train(cfg)
+
+    with Store(tmp_path / "s.sqlite") as st:
+        summary = sw.run_sweep(grid, st, workers=1, train_fn=flaky, progress=False)
+        assert summary.done == 3 and summary.failed == 1
+        (failed,) = st.runs("failed")
+        assert "RuntimeError: CUDA out of memory (simulated)" in failed["error"]
+        # --skip-failed leaves it; the default retries it.
+        assert sw.run_sweep(grid, st, workers=1, train_fn=flaky, retry_failed=False, progress=False).failed == 0
+        summary = sw.run_sweep(grid, st, workers=1, train_fn=fake_train, progress=False)
+        assert summary.done == 1 and st.counts()["done"] == 4
+
+
+_DYING_TRAINER = textwrap.dedent('''
+    import os
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    def dying(cfg):
+        """Seed 1 kills its worker process (a lost worker): at λ = 0.1 only the first time, at λ = 1 always."""
+        marker = Path(os.environ["FD_MARKER_DIR"]) / f"{cfg.run_id()}.seen"
+        if cfg.seed == 1 and (cfg.weight_decay == 1.0 or not marker.exists()):
+            marker.write_text("x")
+            os._exit(9)
+        return SimpleNamespace(config=cfg, result={"regime": "grok", "t_grok_epoch": 10.0, "n_params": 1},
+                               trace=[{"epoch": 1, "step": 1, "test_acc": 1.0}])
+''')
+
+
+def test_local_pool_retries_lost_worker_and_records_failure(tmp_path, monkeypatch):
+    (tmp_path / "fd_dying_trainer.py").write_text(_DYING_TRAINER)
+    monkeypatch.syspath_prepend(str(tmp_path))          # the spawn children get this sys.path too
+    monkeypatch.setenv("FD_MARKER_DIR", str(tmp_path))
+    import fd_dying_trainer as fakes
+
+    grid = sw.build_grid(TINY, [0.1, 1.0], [0, 1])
+    with Store(tmp_path / "s.sqlite") as st:
+        summary = sw.run_sweep(grid, st, workers=2, threads=1, train_fn=fakes.dying, progress=False,
+                               max_retries=1)
+        (failed,) = st.runs("failed")                   # only the culprit, never an innocent neighbour
+        assert (failed["config"]["weight_decay"], failed["config"]["seed"]) == (1.0, 1)
+        assert "worker process died" in failed["error"] and "2 attempts" in failed["error"]
+        assert summary.failed == 1 and summary.done == 3 and st.counts()["done"] == 3
+
+
+def test_progress_line():
+    import io
+
+    out = io.StringIO()
+    bar = sw.Progress(total=4, skipped=1, stream=out)
+    bar.update("grok", force=True)
+    bar.update(failed=True, force=True)
+    lines = out.getvalue().splitlines()
+    assert lines[-1].startswith("sweep: 3/4 runs | ETA") and "1 failed" in lines[-1] and "grok 1" in lines[-1]
+
+
+# ------------------------------------------------------------------------------ analysis of a store
+
+def test_analyze_group_recovers_lambda_c_and_nu(tmp_path):
+    grid = sw.build_grid(TINY, [0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3, 1, 3, 10], range(8))
+    with Store(tmp_path / "s.sqlite") as st:
+        sw.run_sweep(grid, st, workers=1, train_fn=fake_train, progress=False)
+        groups, counts = sw.load_groups(st)
+    assert counts["done"] == len(grid) and len(groups) == 1
+    report = sw.analyze_group(groups[0], n_boot=200, seed=0)
+    assert report["n_zero_lambda"] == 8 and "λ = 0" in report["notes"][0]
+    lc = report["lambda_c"]
+    assert lc["ci"][0] < lc["lambda_c"] < lc["ci"][1] and 0.005 < lc["lambda_c"] < 0.08
+    assert lc["n_runs"] == len(grid) - 8
+    for key in ("nu", "nu_joint"):
+        assert 0.3 < report[key]["nu"] < 1.2           # plumbing, not statistics: the fake is crude
+    assert report["nu_joint"]["ci"][1] - report["nu_joint"]["ci"][0] >= \
+        report["nu"]["ci"][1] - report["nu"]["ci"][0] - 1e-9
+    rows = {r["lambda"]: r for r in report["regimes"]}
+    assert rows[10.0]["collapse"] == 8 and rows[1.0]["grok"] == 8 and rows[1.0]["median_t_grok"] > 0
+
+
+def test_analyze_group_too_little_data_says_why(tmp_path):
+    grid = sw.build_grid(TINY, [0.1, 1.0], [0, 1])
+    with Store(tmp_path / "s.sqlite") as st:
+        sw.run_sweep(grid, st, workers=1, train_fn=fake_train, progress=False)
+        (group,), _ = sw.load_groups(st)
+    report = sw.analyze_group(group, n_boot=50)
+    assert "lambda_c" not in report["lambda_c"] and "3 distinct weight decays" in report["lambda_c"]["error"]
+    assert "nu" not in report["nu"] and "error" in report["nu_joint"]

@@ -1,0 +1,135 @@
+"""End-to-end sweeps with the real trainer (tiny configs): local pool, mamba on CPU, kill -9 and resume,
+shards + merge, and the one-line CLI errors of impossible grids."""
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fastdiag.cli import main
+from fastdiag.store import Store
+
+TINY = ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "32", "--d-ff", "64", "--p", "11"]
+
+
+def fastdiag_cli(*args, timeout=240):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "fastdiag.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def finished(path):
+    if not os.path.exists(path):
+        return {}
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    try:
+        return dict(conn.execute("SELECT run_id, finished_at FROM runs WHERE status = 'done'").fetchall())
+    except sqlite3.OperationalError:            # not created yet
+        return {}
+    finally:
+        conn.close()
+
+
+def test_local_sweep_two_workers_then_analyze_and_plot(tmp_path):
+    store = tmp_path / "s.sqlite"
+    r = fastdiag_cli("sweep", "--wd", "0.1,1", "--seeds", "2", *TINY, "--epochs", "3", "--workers", "2",
+                     "--threads", "1", "--store", store)
+    assert r.returncode == 0, r.stderr
+    assert "4 runs" in r.stderr and "4 finished now" in r.stderr and "sweep: 4/4 runs" in r.stderr
+    with Store(store) as st:
+        runs = st.runs()
+        assert [r["status"] for r in runs] == ["done"] * 4
+        for run in runs:
+            assert run["result"]["regime"] in ("grok", "memorization", "collapse", "anti-grok", "diverged")
+            assert run["result"]["n_params"] > 0
+            trace = st.trace(run["run_id"])
+            assert [row["epoch"] for row in trace] == [1, 2, 3] and "s_bar" in trace[0]
+        assert len({r["worker"] for r in runs}) >= 1
+    r = fastdiag_cli("analyze", store, "--json", "--n-boot", "50")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    (group,) = report["groups"]
+    assert group["n_runs"] == 4 and "error" in group["lambda_c"]          # 2 λ: no fit, and says why
+    assert sum(row["n"] for row in group["regimes"]) == 4
+    out = tmp_path / "figs"
+    r = fastdiag_cli("plot", store, "--out", out, "--n-boot", "50")
+    assert r.returncode == 0, r.stderr
+    files = sorted(p.name for p in out.iterdir())
+    for stem in ("regime_diagram", "p_grok", "t_grok", "trajectories"):
+        for ext in ("png", "svg"):
+            assert f"{stem}.{ext}" in files
+            assert (out / f"{stem}.{ext}").stat().st_size > 1000
+
+
+def test_mamba_sweep_on_cpu(tmp_path):
+    store = tmp_path / "m.sqlite"
+    main(["sweep", "--wd", "0.1,1", "--seeds", "1", "--arch", "mamba", "--layers", "1", "--d-model", "16",
+          "--p", "11", "--epochs", "2", "--workers", "1", "--threads", "1", "--store", str(store), "--quiet"])
+    with Store(store) as st:
+        runs = st.runs()
+        assert [r["status"] for r in runs] == ["done", "done"]
+        assert all(r["config"]["arch"] == "mamba" and r["result"]["has_attention"] is False for r in runs)
+
+
+def test_kill_9_then_rerun_redoes_only_unfinished(tmp_path):
+    store = tmp_path / "k.sqlite"
+    args = ["sweep", "--wd", "0.03,0.1,0.3,1", "--seeds", "2", *TINY, "--epochs", "300", "--no-stop-at-grok",
+            "--workers", "1", "--threads", "1", "--store", str(store)]
+    proc = subprocess.Popen([sys.executable, "-m", "fastdiag.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not finished(store):
+            time.sleep(0.05)
+        assert finished(store), "no run finished in time"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    before = finished(store)
+    assert 1 <= len(before) < 8, "the sweep should have been killed mid-way"
+    main(args + ["--quiet"])
+    after = finished(store)
+    assert len(after) == 8
+    assert {k: after[k] for k in before} == before            # finished runs were not redone
+    with Store(store) as st:
+        assert st.counts() == {"pending": 0, "running": 0, "done": 8, "failed": 0}
+        n_trace = st.conn.execute("SELECT COUNT(*), COUNT(DISTINCT run_id) FROM trace").fetchone()
+        assert n_trace == (8 * 300, 8)                         # one trace per run, none duplicated
+
+
+def test_two_shards_merge_to_the_full_grid(tmp_path):
+    grid = ["--wd", "0.1,1,3", "--seeds", "2", *TINY, "--epochs", "2", "--workers", "1", "--threads", "1", "--quiet"]
+    for i in (0, 1):
+        main(["sweep", *grid, "--shard", f"{i}/2", "--store", str(tmp_path / f"shard{i}.sqlite")])
+    main(["sweep", *grid, "--store", str(tmp_path / "full.sqlite")])
+    shard_ids = [set(finished(tmp_path / f"shard{i}.sqlite")) for i in (0, 1)]
+    assert shard_ids[0] and shard_ids[1] and not shard_ids[0] & shard_ids[1]
+    out = tmp_path / "merged.sqlite"
+    for _ in range(2):                                         # idempotent
+        main(["merge", str(out), str(tmp_path / "shard0.sqlite"), str(tmp_path / "shard1.sqlite")])
+    assert set(finished(out)) == set(finished(tmp_path / "full.sqlite")) and len(finished(out)) == 6
+    with Store(out) as st:
+        assert st.conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 6
+        assert st.conn.execute("SELECT COUNT(*) FROM trace").fetchone()[0] == 6 * 2
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--wd", ""], "--wd: empty"),
+    (["--wd", "-0.1,1"], "--wd: weight decay must be a finite number >= 0"),
+    (["--wd", "1e-3:2:0"], "--wd: range count must be >= 1"),
+    (["--wd", "1e-3::13"], "--wd: bad range"),
+    (["--wd", "1", "--seeds", "0"], "--seeds: the count must be >= 1"),
+    (["--wd", "1", "--arch", "gpt"], "--arch: unknown architecture 'gpt'"),
+    (["--wd", "1", "--shard", "2/2"], "--shard"),
+])
+def test_impossible_grid_is_one_line_exit_2(tmp_path, args, match):
+    r = fastdiag_cli("sweep", *args, "--store", tmp_path / "s.sqlite")
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and match in r.stderr, r.stderr
+    assert not (tmp_path / "s.sqlite").exists()                # nothing created for a bad grid

@@ -1,0 +1,157 @@
+"""fastdiag.train: the grokking phenomenon end to end, determinism, diagnostics, regimes, outputs."""
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+import fastdiag.stats
+from fastdiag.config import RunConfig
+from fastdiag.train import REGIMES, train_run, write_outputs
+
+# A configuration small enough for CI that still shows the phenomenon (measured on 2 CPU cores,
+# seeds 0-2): a 2-layer, 4-head, width-64 transformer on a + b mod 31 with 70 % of the pairs for
+# training, lr 3e-3 and batch 128 (6 steps per epoch). At λ = 1 it memorises at epoch 40-50 and
+# groks at epoch 100-150 (~10 s); at λ = 0 it memorises at epoch 30 and is still at test accuracy
+# 0.40-0.57 at the 300-epoch horizon (~20 s).
+GROK_CFG = dict(arch="transformer", preset="custom", n_layers=2, n_heads=4, d_model=64, d_ff=256, op="+",
+                p=31, train_frac=0.7, lr=3e-3, batch_size=128, epochs=300, eval_every=10, seed=0,
+                device="cpu")
+
+TINY = dict(preset="custom", n_layers=1, n_heads=2, d_model=16, d_ff=32, p=7, train_frac=0.6,
+            batch_size=8, epochs=3, eval_every=1, diag_every=2, device="cpu")
+
+
+@pytest.mark.slow
+def test_weight_decay_groks_and_no_weight_decay_memorises():
+    grok = train_run(RunConfig(**GROK_CFG, weight_decay=1.0, patience=20))
+    r = grok.result
+    assert r["regime"] == "grok", r
+    assert r["t_mem_epoch"] is not None and r["t_grok_epoch"] > r["t_mem_epoch"]
+    assert r["t_grok_step"] == r["t_grok_epoch"] * 6 and r["t_mem_step"] == r["t_mem_epoch"] * 6
+    assert r["epochs_run"] == r["t_grok_epoch"] + 20, "stop at grok after `patience` epochs"
+    at_grok = next(row for row in grok.trace if row["epoch"] == r["t_grok_epoch"])
+    assert at_grok["test_acc"] >= 0.99 and at_grok["train_acc"] >= 0.99
+    assert r["has_attention"] and 0 < r["peak_s_bar"] <= 1 + 1e-9 and r["peak_sigma_h"] > 0
+
+    mem = train_run(RunConfig(**GROK_CFG, weight_decay=0.0)).result
+    assert mem["regime"] == "memorization", mem
+    assert mem["t_mem_epoch"] is not None and mem["t_grok_epoch"] is None
+    assert mem["epochs_run"] == 300 and mem["final_train_acc"] >= 0.99 and mem["final_test_acc"] < 0.9
+
+
+def test_same_seed_same_trace():
+    rows = []
+    a = train_run(RunConfig(**TINY, seed=5), progress=rows.append)
+    b = train_run(RunConfig(**TINY, seed=5))
+    assert a.trace == b.trace and len(a.trace) == 3
+    assert rows == a.trace, "progress receives every trace row"
+    c = train_run(RunConfig(**TINY, seed=6))
+    assert c.trace != a.trace
+    for key in ("run_id", "regime", "t_mem_epoch", "final_test_acc", "steps"):
+        assert a.result[key] == b.result[key]
+
+
+def test_trace_rows_and_result_fields():
+    out = train_run(RunConfig(**TINY))
+    n_train = round(0.6 * 49)
+    steps_per_epoch = math.ceil(n_train / 8)
+    for i, row in enumerate(out.trace, start=1):
+        assert row["epoch"] == i and row["step"] == i * steps_per_epoch
+        for key in ("train_loss", "train_acc", "test_loss", "test_acc", "s_bar", "sigma_h", "weight_norm",
+                    "sync/blocks.0.attn", "spread/blocks.0.attn"):
+            assert isinstance(row[key], float), key
+    r = out.result
+    assert r["regime"] in REGIMES and r["has_attention"] is True
+    assert r["epochs_run"] == 3 and r["steps"] == 3 * steps_per_epoch and r["device"] == "cpu"
+    assert r["run_id"] == RunConfig(**TINY).run_id() and r["config"] == RunConfig(**TINY).to_dict()
+    json.dumps(r, allow_nan=False)
+    json.dumps(out.trace, allow_nan=False)
+
+
+def test_diagnostics_merge_every_diag_step_since_the_last_evaluation(monkeypatch):
+    seen = []
+    original = fastdiag.stats.summarize
+
+    def spy(stats_by_layer):
+        seen.append({name: int(s.rows) for name, s in stats_by_layer.items()})
+        return original(stats_by_layer)
+
+    monkeypatch.setattr(fastdiag.stats, "summarize", spy)
+    cfg = RunConfig(**{**TINY, "n_layers": 2, "diag_every": 1, "epochs": 2})
+    train_run(cfg)
+    n_train = round(0.6 * 49)
+    # every training example went through one recorded forward per epoch, 3 query rows each
+    assert seen == [{"blocks.0.attn": 3 * n_train, "blocks.1.attn": 3 * n_train}] * 2
+
+
+def test_rows_without_a_diagnostic_step_have_no_diagnostics():
+    out = train_run(RunConfig(**{**TINY, "diag_every": 1000}))
+    assert out.trace[0]["s_bar"] is not None  # step 0 is a diagnostic step
+    assert all(row["s_bar"] is None and row["sync/blocks.0.attn"] is None for row in out.trace[1:])
+
+
+@pytest.mark.parametrize("arch, kw", [("mlp", dict(d_model=32, n_layers=2)), ("lstm", dict(d_model=16, n_layers=1)),
+                                      ("mamba", dict(d_model=16, n_layers=1))])
+def test_architectures_without_attention(arch, kw):
+    cfg = RunConfig(arch=arch, p=7, train_frac=0.6, batch_size=16, epochs=2, device="cpu", **kw)
+    out = train_run(cfg)
+    assert out.result["has_attention"] is False
+    assert out.result["peak_s_bar"] is None and out.result["peak_sigma_h"] is None
+    assert all(row["s_bar"] is None and row["sigma_h"] is None for row in out.trace)
+    assert not any(key.startswith("sync/") for key in out.trace[0])
+
+
+def test_non_finite_loss_is_recorded_as_diverged():
+    out = train_run(RunConfig(**{**TINY, "lr": 1e30, "epochs": 50}))
+    r = out.result
+    assert r["regime"] == "diverged"
+    assert r["epochs_run"] < 50, "a diverged run stops at once"
+    json.dumps(r, allow_nan=False)
+
+
+def test_stop_at_grok_off_runs_to_the_horizon():
+    # train_frac 0.9 of a + b mod 5: test is 2-3 pairs; whatever happens, the run goes to the horizon
+    out = train_run(RunConfig(**{**TINY, "p": 5, "stop_at_grok": False, "epochs": 4}))
+    assert out.result["epochs_run"] == 4 and len(out.trace) == 4
+
+
+def test_eval_every_and_final_epoch():
+    out = train_run(RunConfig(**{**TINY, "epochs": 5, "eval_every": 2}))
+    assert [row["epoch"] for row in out.trace] == [2, 4, 5]
+
+
+def test_bad_config_is_a_value_error():
+    with pytest.raises(ValueError, match="prime"):
+        train_run(RunConfig(**{**TINY, "op": "/", "p": 8}))
+    with pytest.raises(ValueError, match="weight_decay"):
+        train_run(RunConfig(**TINY, weight_decay=-1.0))
+    with pytest.raises(ValueError, match="device"):
+        train_run(RunConfig(**{**TINY, "device": "nonsense"}))
+
+
+def test_write_outputs(tmp_path):
+    out = train_run(RunConfig(**TINY))
+    paths = write_outputs(out, tmp_path / "run")
+    assert json.loads(paths["result"].read_text())["run_id"] == out.result["run_id"]
+    with open(paths["trace"]) as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 3 and float(rows[-1]["test_acc"]) == out.trace[-1]["test_acc"]
+    assert "sync/blocks.0.attn" in rows[0]
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_write_outputs_without_attention(tmp_path):
+    out = train_run(RunConfig(arch="mlp", d_model=16, n_layers=1, p=7, epochs=2, device="cpu"))
+    paths = write_outputs(out, tmp_path)
+    with open(paths["trace"]) as fh:
+        rows = list(csv.DictReader(fh))
+    assert rows[0]["s_bar"] == "" and paths["plot"].stat().st_size > 0
+
+
+def test_auto_device_picks_cuda_when_available():
+    from fastdiag.train import resolve_device
+
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu").type == "cpu"
