@@ -53,9 +53,17 @@ def _finite_or_none(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _evaluate(model, x, y):
-    logits = model(x)
-    return F.cross_entropy(logits, y), (logits.argmax(-1) == y).float().mean()
+def _evaluate(model, x, y, chunk: int):
+    """Mean loss and accuracy over (x, y) as device tensors (no host sync), in chunks of ``chunk``
+    rows: on CPU, chunks that stay in cache are several times faster than one big batch."""
+    loss = torch.zeros((), device=x.device)
+    correct = torch.zeros((), device=x.device)
+    for start in range(0, x.shape[0], chunk):
+        logits = model(x[start:start + chunk])
+        target = y[start:start + chunk]
+        loss += F.cross_entropy(logits, target, reduction="sum")
+        correct += (logits.argmax(-1) == target).sum()
+    return loss / x.shape[0], correct / x.shape[0]
 
 
 def train_run(cfg: RunConfig, progress: Callable[[dict], None] | None = None) -> RunOutcome:
@@ -75,6 +83,7 @@ def train_run(cfg: RunConfig, progress: Callable[[dict], None] | None = None) ->
     shuffle = torch.Generator().manual_seed(cfg.seed)
 
     n_train = task.train_x.shape[0]
+    eval_chunk = 512 if device.type == "cpu" else 16384
     trace: list[dict] = []
     step = 0
     loss_sum = torch.zeros((), device=device)   # minibatch losses since the last evaluation
@@ -114,8 +123,8 @@ def train_run(cfg: RunConfig, progress: Callable[[dict], None] | None = None) ->
         # ---- evaluation: the one host read-out of the interval ---------------------------------
         model.eval()
         with torch.no_grad():
-            train_loss, train_acc = _evaluate(model, task.train_x, task.train_y)
-            test_loss, test_acc = _evaluate(model, task.test_x, task.test_y)
+            train_loss, train_acc = _evaluate(model, task.train_x, task.train_y, eval_chunk)
+            test_loss, test_acc = _evaluate(model, task.test_x, task.test_y, eval_chunk)
             weight_norm = torch.stack([p.detach().float().norm() for p in params]).norm()
             values = [train_loss, train_acc, test_loss, test_acc, weight_norm, loss_sum]
             if pending:
