@@ -10,7 +10,9 @@ forward only); the statistics of all diagnostic steps since the previous evaluat
 """
 from __future__ import annotations
 
+import copy
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -66,145 +68,221 @@ def _evaluate(model, x, y, chunk: int):
     return loss / x.shape[0], correct / x.shape[0]
 
 
-def train_run(cfg: RunConfig, progress: Callable[[dict], None] | None = None) -> RunOutcome:
-    from fastdiag.models import attention_modules, build_from_run_config, count_parameters
+class RunTracker:
+    """Bookkeeping of one run from its evaluations: trace rows, t_mem, t_grok, anti-grok, divergence,
+    regime and the result dict. Shared by the single-run trainer and the ensemble trainer, so a member
+    of an ensemble is judged exactly like a single run."""
 
-    cfg = cfg.validate()
-    started = time.perf_counter()
-    device = resolve_device(cfg.device)
-    task = make_task(cfg.op, cfg.p, cfg.train_frac, seed=cfg.seed, device=device)
+    def __init__(self, cfg: RunConfig, layer_names: list[str]) -> None:
+        self.cfg = cfg
+        self.layer_names = layer_names
+        self.trace: list[dict] = []
+        self.t_mem = self.t_grok = self.anti_grok_epoch = None
+        self.diverged = False
 
-    torch.manual_seed(cfg.seed)
-    model = build_from_run_config(cfg, task.vocab_size, task.seq_len, device=device).to(device)
-    attn = attention_modules(model)
-    layer_names = list(attn)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
-    shuffle = torch.Generator().manual_seed(cfg.seed)
+    def record(self, epoch: int, step: int, metrics: dict[str, float]) -> dict:
+        """Add one evaluation. ``metrics``: host floats train_loss, train_acc, test_loss, test_acc,
+        weight_norm, loss_sum (minibatch losses since the last evaluation) and, when diagnostics
+        were taken, s_bar, sigma_h, sync/<layer>, spread/<layer>."""
+        cfg = self.cfg
+        row = {"epoch": epoch, "step": step,
+               "train_loss": _finite_or_none(metrics["train_loss"]), "train_acc": metrics["train_acc"],
+               "test_loss": _finite_or_none(metrics["test_loss"]), "test_acc": metrics["test_acc"],
+               "s_bar": _finite_or_none(metrics.get("s_bar")), "sigma_h": _finite_or_none(metrics.get("sigma_h"))}
+        for name in self.layer_names:
+            row[f"sync/{name}"] = _finite_or_none(metrics.get(f"sync/{name}"))
+            row[f"spread/{name}"] = _finite_or_none(metrics.get(f"spread/{name}"))
+        row["weight_norm"] = _finite_or_none(metrics["weight_norm"])
+        self.trace.append(row)
+        if not all(math.isfinite(metrics[k]) for k in ("train_loss", "test_loss", "weight_norm", "loss_sum")):
+            self.diverged = True
+        else:
+            if self.t_mem is None and row["train_acc"] >= cfg.grok_threshold:
+                self.t_mem = (epoch, step)
+            if self.t_grok is None and row["test_acc"] >= cfg.grok_threshold:
+                self.t_grok = (epoch, step)
+            if self.t_grok is not None and self.anti_grok_epoch is None and row["test_acc"] < ANTI_GROK_BELOW:
+                self.anti_grok_epoch = epoch
+        return row
 
-    n_train = task.train_x.shape[0]
-    eval_chunk = 512 if device.type == "cpu" else 16384
-    trace: list[dict] = []
-    step = 0
-    loss_sum = torch.zeros((), device=device)   # minibatch losses since the last evaluation
-    pending: dict = {}                           # layer name -> merged HeadStats since the last evaluation
-    t_mem = t_grok = anti_grok_epoch = None
-    diverged = False
-    epoch = 0
+    @property
+    def stopped(self) -> bool:
+        """Diverged, or grokked with the patience used up (when the run stops at grokking)."""
+        if self.diverged:
+            return True
+        epoch = self.trace[-1]["epoch"] if self.trace else 0
+        return self.cfg.stop_at_grok and self.t_grok is not None and epoch >= self.t_grok[0] + self.cfg.patience
 
-    for epoch in range(1, cfg.epochs + 1):
-        model.train()
-        perm = torch.randperm(n_train, generator=shuffle).to(device)
-        for start in range(0, n_train, cfg.batch_size):
-            idx = perm[start:start + cfg.batch_size]
-            record = bool(attn) and step % cfg.diag_every == 0
+    @property
+    def regime(self) -> str:
+        if self.diverged:
+            return "diverged"
+        if self.t_grok is not None:
+            return "anti-grok" if self.anti_grok_epoch is not None else "grok"
+        return "memorization" if self.t_mem is not None else "collapse"
+
+    def result(self, *, epochs_run: int, steps: int, wall_seconds: float, has_attention: bool,
+               n_params: int, device: torch.device) -> dict:
+        cfg, trace = self.cfg, self.trace
+        last = trace[-1] if trace else {}
+        s_values = [r["s_bar"] for r in trace if r["s_bar"] is not None]
+        h_values = [r["sigma_h"] for r in trace if r["sigma_h"] is not None]
+        return {
+            "run_id": cfg.run_id(),
+            "regime": self.regime,
+            "t_grok_epoch": self.t_grok[0] if self.t_grok else None,
+            "t_grok_step": self.t_grok[1] if self.t_grok else None,
+            "t_mem_epoch": self.t_mem[0] if self.t_mem else None,
+            "t_mem_step": self.t_mem[1] if self.t_mem else None,
+            "anti_grok_epoch": self.anti_grok_epoch,
+            "final_train_acc": last.get("train_acc"),
+            "final_test_acc": last.get("test_acc"),
+            "final_train_loss": last.get("train_loss"),
+            "final_test_loss": last.get("test_loss"),
+            "final_s_bar": last.get("s_bar"),
+            "final_sigma_h": last.get("sigma_h"),
+            "final_weight_norm": last.get("weight_norm"),
+            "peak_s_bar": max(s_values) if s_values else None,
+            "peak_sigma_h": max(h_values) if h_values else None,
+            "epochs_run": epochs_run,
+            "steps": steps,
+            "wall_seconds": wall_seconds,
+            "has_attention": has_attention,
+            "n_params": n_params,
+            "device": str(device),
+            "config": cfg.to_dict(),
+        }
+
+
+def summary_values(pending: dict, layer_names: list[str]) -> dict[str, torch.Tensor]:
+    """Device tensors s_bar, sigma_h, sync/<layer>, spread/<layer> of merged HeadStats (none if empty)."""
+    if not pending:
+        return {}
+    from fastdiag.stats import summarize
+
+    summary = summarize({name: pending[name] for name in layer_names})
+    values = {"s_bar": summary.s_bar, "sigma_h": summary.sigma_h}
+    for name in layer_names:
+        values[f"sync/{name}"] = summary.per_layer[name]["sync"]
+        values[f"spread/{name}"] = summary.per_layer[name]["spread"]
+    return values
+
+
+class Trainer:
+    """One run, an epoch at a time: ``while not t.done: t.run_epoch()``, then ``t.outcome()``.
+
+    ``branch(**changes)`` deep-copies the whole state (model, optimizer, shuffle generator,
+    bookkeeping) so an experiment can continue several arms from one checkpoint.
+    """
+
+    def __init__(self, cfg: RunConfig, progress: Callable[[dict], None] | None = None) -> None:
+        from fastdiag.models import attention_modules, build_from_run_config
+
+        self.cfg = cfg = cfg.validate()
+        self.progress = progress
+        self.started = time.perf_counter()
+        self.device = device = resolve_device(cfg.device)
+        self.task = make_task(cfg.op, cfg.p, cfg.train_frac, seed=cfg.seed, device=device)
+        torch.manual_seed(cfg.seed)
+        self.model = build_from_run_config(cfg, self.task.vocab_size, self.task.seq_len, device=device).to(device)
+        self.attn = attention_modules(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
+                                     weight_decay=cfg.weight_decay)
+        self.shuffle = torch.Generator().manual_seed(cfg.seed)
+        self.tracker = RunTracker(cfg, list(self.attn))
+        self.eval_chunk = 512 if device.type == "cpu" else 16384
+        self.epoch = 0
+        self.step = 0
+        self.loss_sum = torch.zeros((), device=device)  # minibatch losses since the last evaluation
+        self.pending: dict = {}                          # layer -> merged HeadStats since the last evaluation
+
+    @property
+    def done(self) -> bool:
+        return self.tracker.stopped or self.epoch >= self.cfg.epochs
+
+    def _train_step(self, idx: torch.Tensor) -> None:
+        record = bool(self.attn) and self.step % self.cfg.diag_every == 0
+        if record:
+            for m in self.attn.values():
+                m.record = True
+        try:
+            logits = self.model(self.task.train_x[idx])
+        finally:
             if record:
-                for m in attn.values():
-                    m.record = True
-            try:
-                logits = model(task.train_x[idx])
-            finally:
-                if record:
-                    for m in attn.values():
-                        m.record = False
-            if record:
-                for name, m in attn.items():
-                    stats, m.stats = m.stats, None
-                    pending[name] = stats if name not in pending else pending[name] + stats
-            loss = F.cross_entropy(logits, task.train_y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            loss_sum += loss.detach()
-            step += 1
+                for m in self.attn.values():
+                    m.record = False
+        if record:
+            for name, m in self.attn.items():
+                stats, m.stats = m.stats, None
+                self.pending[name] = stats if name not in self.pending else self.pending[name] + stats
+        loss = F.cross_entropy(logits, self.task.train_y[idx])
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.loss_sum += loss.detach()
+        self.step += 1
 
-        if epoch % cfg.eval_every and epoch != cfg.epochs:
-            continue
-        # ---- evaluation: the one host read-out of the interval ---------------------------------
+    def run_epoch(self) -> dict | None:
+        """Train one epoch; evaluate when due. Returns the new trace row, or None."""
+        cfg = self.cfg
+        self.epoch += 1
+        self.model.train()
+        perm = torch.randperm(self.task.train_x.shape[0], generator=self.shuffle).to(self.device)
+        for start in range(0, perm.shape[0], cfg.batch_size):
+            self._train_step(perm[start:start + cfg.batch_size])
+        if self.epoch % cfg.eval_every and self.epoch != cfg.epochs:
+            return None
+        row = self.tracker.record(self.epoch, self.step, self._evaluate())
+        if self.progress is not None:
+            self.progress(dict(row))
+        return row
+
+    def _evaluate(self) -> dict[str, float]:
+        """The one host read-out of an evaluation interval."""
+        task, model = self.task, self.model
         model.eval()
         with torch.no_grad():
-            train_loss, train_acc = _evaluate(model, task.train_x, task.train_y, eval_chunk)
-            test_loss, test_acc = _evaluate(model, task.test_x, task.test_y, eval_chunk)
-            weight_norm = torch.stack([p.detach().float().norm() for p in params]).norm()
-            values = [train_loss, train_acc, test_loss, test_acc, weight_norm, loss_sum]
-            if pending:
-                from fastdiag.stats import summarize
+            train_loss, train_acc = _evaluate(model, task.train_x, task.train_y, self.eval_chunk)
+            test_loss, test_acc = _evaluate(model, task.test_x, task.test_y, self.eval_chunk)
+            weight_norm = torch.stack([p.detach().float().norm() for p in model.parameters()]).norm()
+            values = {"train_loss": train_loss, "train_acc": train_acc, "test_loss": test_loss,
+                      "test_acc": test_acc, "weight_norm": weight_norm, "loss_sum": self.loss_sum,
+                      **summary_values(self.pending, list(self.attn))}
+            host = torch.stack([v.detach().to(torch.float64).reshape(()) for v in values.values()]).tolist()
+        self.loss_sum.zero_()
+        self.pending = {}
+        return dict(zip(values, host))
 
-                summary = summarize({name: pending[name] for name in layer_names})
-                values += [summary.s_bar, summary.sigma_h]
-                for name in layer_names:
-                    values += [summary.per_layer[name]["sync"], summary.per_layer[name]["spread"]]
-            host = torch.stack([v.detach().to(torch.float64).reshape(()) for v in values]).tolist()
-        loss_sum.zero_()
-        pending = {}
+    def outcome(self) -> RunOutcome:
+        from fastdiag.models import count_parameters
 
-        row = {"epoch": epoch, "step": step,
-               "train_loss": _finite_or_none(host[0]), "train_acc": host[1],
-               "test_loss": _finite_or_none(host[2]), "test_acc": host[3],
-               "s_bar": None, "sigma_h": None}
-        if len(host) > 6:
-            row["s_bar"], row["sigma_h"] = _finite_or_none(host[6]), _finite_or_none(host[7])
-        for i, name in enumerate(layer_names):
-            got = len(host) > 6
-            row[f"sync/{name}"] = _finite_or_none(host[8 + 2 * i]) if got else None
-            row[f"spread/{name}"] = _finite_or_none(host[9 + 2 * i]) if got else None
-        row["weight_norm"] = _finite_or_none(host[4])
-        trace.append(row)
+        result = self.tracker.result(epochs_run=self.epoch, steps=self.step,
+                                     wall_seconds=time.perf_counter() - self.started,
+                                     has_attention=bool(self.attn), n_params=count_parameters(self.model),
+                                     device=self.device)
+        return RunOutcome(config=self.cfg, result=result, trace=list(self.tracker.trace))
 
-        if not all(math.isfinite(v) for v in (host[0], host[2], host[4], host[5])):
-            diverged = True
-        else:
-            if t_mem is None and row["train_acc"] >= cfg.grok_threshold:
-                t_mem = (epoch, step)
-            if t_grok is None and row["test_acc"] >= cfg.grok_threshold:
-                t_grok = (epoch, step)
-            if t_grok is not None and anti_grok_epoch is None and row["test_acc"] < ANTI_GROK_BELOW:
-                anti_grok_epoch = epoch
-        if progress is not None:
-            progress(dict(row))
-        if diverged:
-            break
-        if cfg.stop_at_grok and t_grok is not None and epoch >= t_grok[0] + cfg.patience:
-            break
+    def branch(self, **changes) -> "Trainer":
+        """An independent copy continuing from this exact state; ``changes`` edit the config
+        (e.g. a later horizon ``epochs=`` or ``stop_at_grok=False``)."""
+        progress, self.progress = self.progress, None
+        try:
+            twin = copy.deepcopy(self)
+        finally:
+            self.progress = progress
+        twin.progress = progress
+        if changes:
+            twin.cfg = dataclasses.replace(self.cfg, **changes).validate()
+            twin.tracker.cfg = twin.cfg
+        return twin
 
-    if diverged:
-        regime = "diverged"
-    elif t_grok is not None:
-        regime = "anti-grok" if anti_grok_epoch is not None else "grok"
-    elif t_mem is not None:
-        regime = "memorization"
-    else:
-        regime = "collapse"
 
-    last = trace[-1] if trace else {}
-    s_values = [r["s_bar"] for r in trace if r["s_bar"] is not None]
-    h_values = [r["sigma_h"] for r in trace if r["sigma_h"] is not None]
-    result = {
-        "run_id": cfg.run_id(),
-        "regime": regime,
-        "t_grok_epoch": t_grok[0] if t_grok else None,
-        "t_grok_step": t_grok[1] if t_grok else None,
-        "t_mem_epoch": t_mem[0] if t_mem else None,
-        "t_mem_step": t_mem[1] if t_mem else None,
-        "anti_grok_epoch": anti_grok_epoch,
-        "final_train_acc": last.get("train_acc"),
-        "final_test_acc": last.get("test_acc"),
-        "final_train_loss": last.get("train_loss"),
-        "final_test_loss": last.get("test_loss"),
-        "final_s_bar": last.get("s_bar"),
-        "final_sigma_h": last.get("sigma_h"),
-        "final_weight_norm": last.get("weight_norm"),
-        "peak_s_bar": max(s_values) if s_values else None,
-        "peak_sigma_h": max(h_values) if h_values else None,
-        "epochs_run": epoch,
-        "steps": step,
-        "wall_seconds": time.perf_counter() - started,
-        "has_attention": bool(attn),
-        "n_params": count_parameters(model),
-        "device": str(device),
-        "config": cfg.to_dict(),
-    }
-    return RunOutcome(config=cfg, result=result, trace=trace)
+def train_run(cfg: RunConfig, progress: Callable[[dict], None] | None = None) -> RunOutcome:
+    """Train one run to its end (grokking + patience, divergence or the horizon)."""
+    trainer = Trainer(cfg, progress)
+    while not trainer.done:
+        trainer.run_epoch()
+    return trainer.outcome()
 
 
 def trace_columns(trace: list[dict]) -> list[str]:
