@@ -10,17 +10,129 @@ def _fmt(x, digits: int = 4) -> str:
     return "-" if x is None else f"{x:.{digits}g}"
 
 
-def analyze_store(store_path: str, n_boot: int = 1500, seed: int = 0) -> dict:
+def analyze_store(store_path: str, n_boot: int = 1500, seed: int = 0, retention_threshold: float = 0.9,
+                  predict: bool = False, t0: float | None = None, test_frac: float = 0.5,
+                  split_seed: int = 0) -> dict:
     from .store import open_existing
     from .sweep import analyze_group, load_groups
 
     with open_existing(store_path) as store:
         groups, counts = load_groups(store)
         failed = [{"run_id": r["run_id"], "error": r["error"]} for r in store.runs("failed")]
+        extra = _experiments(store, groups, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
+                             predict=predict, t0=t0, test_frac=test_frac, split_seed=split_seed)
     report = {"store": str(store_path), "counts": counts, "n_boot": n_boot, "seed": seed,
               "groups": [analyze_group(g, n_boot=n_boot, seed=seed) for g in groups],
               "failed_runs": failed}
+    for g, (retention, stages) in zip(report["groups"], extra.pop("per_group")):
+        if retention is not None:
+            g["retention"] = retention
+        if stages is not None:
+            g["stages"] = stages
+    report.update(extra)
     return report
+
+
+def _experiments(store, groups, *, n_boot, seed, retention_threshold, predict, t0, test_frac, split_seed) -> dict:
+    """The issue-8 sections: retention and stages of groups trained to the horizon (stop_at_grok off),
+    peak σ_H against d/H, intervention experiments and (``predict``) the held-out predictive test."""
+    from . import exp_intervene
+    from .experiments import headdim_analysis, headdim_sets, predictive_analysis, retention_by_lambda, stage_table
+
+    per_group = []
+    for g in groups:
+        if g.config.get("stop_at_grok", True):
+            per_group.append((None, None))
+            continue
+        traces = {r["run_id"]: store.trace(r["run_id"]) for r in g.runs}
+        per_group.append((retention_by_lambda(g.runs, retention_threshold), stage_table(g.runs, traces)))
+    out: dict = {"per_group": per_group}
+    runs = store.runs("done")
+    sets = headdim_sets(runs)
+    if sets:
+        out["headdim"] = []
+        for shared, members in sets:
+            traces = {r["run_id"]: store.trace(r["run_id"]) for r in members}
+            out["headdim"].append({"config": shared, **headdim_analysis(members, traces, n_boot=n_boot, seed=seed)})
+    experiments = exp_intervene.load_experiments(store)
+    if experiments:
+        out["interventions"] = [{"experiment": exp_id, "config": rows[0]["config"], "settings": rows[0]["settings"],
+                                 "comparison": exp_intervene.compare_arms(rows)}
+                                for exp_id, rows in experiments.items()]
+    if predict:
+        traces = {r["run_id"]: store.trace(r["run_id"]) for r in runs}
+        out["predict"] = predictive_analysis(runs, traces, t0=t0, test_frac=test_frac, split_seed=split_seed,
+                                             n_boot=n_boot, seed=seed)
+    return out
+
+
+def _fmt_ci(value, ci, digits: int = 3) -> str:
+    return f"{value:.{digits}f} [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+
+
+def format_experiments(report: dict) -> list[str]:
+    lines: list[str] = []
+    for g in report["groups"]:
+        if "retention" not in g:
+            continue
+        lines += ["", f"== retention (trained to the horizon): {g['group']}"]
+        thr = g["retention"][0]["threshold"] if g["retention"] else 0.9
+        lines.append(f"  {'λ':>10} {'runs':>5} {'grokked':>7} {'retained':>8} {'retention':>9} "
+                     f"{'median final test acc':>21} {'anti-grok':>9}   (retained: final test acc ≥ {thr:g})")
+        for row in g["retention"]:
+            lines.append(f"  {row['lambda']:>10.4g} {row['n']:>5} {row['grokked']:>7} {row['retained']:>8} "
+                         f"{_fmt(row['retention'], 3):>9} {_fmt(row['median_final_test_acc'], 3):>21} "
+                         f"{row['anti_grok']:>9}")
+        long_runs = [s for s in g["stages"] if s["stages"]]
+        short = len(g["stages"]) - len(long_runs)
+        lines.append(f"  stages (segment_stages): {len(long_runs)} run(s) segmented"
+                     + (f", {short} without stages (too short or none found)" if short else ""))
+        for s in long_runs:
+            parts = ", ".join(f"{st['stage']} {st['start_epoch']}–{st['end_epoch']}" for st in s["stages"])
+            lines.append(f"    λ {s['weight_decay']:g} seed {s['seed']} ({s['regime']}): {parts}")
+    from .cmd_intervene import format_headdim
+    from .exp_intervene import format_comparison
+
+    for h in report.get("headdim", []):
+        lines += ["", f"== per-head dimension (λ = {h['config'].get('weight_decay')})"]
+        lines += ["  " + line for line in format_headdim(h).splitlines()]
+    for iv in report.get("interventions", []):
+        lines += ["", f"== interventions {iv['experiment']} (λ = {iv['config']['weight_decay']:g}, "
+                      f"{iv['settings']['after_peak_epochs']} epochs after the peak)"]
+        lines += ["  " + line for line in format_comparison(iv["comparison"]).splitlines()]
+    if "predict" in report:
+        lines += [""] + format_predict(report["predict"])
+    return lines
+
+
+def format_predict(p: dict) -> list[str]:
+    lines = [f"== predictive value at t0 = {p['t0']:g} epochs ({p['t0_source']}); seeds split train/test "
+             f"(test fraction {p['test_frac']:g}, split seed {p['split_seed']})"]
+    ex = ", ".join(f"{n} {why}" for why, n in p["excluded"].items() if n)
+    lines.append(f"  {p['n_cases']} runs usable" + (f" (left out: {ex})" if ex else ""))
+    if "error" in p:
+        lines.append(f"  no analysis: {p['error']}")
+        return lines
+    lines.append(f"  train seeds {p['train_seeds']} ({p['n_train']} runs), test seeds {p['test_seeds']} "
+                 f"({p['n_test']} runs); baselines: {', '.join(p['baseline_features'])}; "
+                 f"+ attention: {', '.join(p['attention_features'])}")
+    c = p["groks_by_horizon"]
+    if "error" in c:
+        lines.append(f"  groks by the horizon: no result — {c['error']}")
+    else:
+        lines.append(f"  groks by the horizon (held-out AUC, 95% CI; {c['test_positives']} grokked, "
+                     f"{c['test_negatives']} not): baselines {_fmt_ci(c['auc_baseline'], c['auc_baseline_ci'])}, "
+                     f"baselines + s̄/σ_H {_fmt_ci(c['auc_full'], c['auc_full_ci'])}, difference "
+                     f"{c['diff']:+.3f} [{c['diff_ci'][0]:+.3f}, {c['diff_ci'][1]:+.3f}]: s̄/σ_H {c['verdict']}")
+    r = p["log_t_grok"]
+    if "error" in r:
+        lines.append(f"  ln t_grok: no result — {r['error']}")
+    else:
+        lines.append(f"  ln t_grok (held-out MAE in ln epochs, 95% CI; {r['n_test']} runs): baselines "
+                     f"{_fmt_ci(r['mae_baseline'], r['mae_baseline_ci'])}, baselines + s̄/σ_H "
+                     f"{_fmt_ci(r['mae_full'], r['mae_full_ci'])}, difference {r['diff']:+.3f} "
+                     f"[{r['diff_ci'][0]:+.3f}, {r['diff_ci'][1]:+.3f}]: s̄/σ_H {r['verdict']}")
+    return lines
 
 
 def format_report(report: dict) -> str:
@@ -67,6 +179,7 @@ def format_report(report: dict) -> str:
         lines.append(f"failed runs ({len(report['failed_runs'])}):")
         for f in report["failed_runs"][:10]:
             lines.append(f"  {f['run_id']}: {' '.join(str(f['error']).split())[:200]}")
+    lines += format_experiments(report)
     return "\n".join(lines)
 
 
@@ -75,14 +188,27 @@ def format_report(report: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--n-boot", type=int, default=1500, show_default=True, help="Bootstrap resamples per fit.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstrap.")
-def analyze_cmd(store_path, as_json, n_boot, seed):
+@click.option("--retention-threshold", type=float, default=0.9, show_default=True,
+              help="Runs trained to the horizon: a grokked run is retained if its final test accuracy is ≥ this.")
+@click.option("--predict", is_flag=True,
+              help="Also test on held-out seeds whether s̄/σ_H at epoch t0 add predictive value (groks by the "
+                   "horizon; ln t_grok) beyond epoch, loss and weight-norm baselines.")
+@click.option("--t0", type=float, default=None, help="--predict: the epoch of the prediction [default: median t_mem].")
+@click.option("--test-frac", type=float, default=0.5, show_default=True, help="--predict: fraction of seeds held out.")
+@click.option("--split-seed", type=int, default=0, show_default=True, help="--predict: seed of the seed split.")
+def analyze_cmd(store_path, as_json, n_boot, seed, retention_threshold, predict, t0, test_frac, split_seed):
     """Critical weight decay λ_c, exponent ν (with bootstrap CIs), regime table and median t_grok
     per architecture/size group of a sweep store."""
     from .cli import CLIError
 
     if n_boot < 1:
         raise CLIError(f"--n-boot: must be >= 1, got {n_boot}")
-    report = analyze_store(store_path, n_boot=n_boot, seed=seed)
+    if not 0 < test_frac < 1:
+        raise CLIError(f"--test-frac: must be in (0, 1), got {test_frac}")
+    if t0 is not None and not t0 > 0:
+        raise CLIError(f"--t0: must be > 0, got {t0}")
+    report = analyze_store(store_path, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
+                           predict=predict, t0=t0, test_frac=test_frac, split_seed=split_seed)
     if as_json:
         click.echo(json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False))
     else:

@@ -401,6 +401,10 @@ def plot_store(store, out_dir, n_boot: int = 1500, n_band: int = 300, seed: int 
     out.mkdir(parents=True, exist_ok=True)
     groups, _ = load_groups(store)
     if not groups:
+        from fastdiag.exp_intervene import load_experiments
+
+        if load_experiments(store):                  # a store holding only intervention experiments
+            return experiment_figures(store, out, n_boot=n_boot, seed=seed, formats=formats), []
         raise ValueError(f"store {store.path}: no finished runs to plot")
     analyses = [analyze_group(g, n_boot=n_boot, seed=seed) for g in groups]
     paths = regime_diagram(groups, analyses, out / "regime_diagram", formats)
@@ -411,4 +415,171 @@ def plot_store(store, out_dir, n_boot: int = 1500, n_band: int = 300, seed: int 
         paths += t_grok_figure(g, a, name("t_grok"), formats=formats)
         traces = {run["run_id"]: store.trace(run["run_id"]) for run in g.runs}
         paths += trajectories_figure(g, traces, name("trajectories"), formats=formats)
+        paths += _stages_for_group(g, traces, name, formats)
+    paths += experiment_figures(store, out, n_boot=n_boot, seed=seed, formats=formats)
     return paths, analyses
+
+
+def _stages_for_group(group, traces, name, formats) -> list[Path]:
+    """Runs trained to the horizon (stop_at_grok off): the stages of the run with the most of them."""
+    from fastdiag.experiments import segment_stages
+
+    if group.config.get("stop_at_grok", True):
+        return []
+    best = None
+    for run in group.runs:
+        seg = segment_stages(traces.get(run["run_id"], []), grok_threshold=run["config"].get("grok_threshold", 0.99))
+        if seg["stages"] and (best is None or len(seg["stages"]) > len(best[1]["stages"])):
+            best = (run, seg)
+    if best is None:
+        return []
+    run, seg = best
+    title = (f"Stages: {group.label}, λ = {run['config']['weight_decay']:g}, seed {run['config']['seed']} "
+             f"({(run['result'] or {}).get('regime')})")
+    return stages_figure(traces[run["run_id"]], seg, name("stages"), title=title, formats=formats)
+
+
+def experiment_figures(store, out: Path, n_boot: int = 1500, seed: int = 0, formats=FORMATS) -> list[Path]:
+    """The issue-8 figures a store has data for: peak σ_H against d/H (runs differing only in width,
+    heads and seed, at 3 or more d/H) and the interventions (the intervention tables)."""
+    from fastdiag import exp_intervene
+    from fastdiag.experiments import headdim_analysis, headdim_sets
+
+    paths: list[Path] = []
+    sets = headdim_sets(store.runs("done"))
+    for i, (shared, runs) in enumerate(sets):
+        traces = {r["run_id"]: store.trace(r["run_id"]) for r in runs}
+        a = headdim_analysis(runs, traces, n_boot=n_boot, seed=seed)
+        stem = out / ("headdim" if len(sets) == 1 else f"headdim_{i + 1}")
+        note = f"λ = {shared.get('weight_decay'):g}" if shared.get("weight_decay") is not None else ""
+        paths += headdim_figure(a, stem, title_note=note, formats=formats)
+    experiments = exp_intervene.load_experiments(store)
+    for exp_id, rows in experiments.items():
+        traces = {r["arm_id"]: exp_intervene.arm_trace(store, r["arm_id"]) for r in rows}
+        stem = out / ("intervention" if len(experiments) == 1 else f"intervention_{exp_id}")
+        paths += intervention_figure(rows, traces, stem, formats=formats)
+    return paths
+
+
+# ============================================================================ issue 8: experiments
+
+
+def headdim_figure(analysis: dict, stem: Path, title_note: str = "", formats=FORMATS) -> list[Path]:
+    """Peak σ_H after grokking against d/H (log x): runs as points, mean ± s.d. per d/H, the saturating
+    fit σ_max = c + a(1 − e^(−b·d/H)) and its plateau CI (``experiments.headdim_analysis``)."""
+    import matplotlib as mpl
+
+    with mpl.rc_context(STYLE):
+        fig, axes = _figure(5.6, 4.3)
+        ax = axes[0, 0]
+        pts = analysis["points"]
+        if pts:
+            rng = np.random.default_rng(0)
+            xs = np.array([p["d_per_head"] for p in pts], float)
+            ax.scatter(xs * 10 ** rng.normal(0, 0.01, len(xs)), [p["peak_sigma_h"] for p in pts], s=22,
+                       color="#3b8bc2", alpha=0.4, linewidths=0, label="runs", zorder=2)
+            bins = analysis["bins"]
+            bx = [b["d_per_head"] for b in bins]
+            ax.errorbar(bx, [b["mean"] for b in bins], yerr=[b["std"] or 0.0 for b in bins], fmt="-o",
+                        color="#0072b2", mfc="white", mew=1.8, capsize=4, linewidth=1.6, zorder=3,
+                        label=f"mean ± s.d. ({min(b['n'] for b in bins)}–{max(b['n'] for b in bins)} runs per d/H)")
+            fit = analysis["fit"]
+            if "error" not in fit:
+                grid = np.logspace(math.log10(min(bx) / 1.2), math.log10(max(bx) * 1.2), 200)
+                ax.plot(grid, fit["c"] + fit["a"] * -np.expm1(-fit["b"] * grid), "--", color="#d35f0a",
+                        linewidth=1.6, label="saturating fit", zorder=4)
+                ax.axhspan(*fit["ci"]["plateau"], color="#d35f0a", alpha=0.08, linewidth=0,
+                           label="plateau $c + a$: 95% CI")
+                title = (f"$\\sigma_{{max}} = c + a(1 - e^{{-b\\,d/H}})$: plateau {fit['plateau']:.3g} "
+                         f"[{fit['ci']['plateau'][0]:.3g}, {fit['ci']['plateau'][1]:.3g}]")
+            else:
+                title = _wrap(f"no saturating fit: {_why(fit)}", 60)
+            ax.set_xscale("log")
+            ax.legend(loc="lower right")
+        else:
+            title = "no grokked runs with σ_H after $t_{grok}$"
+            ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="#666666")
+        ax.set_xlabel("per-head dimension $d/H$")
+        ax.set_ylabel("peak $\\sigma_H$ after grokking (nats)")
+        ax.set_title("Per-head dimension and differentiation amplitude" + (f" ({title_note})" if title_note else "")
+                     + "\n" + title)
+        return _save(fig, stem, formats)
+
+
+ARM_COLOURS = {"control": "#333333", "reinit": "#d55e00", "clip": "#0072b2"}
+
+
+def intervention_figure(rows: list[dict], traces: dict[str, list[dict]], stem: Path, formats=FORMATS) -> list[Path]:
+    """Left: σ_H against epochs since the branch point, median and IQR over seeds per arm. Right: the
+    peak σ_H after the branch per seed and arm, paired lines (``exp_intervene`` store rows)."""
+    import matplotlib as mpl
+
+    arms = [a for a in ARM_COLOURS if any(r["arm"] == a for r in rows)]
+    with mpl.rc_context(STYLE):
+        fig, axes = _figure(9.0, 4.0, ncols=2)
+        ax, bx = axes[0, 0], axes[0, 1]
+        for arm in arms:
+            series = []
+            for r in rows:
+                if r["arm"] != arm:
+                    continue
+                b = r["branch_epoch"] or 0
+                pts = [(row["epoch"] - b, row["sigma_h"]) for row in traces.get(r["arm_id"], [])
+                       if row["epoch"] >= b and row.get("sigma_h") is not None]
+                if pts:
+                    series.append(pts)
+            q = _quantiles(series)
+            if q is None:
+                continue
+            epochs, med, q25, q75 = q
+            ax.plot(epochs, med, color=ARM_COLOURS[arm], linewidth=1.6, label=f"{arm} ({len(series)} seeds)")
+            ax.fill_between(epochs, q25, q75, color=ARM_COLOURS[arm], alpha=0.15, linewidth=0)
+        ax.set_xlabel("epochs after the branch point (Phase-2 $\\sigma_H$ peak)")
+        ax.set_ylabel("$\\sigma_H$ (nats)")
+        ax.legend(loc="best")
+        by_seed: dict = {}
+        for r in rows:
+            by_seed.setdefault(r["seed"], {})[r["arm"]] = r["metrics"].get("peak_sigma_h_after")
+        for seed, vals in by_seed.items():
+            xs = [i for i, a in enumerate(arms) if vals.get(a) is not None]
+            bx.plot(xs, [vals[arms[i]] for i in xs], color="#999999", linewidth=0.8, alpha=0.6, marker="o",
+                    markersize=3)
+        for i, arm in enumerate(arms):
+            v = [vals[arm] for vals in by_seed.values() if vals.get(arm) is not None]
+            if v:
+                bx.scatter([i], [np.mean(v)], s=70, color=ARM_COLOURS[arm], zorder=4, marker="D")
+        bx.set_xticks(range(len(arms)), arms)
+        bx.set_ylabel("peak $\\sigma_H$ after the branch")
+        bx.set_title("per seed (lines) and mean (diamonds)")
+        fig.suptitle(f"Interventions at the Phase-2 peak: {len(by_seed)} seeds")
+        return _save(fig, stem, formats)
+
+
+STAGE_COLOURS = {"coordination": "#009e73", "differentiation": "#f0e442", "re-synchronisation": "#d55e00",
+                 "second differentiation": "#cc79a7", "collapse": "#555555"}
+
+
+def stages_figure(trace: list[dict], segmentation: dict, stem: Path, title: str = "", formats=FORMATS) -> list[Path]:
+    """Test accuracy, s̄ and σ_H of one long run (log epochs) with its stages shaded."""
+    import matplotlib as mpl
+
+    panels = [("test_acc", "test accuracy"), ("s_bar", "$\\bar{s}(t)$"), ("sigma_h", "$\\sigma_H(t)$")]
+    with mpl.rc_context(STYLE):
+        fig, axes = _figure(7.5, 6.5, nrows=3, sharex=True)
+        for i, (key, label) in enumerate(panels):
+            ax = axes[i, 0]
+            pts = [(r["epoch"], r[key]) for r in trace if r.get(key) is not None and r.get("epoch", 0) > 0]
+            if pts:
+                ax.plot(*zip(*pts), color="#333333", linewidth=0.9)
+            for st in segmentation["stages"]:
+                ax.axvspan(st["start_epoch"], max(st["end_epoch"], st["start_epoch"] * 1.01),
+                           color=STAGE_COLOURS[st["stage"]], alpha=0.25, linewidth=0)
+                if i == 0:
+                    ax.text(math.sqrt(st["start_epoch"] * max(st["end_epoch"], st["start_epoch"])), 1.02,
+                            st["stage"].replace("second ", "2nd ").replace("re-synchronisation", "re-sync."),
+                            transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=7.5)
+            ax.set_ylabel(label)
+        axes[-1, 0].set_xscale("log")
+        axes[-1, 0].set_xlabel("training epoch")
+        fig.suptitle(_wrap(title or "Stages of a long run", 80) + "\n")
+        return _save(fig, stem, formats)

@@ -68,8 +68,8 @@ class _Stacked(nn.Module):
 
     @torch.no_grad()
     def keep(self, index: torch.Tensor) -> None:
-        for p in self.flat:
-            p.data = p.data.index_select(0, index)
+        """Keep only the members ``index``. New Parameter objects: autograd caches a leaf's shape."""
+        self.flat = nn.ParameterList(nn.Parameter(p.index_select(0, index)) for p in self.flat)
 
 
 class EnsembleTransformer(_Stacked):

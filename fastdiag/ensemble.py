@@ -1,0 +1,231 @@
+"""Vectorised ensembles: K runs of one architecture and size trained as one model (issue 7).
+
+Members differ only in their seed (initialisation, split, batch order) and weight decay λ_k. Each
+member is built exactly as the single run with its seed is built, then the K models are stacked on a
+leading member axis (`fastdiag.models.ensemble`). One step trains all members: the loss is the sum of
+the members' mean losses, so each member's gradient is its single-run gradient; AdamW is applied
+with each member's own decoupled weight decay. Evaluations go through the same `RunTracker` as single
+runs, so traces and results have the same form. Finished members (grokked with no patience left,
+diverged) are dropped from every stacked tensor at the next evaluation, so they stop costing time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from fastdiag.config import RunConfig
+from fastdiag.tasks import make_task
+from fastdiag.train import RunOutcome, RunTracker, resolve_device, summary_values
+
+# Members may differ in these fields only; everything else shapes the shared computation.
+MEMBER_FIELDS = ("seed", "weight_decay")
+
+
+def pack_key(cfg: RunConfig) -> tuple:
+    """Runs with equal keys can share one ensemble."""
+    return tuple(sorted((k, v) for k, v in cfg.to_dict().items() if k not in MEMBER_FIELDS))
+
+
+def can_vectorise(cfg: RunConfig) -> bool:
+    from fastdiag.models.ensemble import vectorisable
+
+    return vectorisable(cfg.arch)
+
+
+class EnsembleAdamW:
+    """AdamW over stacked ``[K, ...]`` parameters with a weight decay per member.
+
+    The update is PyTorch's single-tensor AdamW written out, so a member follows the same arithmetic
+    as `torch.optim.AdamW` on the single run.
+    """
+
+    def __init__(self, params: list[torch.Tensor], lr: float, weight_decay: Sequence[float],
+                 betas=(0.9, 0.98), eps: float = 1e-8) -> None:
+        self.params, self.lr, self.betas, self.eps = params, lr, betas, eps
+        self.decay = torch.tensor([1.0 - lr * wd for wd in weight_decay], dtype=torch.float64)
+        self.exp_avg = [torch.zeros_like(p) for p in params]
+        self.exp_avg_sq = [torch.zeros_like(p) for p in params]
+        self.step_count = 0
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.step_count += 1
+        beta1, beta2 = self.betas
+        bias_correction1 = 1 - beta1 ** self.step_count
+        bias_correction2_sqrt = (1 - beta2 ** self.step_count) ** 0.5
+        step_size = self.lr / bias_correction1
+        for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
+            decay = self.decay.to(device=p.device, dtype=p.dtype).view(-1, *([1] * (p.dim() - 1)))
+            p.mul_(decay)
+            m.lerp_(p.grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            p.addcdiv_(m, denom, value=-step_size)
+
+    def keep(self, index: torch.Tensor) -> None:
+        self.decay = self.decay.index_select(0, index.cpu())
+        self.exp_avg = [m.index_select(0, index) for m in self.exp_avg]
+        self.exp_avg_sq = [v.index_select(0, index) for v in self.exp_avg_sq]
+
+
+def _check_pack(cfgs: Sequence[RunConfig]) -> None:
+    if not cfgs:
+        raise ValueError("cfgs: expected at least one run configuration")
+    keys = {pack_key(c) for c in cfgs}
+    if len(keys) > 1:
+        raise ValueError(f"cfgs: ensemble members may differ only in {', '.join(MEMBER_FIELDS)}")
+    if not can_vectorise(cfgs[0]):
+        from fastdiag.models.ensemble import VECTORISED
+
+        raise ValueError(f"arch: {cfgs[0].arch!r} cannot be vectorised (only {', '.join(VECTORISED)}); "
+                         "train its runs one by one")
+    if len({c.run_id() for c in cfgs}) != len(cfgs):
+        raise ValueError("cfgs: duplicate runs in one ensemble")
+
+
+def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], None] | None = None) -> list[RunOutcome]:
+    """Train the runs ``cfgs`` as one vectorised model; returns their outcomes in the given order.
+
+    ``progress(member_index, row)`` receives every member's trace rows.
+    """
+    from fastdiag.models import attention_modules, build_from_run_config, count_parameters
+    from fastdiag.models.ensemble import stack_models
+
+    cfgs = [c.validate() for c in cfgs]
+    _check_pack(cfgs)
+    started = time.perf_counter()
+    shared = cfgs[0]
+    device = resolve_device(shared.device)
+    tasks, models = [], []
+    for cfg in cfgs:   # each member exactly as its single run: task split, then seeded initialisation
+        task = make_task(cfg.op, cfg.p, cfg.train_frac, seed=cfg.seed, device=device)
+        torch.manual_seed(cfg.seed)
+        models.append(build_from_run_config(cfg, task.vocab_size, task.seq_len, device=device).to(device))
+        tasks.append(task)
+    layer_names = list(attention_modules(models[0]))
+    n_params = count_parameters(models[0])
+    model = stack_models(shared.arch, models).to(device)
+    del models
+    train_x = torch.stack([t.train_x for t in tasks])
+    train_y = torch.stack([t.train_y for t in tasks])
+    test_x = torch.stack([t.test_x for t in tasks])
+    test_y = torch.stack([t.test_y for t in tasks])
+    shuffles = [torch.Generator().manual_seed(c.seed) for c in cfgs]
+    opt = EnsembleAdamW(list(model.parameters()), shared.lr, [c.weight_decay for c in cfgs])
+    trackers = [RunTracker(c, layer_names) for c in cfgs]
+    active = list(range(len(cfgs)))        # positions in cfgs of the members still in the model
+    outcomes: dict[int, RunOutcome] = {}
+    eval_chunk = 512 if device.type == "cpu" else 16384
+    n_train = train_x.shape[1]
+    step = epoch = 0
+    loss_sum = torch.zeros(len(cfgs), device=device)
+    pending: dict = {}
+
+    def finish(pos: int) -> None:
+        result = trackers[pos].result(epochs_run=epoch, steps=step, wall_seconds=time.perf_counter() - started,
+                                      has_attention=bool(layer_names), n_params=n_params, device=device)
+        result["ensemble_size"] = len(cfgs)
+        outcomes[pos] = RunOutcome(config=cfgs[pos], result=result, trace=list(trackers[pos].trace))
+
+    while active:
+        epoch += 1
+        model.train()
+        perm = torch.stack([torch.randperm(n_train, generator=shuffles[i]) for i in active]).to(device)
+        members = torch.arange(len(active), device=device)[:, None]
+        for start in range(0, n_train, shared.batch_size):
+            idx = perm[:, start:start + shared.batch_size]
+            record = bool(layer_names) and step % shared.diag_every == 0
+            model.record = record
+            logits = model(train_x[members, idx])                          # [K, b, vocab]
+            model.record = False
+            if record:
+                for name, stats in model.stats.items():
+                    pending[name] = stats if name not in pending else pending[name] + stats
+                model.stats = {}
+            per_member = F.cross_entropy(logits.flatten(0, 1), train_y[members, idx].flatten(),
+                                         reduction="none").view(len(active), -1).mean(1)
+            opt.zero_grad()
+            per_member.sum().backward()
+            opt.step()
+            loss_sum += per_member.detach()
+            step += 1
+        if epoch % shared.eval_every and epoch != shared.epochs:
+            continue
+        metrics = _evaluate(model, train_x, train_y, test_x, test_y, eval_chunk)
+        metrics["loss_sum"] = loss_sum
+        metrics.update(summary_values(pending, layer_names))
+        names = list(metrics)
+        host = torch.stack([metrics[k].detach().to(torch.float64).reshape(len(active)) for k in names], 1).tolist()
+        loss_sum.zero_()
+        pending = {}
+        keep = []
+        for slot, pos in enumerate(active):
+            row = trackers[pos].record(epoch, step, dict(zip(names, host[slot])))
+            if progress is not None:
+                progress(pos, dict(row))
+            if trackers[pos].stopped or epoch >= shared.epochs:
+                finish(pos)
+            else:
+                keep.append(slot)
+        if len(keep) < len(active):   # compact: finished members stop costing time
+            index = torch.tensor(keep, dtype=torch.long, device=device)
+            model.keep(index)
+            opt.params = list(model.parameters())
+            opt.keep(index)
+            train_x, train_y, test_x, test_y = (t.index_select(0, index) for t in (train_x, train_y, test_x, test_y))
+            loss_sum = loss_sum.index_select(0, index)
+            active = [active[s] for s in keep]
+    return [outcomes[i] for i in range(len(cfgs))]
+
+
+@torch.no_grad()
+def _evaluate(model, train_x, train_y, test_x, test_y, chunk: int) -> dict[str, torch.Tensor]:
+    model.eval()
+    out = {}
+    for split, x, y in (("train", train_x, train_y), ("test", test_x, test_y)):
+        k, n = y.shape
+        loss = torch.zeros(k, device=y.device)
+        correct = torch.zeros(k, device=y.device)
+        for start in range(0, n, chunk):
+            logits = model(x[:, start:start + chunk])
+            target = y[:, start:start + chunk]
+            loss += F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(k, -1).sum(1)
+            correct += (logits.argmax(-1) == target).sum(1)
+        out[f"{split}_loss"], out[f"{split}_acc"] = loss / n, correct / n
+    out["weight_norm"] = torch.stack([p.detach().float().flatten(1).norm(dim=1) for p in model.parameters()], 1).norm(dim=1)
+    return out
+
+
+def pack_runs(cfgs: Sequence[RunConfig], size: int) -> list[list[RunConfig]]:
+    """Group runs into ensembles of at most ``size`` compatible members; runs that cannot be
+    vectorised come back as packs of one."""
+    if size < 1:
+        raise ValueError(f"ensemble size: must be >= 1, got {size}")
+    groups: dict[tuple, list[RunConfig]] = {}
+    packs: list[list[RunConfig]] = []
+    for cfg in cfgs:
+        if size == 1 or not can_vectorise(cfg):
+            packs.append([cfg])
+        else:
+            groups.setdefault(pack_key(cfg), []).append(cfg)
+    for members in groups.values():
+        packs += [members[i:i + size] for i in range(0, len(members), size)]
+    return packs
+
+
+def default_ensemble_size(device: str = "auto") -> int:
+    """A GPU is idle with one tiny model: pack many. Two CPU cores gain from a handful."""
+    if resolve_device(device).type == "cuda":
+        return 32
+    return 8
+
+
+__all__ = ["EnsembleAdamW", "can_vectorise", "default_ensemble_size", "pack_key", "pack_runs", "train_ensemble"]

@@ -1,0 +1,95 @@
+"""Vectorised ensembles: each member follows its single run; finished members are compacted away."""
+import dataclasses
+
+import pytest
+import torch
+
+from fastdiag.config import RunConfig
+from fastdiag.ensemble import EnsembleAdamW, pack_runs, train_ensemble
+from fastdiag.models import build
+from fastdiag.models.ensemble import stack_models
+from fastdiag.train import train_run
+
+SMALL = dict(preset="custom", n_layers=2, n_heads=4, d_model=64, d_ff=256, p=31, train_frac=0.7,
+             lr=3e-3, batch_size=128, eval_every=10, epochs=300, device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("arch", ["transformer", "mlp"])
+def test_stacked_forward_equals_each_member(arch):
+    kwargs = dict(preset="custom", n_layers=2, n_heads=4, d_model=32, d_ff=64) if arch == "transformer" else dict(hidden=64)
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(build(arch, vocab_size=32, **kwargs))
+    ensemble = stack_models(arch, models)
+    idx = torch.randint(0, 32, (3, 10, 3))
+    out = ensemble(idx)
+    for k, m in enumerate(models):
+        torch.testing.assert_close(out[k], m(idx[k]), rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(v, dict(m.named_parameters())[n]) for n, v in ensemble.member_state_dict(k).items())
+
+
+def test_ensemble_adamw_matches_torch_adamw_per_member():
+    torch.manual_seed(0)
+    singles = [torch.randn(5, 4, requires_grad=True) for _ in range(3)]
+    stacked = torch.stack([p.detach() for p in singles]).requires_grad_()
+    decays = [0.0, 0.3, 2.0]
+    opts = [torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.98), weight_decay=wd) for p, wd in zip(singles, decays)]
+    ens = EnsembleAdamW([stacked], lr=1e-2, weight_decay=decays)
+    for _ in range(5):
+        grads = torch.randn(3, 5, 4)
+        for p, o, g in zip(singles, opts, grads):
+            p.grad = g.clone()
+            o.step()
+        stacked.grad = grads.clone()
+        ens.step()
+    for k, p in enumerate(singles):
+        torch.testing.assert_close(stacked[k].detach(), p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_members_follow_their_single_runs_and_finished_members_are_dropped():
+    cfgs = [RunConfig(seed=0, weight_decay=1.0, **SMALL), RunConfig(seed=2, weight_decay=0.0, **SMALL),
+            RunConfig(seed=0, weight_decay=0.5, **SMALL)]
+    ensemble = train_ensemble(cfgs)
+    for cfg, member in zip(cfgs, ensemble):
+        single = train_run(cfg)
+        assert member.result["run_id"] == single.result["run_id"]
+        assert set(member.result) - {"ensemble_size"} == set(single.result)
+        assert [set(r) for r in member.trace] == [set(r) for r in single.trace]
+        # the first evaluations (hundreds of steps) agree to float tolerance
+        for a, b in zip(member.trace[:3], single.trace[:3]):
+            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=5e-3, abs=1e-4)
+            assert a["s_bar"] == pytest.approx(b["s_bar"], rel=1e-3)
+        assert member.trace[0]["s_bar"] == pytest.approx(single.trace[0]["s_bar"], rel=1e-5)
+        assert member.result["regime"] == single.result["regime"]
+        if single.result["t_grok_epoch"] is not None:
+            assert abs(member.result["t_grok_epoch"] - single.result["t_grok_epoch"]) <= cfg.eval_every
+    # λ = 1 grokked and stopped early while the λ = 0 member trained on to the horizon
+    assert ensemble[0].result["epochs_run"] < ensemble[1].result["epochs_run"] == SMALL["epochs"]
+
+
+def test_incompatible_or_unvectorisable_packs_are_refused():
+    a = RunConfig(seed=0, **SMALL)
+    with pytest.raises(ValueError, match="may differ only in seed, weight_decay"):
+        train_ensemble([a, dataclasses.replace(a, seed=1, lr=1e-3)])
+    lstm = RunConfig(arch="lstm", preset="canonical", seed=0, epochs=2, device="cpu")
+    with pytest.raises(ValueError, match="'lstm' cannot be vectorised"):
+        train_ensemble([lstm, dataclasses.replace(lstm, seed=1)])
+
+
+def test_pack_runs_groups_compatible_runs_and_leaves_others_single():
+    runs = [RunConfig(seed=s, weight_decay=wd, **SMALL) for s in range(3) for wd in (0.1, 1.0)]
+    runs.append(RunConfig(arch="lstm", seed=0))
+    runs.append(RunConfig(seed=0, **{**SMALL, "p": 23}))
+    packs = pack_runs(runs, 4)
+    assert sorted(len(p) for p in packs) == [1, 1, 2, 4]
+    assert sorted(c.run_id() for p in packs for c in p) == sorted(c.run_id() for c in runs)
+    assert all(len(p) == 1 for p in pack_runs(runs, 1))
