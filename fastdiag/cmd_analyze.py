@@ -66,6 +66,10 @@ def _experiments(store, groups, *, n_boot, seed, retention_threshold, predict, t
     return out
 
 
+def _fmt3(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def _fmt_ci(value, ci, digits: int = 3) -> str:
     return f"{value:.{digits}f} [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
 
@@ -81,7 +85,7 @@ def format_experiments(report: dict) -> list[str]:
                      f"{'median final test acc':>21} {'anti-grok':>9}   (retained: final test acc ≥ {thr:g})")
         for row in g["retention"]:
             lines.append(f"  {row['lambda']:>10.4g} {row['n']:>5} {row['grokked']:>7} {row['retained']:>8} "
-                         f"{_fmt(row['retention'], 3):>9} {_fmt(row['median_final_test_acc'], 3):>21} "
+                         f"{_fmt3(row['retention']):>9} {_fmt3(row['median_final_test_acc']):>21} "
                          f"{row['anti_grok']:>9}")
         long_runs = [s for s in g["stages"] if s["stages"]]
         short = len(g["stages"]) - len(long_runs)

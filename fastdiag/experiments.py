@@ -60,8 +60,8 @@ def _collapse_index(test_acc: list[float | None], grok_index: int | None, below:
 
 def segment_stages(trace: Sequence[dict], *, grok_threshold: float = 0.99, n_grid: int = 256,
                    smooth_decades: float = 0.1, rate_threshold: float = 0.5, min_decades: float = 0.05,
-                   min_span_decades: float = 1.5, collapse_below: float = ANTI_GROK_BELOW,
-                   floors: tuple[float, float] = (0.01, 0.005)) -> dict:
+                   min_change: float = 0.25, min_span_decades: float = 1.5,
+                   collapse_below: float = ANTI_GROK_BELOW, floors: tuple[float, float] = (0.02, 0.01)) -> dict:
     """Segment one trajectory into the paper's stages.
 
     The rule (all on a log-epoch axis, as the paper plots it):
@@ -74,11 +74,13 @@ def segment_stages(trace: Sequence[dict], *, grok_threshold: float = 0.99, n_gri
     3. Before the collapse, s̄ and σ_H are interpolated linearly in log10(epoch) onto ``n_grid``
        evenly spaced points, smoothed by a centred moving average ``smooth_decades`` wide, and
        differentiated in log10(epoch). Each rate is divided by the range of its smoothed series
-       (at least ``floors`` = (0.01, 0.005), so flat noisy series stay flat): r_s, r_h in
+       (at least ``floors`` = (0.02, 0.01), so flat noisy series stay flat): r_s, r_h in
        "ranges per decade". The synchronisation rate is z = (r_s − r_h) / 2.
     4. Each grid point is labelled +1 (synchronising: z > ``rate_threshold``), −1 (differentiating:
-       z < −``rate_threshold``) or 0. Runs of ±1 shorter than ``min_decades`` become 0; runs of the
-       same sign separated only by 0 merge.
+       z < −``rate_threshold``) or 0. A run of ±1 becomes 0 if it is shorter than ``min_decades`` or
+       moves the normalised signal by less than ``min_change`` (|∫ z dlog10 t| over the run, i.e.
+       (|Δs̄|/range + |Δσ_H|/range)/2 for a clean stage); runs of the same sign separated only by 0
+       merge.
     5. The remaining runs are named in order: the first +1 run is **coordination**, the next −1
        run **differentiation**, the next +1 **re-synchronisation**, the next −1 **second
        differentiation**. A −1 run before any coordination is ignored; a run of the sign of the
@@ -90,7 +92,8 @@ def segment_stages(trace: Sequence[dict], *, grok_threshold: float = 0.99, n_gri
     rows = [r for r in trace if _finite(r.get("epoch")) and r["epoch"] > 0
             and _finite(r.get("s_bar")) and _finite(r.get("sigma_h"))]
     params = dict(grok_threshold=grok_threshold, n_grid=n_grid, smooth_decades=smooth_decades,
-                  rate_threshold=rate_threshold, min_decades=min_decades, min_span_decades=min_span_decades,
+                  rate_threshold=rate_threshold, min_decades=min_decades, min_change=min_change,
+                  min_span_decades=min_span_decades,
                   collapse_below=collapse_below, floors=list(floors))
     out = {"stages": [], "t_grok_epoch": None, "collapse_epoch": None, "note": None, "params": params}
     if len(rows) < 8:
@@ -123,8 +126,9 @@ def segment_stages(trace: Sequence[dict], *, grok_threshold: float = 0.99, n_gri
         z = (r_s - r_h) / 2.0
         labels = np.where(z > rate_threshold, 1, np.where(z < -rate_threshold, -1, 0))
         runs = _runs(labels)
-        runs = [(sign, a, b) if sign == 0 or (u[b] - u[a] + du) >= min_decades else (0, a, b)
-                for sign, a, b in runs]
+        runs = [(sign, a, b) if sign == 0 or ((u[b] - u[a] + du) >= min_decades
+                                              and abs(float(z[a:b + 1].sum()) * du) >= min_change)
+                else (0, a, b) for sign, a, b in runs]
         merged: list[list[int]] = []
         for sign, a, b in runs:
             if sign == 0:

@@ -1,0 +1,245 @@
+"""fastdiag.experiments: stage segmentation, retention, per-head dimension, predictive value; and the
+`fastdiag analyze` / `plot` / `headdim` sections built on them (synthetic data, no training)."""
+import json
+import math
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from fastdiag import experiments as ex
+from fastdiag import sweep as sw
+from fastdiag.cli import main
+from fastdiag.store import Store
+
+# ------------------------------------------------------------------ synthetic five-stage trajectory
+# s̄ and σ_H piecewise linear in u = log10(epoch); the true stages (in decades):
+TRUE = {"coordination": (2.0, 2.3), "differentiation": (3.0, 3.4), "re-synchronisation": (3.65, 3.75),
+        "second differentiation": (3.95, 4.05), "collapse": (4.15, 4.30)}
+KNOTS_U = [0.0, 2.0, 2.3, 3.0, 3.4, 3.65, 3.75, 3.95, 4.05, 4.15, 4.31]
+KNOTS_S = [0.93, 0.93, 0.985, 0.985, 0.91, 0.91, 0.96, 0.96, 0.935, 0.935, 0.935]
+KNOTS_H = [0.045, 0.045, 0.045, 0.045, 0.09, 0.09, 0.05, 0.05, 0.075, 0.075, 0.075]
+
+
+def five_stage_trace(seed=0, collapse=True, noise=0.002, eval_every=10, horizon=20000, stages=4):
+    rng = np.random.default_rng(seed)
+    last = [None, 2, 4, 6, 8][stages]                 # knots after which everything stays flat
+    s_k = KNOTS_S[:last + 1] + [KNOTS_S[last]] * (len(KNOTS_S) - last - 1)
+    h_k = KNOTS_H[:last + 1] + [KNOTS_H[last]] * (len(KNOTS_H) - last - 1)
+    rows = []
+    for e in range(eval_every, horizon + 1, eval_every):
+        u = math.log10(e)
+        s = float(np.interp(u, KNOTS_U, s_k)) + rng.normal(0, noise)
+        h = float(np.interp(u, KNOTS_U, h_k)) + rng.normal(0, noise / 2)
+        acc = float(np.interp(u, [0, 2.0, 2.25, 4.3], [0.05, 0.3, 1.0, 1.0]))
+        if collapse and u >= TRUE["collapse"][0]:
+            acc, s, h = 0.25 + rng.normal(0, 0.03), min(1.0, 0.99 + rng.normal(0, 0.002)), 0.005
+        rows.append({"epoch": e, "step": 6 * e, "train_acc": 1.0, "test_acc": acc, "s_bar": s, "sigma_h": h,
+                     "train_loss": 0.01, "test_loss": 0.1, "weight_norm": 30.0})
+    return rows
+
+
+@pytest.mark.parametrize("seed,noise", [(0, 0.002), (1, 0.004), (2, 0.001)])
+def test_five_stages_found_at_the_known_boundaries(seed, noise):
+    seg = ex.segment_stages(five_stage_trace(seed, noise=noise))
+    assert [s["stage"] for s in seg["stages"]] == list(ex.STAGES), seg
+    for st in seg["stages"]:
+        lo, hi = TRUE[st["stage"]]
+        assert abs(math.log10(st["start_epoch"]) - lo) <= 0.1, st
+        assert abs(math.log10(st["end_epoch"]) - hi) <= 0.1, st
+    assert seg["collapse_epoch"] == seg["stages"][-1]["start_epoch"] and seg["t_grok_epoch"] is not None
+
+
+def test_two_phase_run_has_two_stages_and_no_collapse():
+    seg = ex.segment_stages(five_stage_trace(3, collapse=False, stages=2))
+    assert [s["stage"] for s in seg["stages"]] == ["coordination", "differentiation"]
+    assert seg["collapse_epoch"] is None and seg["note"] is None
+
+
+def test_flat_noise_has_no_stage_and_short_traces_are_refused():
+    rng = np.random.default_rng(0)
+    flat = [{"epoch": e, "test_acc": 1.0, "s_bar": 0.95 + rng.normal(0, 0.001),
+             "sigma_h": 0.05 + rng.normal(0, 0.0005)} for e in range(10, 20001, 10)]
+    seg = ex.segment_stages(flat)
+    assert seg["stages"] == [] and "no stage found" in seg["note"]
+    short = five_stage_trace(0)[:20]                  # epochs 10..200: 1.3 decades
+    seg = ex.segment_stages(short)
+    assert seg["stages"] == [] and seg["note"].startswith("too short")
+    # a dip in test accuracy that recovers is not a collapse
+    dip = five_stage_trace(0, collapse=False)
+    for r in dip[1500:1520]:
+        r["test_acc"] = 0.2
+    assert ex.segment_stages(dip)["collapse_epoch"] is None
+
+
+def _run(rid, lam, seed, regime, final, t_grok=100, **cfg):
+    return {"run_id": rid, "config": {"weight_decay": lam, "seed": seed, "arch": "transformer", **cfg},
+            "result": {"regime": regime, "final_test_acc": final, "t_grok_epoch": t_grok}}
+
+
+def test_retention_by_lambda():
+    runs = [_run("a", 1.0, 0, "grok", 1.0), _run("b", 1.0, 1, "anti-grok", 0.3), _run("c", 1.0, 2, "grok", 0.95),
+            _run("d", 0.1, 0, "memorization", 0.4, None), _run("e", 0.1, 1, "grok", 0.85)]
+    table = {row["lambda"]: row for row in ex.retention_by_lambda(runs, threshold=0.9)}
+    assert table[1.0] == {"lambda": 1.0, "n": 3, "grokked": 3, "retained": 2, "retention": 2 / 3,
+                          "median_final_test_acc": 0.95, "anti_grok": 1, "threshold": 0.9}
+    assert table[0.1]["grokked"] == 1 and table[0.1]["retained"] == 0 and table[0.1]["retention"] == 0.0
+
+
+def test_phase2_peak_and_headdim_fit_recover_a_saturating_curve():
+    trace = [{"epoch": 10, "sigma_h": 0.5}, {"epoch": 20, "sigma_h": 0.1}, {"epoch": 30, "sigma_h": 0.2}]
+    assert ex.phase2_peak_sigma_h(trace, 20) == 0.2 and ex.phase2_peak_sigma_h(trace, None) is None
+    rng = np.random.default_rng(0)
+    runs, traces = [], {}
+    for d in (16, 32, 64, 128):
+        for h in (2, 4, 8):
+            for seed in range(3):
+                x = d / h
+                peak = 0.04 + 0.07 * (1 - math.exp(-0.15 * x)) + rng.normal(0, 0.003)
+                rid = f"{d}-{h}-{seed}"
+                runs.append(_run(rid, 1.0, seed, "grok", 1.0, t_grok=50, preset="custom", d_model=d, n_heads=h))
+                traces[rid] = [{"epoch": 40, "sigma_h": 0.5}, {"epoch": 50, "sigma_h": peak - 0.01},
+                               {"epoch": 60, "sigma_h": peak}]
+    runs.append(_run("nogrok", 1.0, 0, "memorization", 0.2, t_grok=None, preset="custom", d_model=32, n_heads=4))
+    a = ex.headdim_analysis(runs, traces, n_boot=200)
+    assert a["n_points"] == 36 and a["n_skipped"] == 1
+    fit = a["fit"]
+    assert abs(fit["plateau"] - 0.11) < 0.01 and fit["ci"]["plateau"][0] <= fit["plateau"] <= fit["ci"]["plateau"][1]
+    assert [b["d_per_head"] for b in a["bins"]][:3] == [2.0, 4.0, 8.0]
+    assert len(ex.headdim_sets(runs)) == 1
+
+
+def _predict_runs(signal: str, n_seeds=16, n_lambda=6, seed=0):
+    """Runs whose fate (groks by the horizon) is set by the weight norm at t0 (signal "baseline") or by
+    σ_H at t0 (signal "attention"); the other feature is noise."""
+    rng = np.random.default_rng(seed)
+    runs, traces = [], {}
+    for s in range(n_seeds):
+        for j in range(n_lambda):
+            latent = rng.normal()
+            wn = 30 + 5 * (latent if signal == "baseline" else rng.normal())
+            sig = 0.05 + 0.01 * (latent if signal == "attention" else rng.normal())
+            grokked = latent + 0.3 * rng.normal() > 0
+            t_grok = float(np.exp(6 - 0.5 * latent + 0.1 * rng.normal())) + 100 if grokked else None
+            rid = f"r{s}-{j}"
+            runs.append({"run_id": rid, "config": {"seed": s, "epochs": 2000, "weight_decay": 0.1 * (j + 1)},
+                         "result": {"regime": "grok" if grokked else "memorization", "t_grok_epoch": t_grok,
+                                    "t_mem_epoch": 40}})
+            traces[rid] = [{"epoch": e, "train_loss": 0.1 / e + 0.001 * rng.random(),
+                            "test_loss": 3 + 0.01 * rng.normal(), "weight_norm": wn + e / 100,
+                            "s_bar": 0.95 + 0.01 * rng.normal(), "sigma_h": sig + 0.0001 * e}
+                           for e in (10, 20, 30, 40, 50)]
+    return runs, traces
+
+
+def test_predictive_value_known_answers():
+    runs, traces = _predict_runs("baseline")
+    p = ex.predictive_analysis(runs, traces, t0=50, n_boot=300)
+    assert p["t0"] == 50 and set(p["train_seeds"]).isdisjoint(p["test_seeds"])
+    assert p["n_train"] + p["n_test"] == p["n_cases"] == len(runs)
+    c = p["groks_by_horizon"]
+    assert c["auc_baseline"] > 0.85 and c["verdict"] == "adds no measurable value", c
+    assert c["diff_ci"][0] <= 0 <= c["diff_ci"][1]
+    assert p["log_t_grok"]["verdict"] == "adds no measurable value"
+    runs, traces = _predict_runs("attention")
+    c = ex.predictive_analysis(runs, traces, t0=50, n_boot=300)["groks_by_horizon"]
+    assert c["auc_full"] > c["auc_baseline"] + 0.2 and c["verdict"] == "adds measurable value", c
+    # runs that grokked by t0 are left out, and too few seeds is an error, not a number
+    p = ex.predictive_analysis(runs, traces, t0=50, n_boot=50)
+    assert p["excluded"]["grokked by t0"] == 0
+    one = [r for r in runs if r["config"]["seed"] == 0]
+    assert "error" in ex.predictive_analysis(one, traces, t0=50, n_boot=50)
+
+
+# ------------------------------------------------------------------ CLI on synthetic stores
+
+def _long_fake_train(cfg):
+    """A 20,000-epoch run: seeds ≥ 2 anti-grok (five stages), the others keep grokking (two stages)."""
+    anti = cfg.seed >= 2
+    trace = five_stage_trace(cfg.seed, collapse=anti, stages=4 if anti else 2, eval_every=20)
+    t_grok = next(r["epoch"] for r in trace if r["test_acc"] >= 0.99)
+    result = {"run_id": cfg.run_id(), "regime": "anti-grok" if anti else "grok", "t_grok_epoch": t_grok,
+              "t_mem_epoch": 50, "final_test_acc": trace[-1]["test_acc"], "n_params": 1000}
+    return SimpleNamespace(config=cfg, result=result, trace=trace)
+
+
+TINY = dict(preset="custom", n_layers=1, n_heads=2, d_model=32, d_ff=64, p=11)
+
+
+def test_analyze_and_plot_long_horizon_store(tmp_path, capsys):
+    path = tmp_path / "long.sqlite"
+    grid = sw.build_grid({**TINY, "epochs": 20000, "stop_at_grok": False, "eval_every": 20}, [1.0], range(4))
+    with Store(path) as st:
+        sw.run_sweep(grid, st, workers=1, train_fn=_long_fake_train, progress=False)
+    main(["analyze", str(path), "--n-boot", "20"])
+    text = capsys.readouterr().out
+    assert "== retention (trained to the horizon)" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("1 ") and "0.500" in line)
+    assert row.split()[1:5] == ["4", "4", "2", "0.500"], row       # 4 runs, 4 grokked, 2 retained
+    assert "stages (segment_stages): 4 run(s) segmented" in text
+    assert "coordination" in text and "second differentiation" in text and "collapse" in text
+    main(["analyze", str(path), "--n-boot", "20", "--json"])
+    g = json.loads(capsys.readouterr().out)["groups"][0]
+    assert g["retention"][0]["anti_grok"] == 2
+    anti = [s for s in g["stages"] if s["regime"] == "anti-grok"]
+    assert all([x["stage"] for x in s["stages"]] == list(ex.STAGES) for s in anti)
+    main(["plot", str(path), "--out", str(tmp_path / "f"), "--n-boot", "20", "--format", "png"])
+    assert (tmp_path / "f" / "stages.png").stat().st_size > 5000
+
+
+def _headdim_fake_train(cfg):
+    rng = random.Random(f"{cfg.d_model}/{cfg.n_heads}/{cfg.seed}")
+    x = cfg.d_model / cfg.n_heads
+    peak = 0.04 + 0.07 * (1 - math.exp(-0.15 * x)) + rng.gauss(0, 0.003)
+    trace = [{"epoch": e, "step": e, "train_acc": 1.0, "test_acc": 1.0 if e >= 20 else 0.1,
+              "s_bar": 0.95, "sigma_h": peak if e == 30 else 0.03} for e in (10, 20, 30, 40)]
+    result = {"run_id": cfg.run_id(), "regime": "grok", "t_grok_epoch": 20, "n_params": 1000}
+    return SimpleNamespace(config=cfg, result=result, trace=trace)
+
+
+def test_headdim_command_fits_and_draws(tmp_path, capsys, monkeypatch):
+    import fastdiag.train
+    monkeypatch.setattr(fastdiag.train, "train_run", _headdim_fake_train)
+    store, out = tmp_path / "hd.sqlite", tmp_path / "hd"
+    args = ["headdim", "--d-model", "16,32,64,128", "--heads", "2,4,8,3", "--wd", "1", "--seeds", "3",
+            "--p", "11", "--epochs", "40", "--store", str(store), "--out", str(out), "--workers", "1",
+            "--n-boot", "200", "--quiet", "--device", "cpu"]
+    main(args)
+    cap = capsys.readouterr()
+    assert "skipped d=16, H=3 (H does not divide d)" in cap.err
+    assert "saturating fit σ_max = c + a(1 − exp(−b·d/H))" in cap.out and "plateau c + a = 0.1" in cap.out
+    report = json.loads((out / "headdim.json").read_text())
+    assert report["n_points"] == 36 and abs(report["fit"]["plateau"] - 0.11) < 0.01
+    assert (out / "headdim.png").stat().st_size > 5000
+    main(args)                                          # finished runs are skipped
+    assert "36 already done" in capsys.readouterr().err
+    main(["analyze", str(store), "--n-boot", "50"])
+    assert "== per-head dimension (λ = 1.0)" in capsys.readouterr().out
+    main(["plot", str(store), "--out", str(tmp_path / "p"), "--n-boot", "50", "--format", "png"])
+    assert (tmp_path / "p" / "headdim.png").exists()
+
+
+def test_analyze_predict_on_a_store(tmp_path, capsys):
+    runs, traces = _predict_runs("baseline", n_seeds=8, n_lambda=4)
+    by_key = {(r["config"]["seed"], r["config"]["weight_decay"]): r for r in runs}
+
+    def fake(cfg):
+        r = by_key[(cfg.seed, round(cfg.weight_decay, 10))]
+        return SimpleNamespace(config=cfg, result={**r["result"], "run_id": cfg.run_id()}, trace=traces[r["run_id"]])
+
+    lambdas = sorted({round(k[1], 10) for k in by_key})
+    path = tmp_path / "pred.sqlite"
+    with Store(path) as st:
+        sw.run_sweep(sw.build_grid({**TINY, "epochs": 2000}, lambdas, range(8)), st, workers=1, train_fn=fake,
+                     progress=False)
+    main(["analyze", str(path), "--n-boot", "100", "--predict", "--t0", "50"])
+    text = capsys.readouterr().out
+    assert "== predictive value at t0 = 50 epochs (given)" in text
+    assert "groks by the horizon (held-out AUC" in text and "s̄/σ_H adds no measurable value" in text
+    main(["analyze", str(path), "--n-boot", "100", "--predict", "--json"])
+    p = json.loads(capsys.readouterr().out)["predict"]
+    assert p["t0_source"] == "median t_mem" and p["t0"] == 40
+    with pytest.raises(SystemExit) as exc:
+        main(["analyze", str(path), "--predict", "--test-frac", "1.5"])
+    assert exc.value.code == 2
