@@ -226,3 +226,53 @@ def format_step_table(rows: list[dict]) -> str:
         lines.append(f"{r['name']:<20} {r['base_ms']:>9.3f} {r['every10_ms']:>9.3f} {r['every1_ms']:>9.3f} "
                      f"{r['overhead_every10_pct']:>9.2f} {r['overhead_every1_pct']:>8.2f}")
     return "\n".join(lines)
+
+
+# ---- sweep throughput: vectorised ensembles against one run at a time -------------------------
+
+@dataclass
+class EnsembleResult:
+    device: str
+    members: int
+    epochs: int
+    one_by_one_s: float
+    ensemble_s: float
+    runs_per_hour_one_by_one: float
+    runs_per_hour_ensemble: float
+    speedup: float
+
+
+def bench_ensemble(device: torch.device, members: int | None = None, epochs: int = 3,
+                   progress: Callable[[str], None] = print) -> EnsembleResult:
+    """Canonical grokking runs (distinct seeds and λ), each trained ``epochs`` epochs with
+    diagnostics: one by one, then all together as one ensemble, in the same process."""
+    from fastdiag.config import RunConfig
+    from fastdiag.ensemble import default_ensemble_size, train_ensemble
+    from fastdiag.train import train_run
+
+    k = members or default_ensemble_size(device.type)
+    cfgs = [RunConfig(seed=i, weight_decay=[0.1, 0.3, 1.0, 3.0][i % 4], epochs=epochs, stop_at_grok=False,
+                      device=device.type) for i in range(k)]
+    # warm-up (allocator, kernels) outside the timing
+    train_ensemble([RunConfig(seed=99, epochs=1, device=device.type)] * 1)
+    progress(f"ensemble: {k} runs one by one ...")
+    t0 = time.perf_counter()
+    for cfg in cfgs:
+        train_run(cfg)
+    single = time.perf_counter() - t0
+    progress(f"ensemble: {k} runs as one ensemble ...")
+    t0 = time.perf_counter()
+    train_ensemble(cfgs)
+    together = time.perf_counter() - t0
+    return EnsembleResult(device.type, k, epochs, single, together, 3600 * k / single, 3600 * k / together,
+                          single / together)
+
+
+def format_ensemble_table(rows: list[dict]) -> str:
+    head = f"{'device':<7} {'K':>4} {'epochs':>6} {'1-by-1 s':>9} {'ensemble s':>10} {'runs/h 1-by-1':>14} {'runs/h ens':>11} {'speed-up':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['device']:<7} {r['members']:>4} {r['epochs']:>6} {r['one_by_one_s']:>9.1f} "
+                     f"{r['ensemble_s']:>10.1f} {r['runs_per_hour_one_by_one']:>14.0f} "
+                     f"{r['runs_per_hour_ensemble']:>11.0f} {r['speedup']:>9.2f}")
+    return "\n".join(lines)

@@ -32,12 +32,15 @@ def _machine(device: torch.device) -> str:
 @click.option("--shapes", default=",".join(bench.KERNEL_SHAPES), show_default=True,
               help="Comma list of kernel shapes: " + ", ".join(f"{k}={v}" for k, v in bench.KERNEL_SHAPES.items()))
 @click.option("--steps/--no-steps", default=True, show_default=True, help="Also time training steps with attach.")
+@click.option("--ensembles/--no-ensembles", default=True, show_default=True,
+              help="Also time a sweep's runs as one vectorised ensemble against one by one.")
+@click.option("--members", type=click.IntRange(2), default=None, help="Ensemble size K (default 32 GPU, 8 CPU).")
 @click.option("--no-compile", is_flag=True, help="Skip the torch.compile'd reference.")
 @click.option("--repeats", type=click.IntRange(3), default=15, show_default=True, help="Timed repeats (CPU).")
 @click.option("--blocks", type=click.IntRange(3), default=15, show_default=True, help="Alternating step blocks.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write all measurements to this JSON file.")
-def bench_command(device, shapes, steps, no_compile, repeats, blocks, json_path):
+def bench_command(device, shapes, steps, ensembles, members, no_compile, repeats, blocks, json_path):
     """Measure fastdiag's overhead against a pure-PyTorch reference (kernel) and per training step."""
     dev = _device(device)
     names = [s.strip() for s in shapes.split(",") if s.strip()]
@@ -59,6 +62,9 @@ def bench_command(device, shapes, steps, no_compile, repeats, blocks, json_path)
     if steps:
         for name, factory in bench.step_workloads(dev).items():
             step_rows.append(asdict(bench.bench_step(name, factory, dev, blocks=blocks, progress=progress)))
+    ensemble_rows = []
+    if ensembles:
+        ensemble_rows.append(asdict(bench.bench_ensemble(dev, members, progress=progress)))
     click.echo("\r\033[K", nl=False, err=True)
     click.echo(f"fastdiag bench — {_machine(dev)}, torch {torch.__version__}, "
                f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
@@ -66,10 +72,14 @@ def bench_command(device, shapes, steps, no_compile, repeats, blocks, json_path)
     if step_rows:
         click.echo()
         click.echo(bench.format_step_table(step_rows))
+    if ensemble_rows:
+        click.echo()
+        click.echo(bench.format_ensemble_table(ensemble_rows))
     if json_path:
         payload = {"machine": _machine(dev), "device": dev.type, "torch": torch.__version__,
                    "python": sys.version.split()[0], "date": datetime.now(timezone.utc).isoformat(),
-                   "kernel": kernel_rows, "step": step_rows}
+                   "kernel": kernel_rows, "step": step_rows,
+                   "ensemble": ensemble_rows}
         with open(json_path, "w") as f:
             json.dump(payload, f, indent=2, default=str)
         click.echo(f"wrote {json_path}")

@@ -101,6 +101,11 @@ def _intervene(heads, d_model, d_ff, weight_decay, heads_to_reinit, reinit_heads
         heads_to_reinit=heads_to_reinit, reinit_heads=iv.parse_heads(reinit_heads), reinit_init=reinit_init,
         clip=clip, after_peak_epochs=after_peak_epochs, peak_patience=peak_patience,
         max_epochs=kw["epochs"]).validate()
+    from .models import build_from_run_config
+
+    with torch.device("meta"):                  # the heads must exist before hours of training
+        iv.choose_heads(build_from_run_config(cfg0, cfg0.p + 1, 3, device=torch.device("meta")),
+                        settings.heads_to_reinit, 0, settings.reinit_heads)
     out_dir = Path(kw["out_dir"]) if kw["out_dir"] else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,20 @@ from .config import RunConfig
 _DEFAULTS = RunConfig()
 
 
+def _parse_ensemble(spec: str, device: str) -> int:
+    if spec == "auto":
+        from .ensemble import default_ensemble_size
+
+        return default_ensemble_size(device)
+    try:
+        size = int(spec)
+    except ValueError:
+        raise CLIError(f"--ensemble: expected a positive integer or 'auto', got {spec!r}") from None
+    if size < 1:
+        raise CLIError(f"--ensemble: must be >= 1, got {size}")
+    return size
+
+
 @click.command("sweep")
 @click.option("--wd", "wd", required=True, metavar="LIST|START:STOP:COUNT",
               help="Weight decays λ: a comma list (0,0.01,0.1,1) or COUNT log-spaced values, e.g. 1e-3:2:13.")
@@ -56,12 +70,15 @@ _DEFAULTS = RunConfig()
               help="Run only shard I of N (0 <= I < N; runs split by run_id), e.g. $SLURM_ARRAY_TASK_ID/8.")
 @click.option("--retry-failed/--skip-failed", default=True, show_default=True,
               help="Rerun runs recorded as failed by an earlier invocation.")
+@click.option("--ensemble", default="auto", show_default=True, metavar="K|auto",
+              help="Train up to K compatible runs (same all but seed and λ; transformer or mlp) as one "
+                   "vectorised model; 1 = one by one; auto = 32 on a GPU, 8 on a CPU.")
 @click.option("--dry-run", is_flag=True, help="Print the grid size and exit without running.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line.")
 def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, epochs, lr, batch_size,
               train_frac, eval_every, diag_every, grok_threshold, stop_at_grok, patience, device,
               store_path, backend, workers, threads, address, max_retries, shard, retry_failed,
-              dry_run, quiet):
+              ensemble, dry_run, quiet):
     """Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."""
     from . import sweep as sw
     from .store import Store
@@ -72,6 +89,7 @@ def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, 
         raise CLIError(f"--threads: must be >= 1, got {threads}")
     if max_retries < 0:
         raise CLIError(f"--max-retries: must be >= 0, got {max_retries}")
+    ensemble_size = _parse_ensemble(ensemble, device)
     weight_decays = sw.parse_wd(wd)
     seed_list = sw.parse_seeds(seeds)
     archs = sw.parse_list(arch, "arch")
@@ -98,7 +116,7 @@ def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, 
     try:
         summary = sw.run_sweep(configs, store, backend=backend, workers=workers, threads=threads,
                                address=address, max_retries=max_retries, retry_failed=retry_failed,
-                               progress=not quiet)
+                               ensemble=ensemble_size, progress=not quiet)
     finally:
         store.close()
     regimes = ", ".join(f"{r} {n}" for r, n in sorted(summary.regimes.items())) or "none"

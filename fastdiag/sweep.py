@@ -361,9 +361,13 @@ def _duration(seconds: float) -> str:
 
 def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "local",
               workers: int | None = None, threads: int | None = None, address: str | None = None,
-              max_retries: int = 2, retry_failed: bool = True,
+              max_retries: int = 2, retry_failed: bool = True, ensemble: int = 1,
               train_fn: Callable | None = None, progress: bool | Progress = True) -> SweepSummary:
-    """Register ``configs`` in ``store`` and run those not finished yet. Returns a SweepSummary."""
+    """Register ``configs`` in ``store`` and run those not finished yet. Returns a SweepSummary.
+
+    ``ensemble`` > 1 trains compatible runs (same everything but seed and λ, an architecture that
+    vectorises) as vectorised ensembles of up to that many members (`fastdiag.ensemble`); the
+    others, and the members of an ensemble whose worker died, run one by one as usual."""
     if backend not in BACKENDS:
         raise ValueError(f"--backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     if max_retries < 0:
@@ -403,6 +407,9 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
             bar.update(failed=True)
 
     try:
+        if todo and ensemble > 1 and train_fn is None:
+            todo = _run_packs(todo, store, finish, ensemble=ensemble, backend=backend, workers=workers,
+                              threads=threads, address=address, max_retries=max_retries)
         if todo:
             if backend == "ray":
                 _run_ray(todo, store, finish, address=address, max_retries=max_retries, train_fn=train_fn)
@@ -532,6 +539,87 @@ def _run_local(todo: list[RunConfig], store: Store, finish, *, workers, threads,
         finally:
             if solo is not None:
                 solo.shutdown(wait=True, cancel_futures=True)
+
+
+def _execute_pack(cfg_dicts: list[dict]) -> list[dict]:
+    """Train runs as one vectorised ensemble; like `_execute`, failures come back as data."""
+    from fastdiag.ensemble import train_ensemble
+
+    started = time.time()
+    worker = f"{_hostname()}:{os.getpid()}"
+    try:
+        outcomes = train_ensemble([RunConfig.from_dict(d) for d in cfg_dicts])
+    except Exception as exc:  # noqa: BLE001 - recorded as failed runs, the sweep goes on
+        error = f"ensemble of {len(cfg_dicts)}: {type(exc).__name__}: {exc}"
+        return [{"ok": False, "error": error, "started": started, "finished": time.time(), "worker": worker}
+                for _ in cfg_dicts]
+    return [{"ok": True, "result": dict(o.result), "trace": list(o.trace), "started": started,
+             "finished": time.time(), "worker": worker} for o in outcomes]
+
+
+def _run_packs(todo: list[RunConfig], store: Store, finish, *, ensemble, backend, workers, threads,
+               address, max_retries) -> list[RunConfig]:
+    """Run the vectorisable runs of ``todo`` as ensembles; return the runs left to run one by one."""
+    from fastdiag.ensemble import pack_runs
+
+    packs = pack_runs(todo, ensemble)
+    left = [p[0] for p in packs if len(p) == 1]
+    packs = [p for p in packs if len(p) > 1]
+    if not packs:
+        return left
+    if backend == "ray":
+        import ray
+
+        started_here = not ray.is_initialized()
+        if started_here:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        try:
+            task = ray.remote(_ray_execute_pack).options(max_retries=max_retries, retry_exceptions=False,
+                                                         num_cpus=1)
+            refs = {task.remote([c.to_dict() for c in pack]): pack for pack in packs}
+            store.mark_running([c.run_id() for pack in packs for c in pack], worker="ray")
+            while refs:
+                ready, _ = ray.wait(list(refs), num_returns=1)
+                for ref in ready:
+                    pack = refs.pop(ref)
+                    try:
+                        outs = ray.get(ref)
+                    except Exception:  # noqa: BLE001 - lost after retries: its runs go one by one
+                        left += pack
+                        continue
+                    for cfg, out in zip(pack, outs):
+                        finish(cfg, out)
+        finally:
+            if started_here:
+                ray.shutdown()
+        return left
+
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+
+    n_workers, n_threads = plan_local(todo, workers)
+    n_threads = threads if threads is not None else n_threads
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(n_workers, len(packs)), mp_context=ctx,
+                             initializer=_init_worker, initargs=(n_threads,)) as pool:
+        futures = {pool.submit(_execute_pack, [c.to_dict() for c in pack]): pack for pack in packs}
+        store.mark_running([c.run_id() for pack in packs for c in pack])
+        for fut in as_completed(futures):
+            pack = futures[fut]
+            try:
+                outs = fut.result()
+            except BrokenProcessPool:   # a worker died: its runs are retried one by one
+                left += pack
+                continue
+            for cfg, out in zip(pack, outs):
+                finish(cfg, out)
+    return left
+
+
+def _ray_execute_pack(cfg_dicts: list[dict]) -> list[dict]:
+    _init_worker(1)
+    return _execute_pack(cfg_dicts)
 
 
 _STARTED = None

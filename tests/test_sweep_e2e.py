@@ -133,3 +133,30 @@ def test_impossible_grid_is_one_line_exit_2(tmp_path, args, match):
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and match in r.stderr, r.stderr
     assert not (tmp_path / "s.sqlite").exists()                # nothing created for a bad grid
+
+
+def test_sweep_packs_runs_into_ensembles(tmp_path):
+    """`--ensemble 4`: vectorisable runs train together, the rest one by one; same store form."""
+    import json
+    import sqlite3
+    import subprocess
+    import sys
+
+    store = tmp_path / "ens.sqlite"
+    common = ["--p", "11", "--epochs", "4", "--store", str(store), "--workers", "1", "--threads", "1", "-q"]
+    sizes = {"transformer": ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "32", "--d-ff", "64"],
+             "lstm": ["--layers", "1", "--d-model", "32"]}
+    for arch, size in sizes.items():
+        args = [sys.executable, "-m", "fastdiag.cli", "sweep", "--wd", "0.3,1", "--seeds", "2", "--arch", arch,
+                "--ensemble", "4", *size, *common]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+    con = sqlite3.connect(store)
+    rows = con.execute("SELECT status, result FROM runs").fetchall()
+    assert len(rows) == 8 and all(status == "done" for status, _ in rows)
+    results = [json.loads(r) for _, r in rows]
+    packed = [r for r in results if r.get("ensemble_size") == 4]
+    assert len(packed) == 4 and all(r["config"]["arch"] == "transformer" for r in packed)
+    assert all(r["config"]["arch"] == "lstm" for r in results if "ensemble_size" not in r)
+    traces = con.execute("SELECT run_id, COUNT(*) FROM trace GROUP BY run_id").fetchall()
+    assert len(traces) == 8 and all(n == 4 for _, n in traces)
