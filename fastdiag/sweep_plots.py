@@ -495,6 +495,9 @@ def headdim_figure(analysis: dict, stem: Path, title_note: str = "", formats=FOR
             else:
                 title = _wrap(f"no saturating fit: {_why(fit)}", 60)
             ax.set_xscale("log")
+            from matplotlib.ticker import NullFormatter
+            ax.set_xticks(bx, [f"{x:g}" for x in bx])
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.legend(loc="lower right")
         else:
             title = "no grokked runs with σ_H after $t_{grok}$"
