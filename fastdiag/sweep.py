@@ -17,6 +17,7 @@ whose trainer raises is recorded ``failed`` with its error; the sweep goes on.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -568,12 +569,7 @@ def _run_packs(todo: list[RunConfig], store: Store, finish, *, ensemble, backend
     if not packs:
         return left
     if backend == "ray":
-        import ray
-
-        started_here = not ray.is_initialized()
-        if started_here:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
-        try:
+        with _ray_session(address) as ray:
             task = ray.remote(_ray_execute_pack).options(max_retries=max_retries, retry_exceptions=False,
                                                          num_cpus=1)
             refs = {task.remote([c.to_dict() for c in pack]): pack for pack in packs}
@@ -589,9 +585,6 @@ def _run_packs(todo: list[RunConfig], store: Store, finish, *, ensemble, backend
                         continue
                     for cfg, out in zip(pack, outs):
                         finish(cfg, out)
-        finally:
-            if started_here:
-                ray.shutdown()
         return left
 
     import multiprocessing
@@ -631,7 +624,9 @@ def _execute_tracked(cfg_dict: dict, train_fn: Callable | None = None) -> dict:
     return _execute(cfg_dict, train_fn)
 
 
-def _run_ray(todo: list[RunConfig], store: Store, finish, *, address, max_retries, train_fn) -> None:
+@contextlib.contextmanager
+def _ray_session(address: str | None):
+    """Connect to (or start) Ray for the duration of a sweep; shut down only what was started here."""
     try:
         import ray
     except ImportError:
@@ -645,6 +640,14 @@ def _run_ray(todo: list[RunConfig], store: Store, finish, *, address, max_retrie
                              f"{address or '(local)'}: {' '.join(str(exc).split())}") from None
         started_here = True
     try:
+        yield ray
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _run_ray(todo: list[RunConfig], store: Store, finish, *, address, max_retries, train_fn) -> None:
+    with _ray_session(address) as ray:
         gpus = ray.cluster_resources().get("GPU", 0)
 
         def remote_for(cfg: RunConfig):
@@ -670,12 +673,6 @@ def _run_ray(todo: list[RunConfig], store: Store, finish, *, address, max_retrie
                     out = {"ok": False, "error": f"ray task failed after {max_retries} retries: "
                                                  f"{type(exc).__name__}: {msg}"}
                 finish(cfg, out)
-    except BaseException:
-        if started_here:
-            ray.shutdown()
-        raise
-    if started_here:
-        ray.shutdown()
 
 
 def _ray_execute(cfg_dict: dict, train_fn=None) -> dict:

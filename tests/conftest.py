@@ -8,3 +8,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def one_thread():
+    """Training tests run one torch thread: on a shared 2-core machine two threads per process
+    slow tiny models down several times."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

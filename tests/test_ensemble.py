@@ -14,12 +14,7 @@ SMALL = dict(preset="custom", n_layers=2, n_heads=4, d_model=64, d_ff=256, p=31,
              lr=3e-3, batch_size=128, eval_every=10, epochs=300, device="cpu")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("arch", ["transformer", "mlp"])

@@ -21,12 +21,7 @@ SMALL = dict(preset="custom", n_layers=2, n_heads=4, d_model=32, d_ff=64, p=11, 
              batch_size=32, eval_every=2, diag_every=1, grok_threshold=0.6, device="cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed=0):

@@ -57,3 +57,13 @@ def test_ray_backend_real_runs_and_lost_workers(local_ray, tmp_path):
         assert (failed["config"]["weight_decay"], failed["config"]["seed"]) == (1.0, 1)
         assert "ray task failed after 1 retries" in failed["error"]
         assert st.counts() == {"pending": 0, "running": 0, "done": 3, "failed": 1}
+
+
+def test_ray_backend_trains_ensembles(local_ray, tmp_path):
+    grid = sw.build_grid(TINY, [0.1, 1.0], [0, 1])
+    with Store(tmp_path / "ens.sqlite") as st:
+        summary = sw.run_sweep(grid, st, backend="ray", ensemble=4, progress=False)
+        assert summary.done == 4 and summary.failed == 0
+        runs = st.runs("done")
+        assert len(runs) == 4 and all(r["result"]["ensemble_size"] == 4 for r in runs)
+        assert all(len(st.trace(r["run_id"])) == 3 for r in runs)
