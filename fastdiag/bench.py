@@ -168,36 +168,39 @@ def step_workloads(device: torch.device) -> dict[str, Callable[[], tuple]]:
 
 def bench_step(name: str, factory, device: torch.device, blocks: int = 15, block_steps: int = 10,
                progress: Callable[[str], None] = print) -> StepResult:
-    import copy
-
+    """Blocks of ``block_steps`` training steps without fastdiag, with attach(every=10) and with
+    attach(every=1), in rotating order on ONE model and optimizer: no variant gets a luckier copy
+    of the weights in memory, and slow drifts of the machine hit all variants alike."""
     import fastdiag
 
     model, batch, targets, last_only = factory()
-    variants = {"base": model, "every10": copy.deepcopy(model), "every1": copy.deepcopy(model)}
-    monitors = [fastdiag.attach(variants["every10"], every=10), fastdiag.attach(variants["every1"], every=1)]
-    optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in variants.items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    variants = {"base": None, "every10": 10, "every1": 1}
 
-    def run_block(key):
-        m, opt = variants[key], optimizers[key]
+    def run_block(every):
+        monitor = fastdiag.attach(model, every=every) if every else None
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(block_steps):
-            _training_step(m, batch, targets, opt, last_only)
+            _training_step(model, batch, targets, opt, last_only)
+        if monitor is not None:
+            monitor.latest()   # the statistics are really computed and readable (one sync)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3 / block_steps
+        elapsed = (time.perf_counter() - t0) * 1e3 / block_steps
+        if monitor is not None:
+            monitor.detach()
+        return elapsed
 
-    for key in variants:  # warm-up
-        run_block(key)
+    for every in variants.values():  # warm-up
+        run_block(every)
     samples = {k: [] for k in variants}
+    order = list(variants)
     for i in range(blocks):
         progress(f"step {name} block {i + 1}/{blocks}")
-        for key in variants:  # alternate so drifts hit every variant alike
-            samples[key].append(run_block(key))
-    for m in monitors:
-        m.history()   # the statistics were really computed and are readable
-        m.detach()
+        for key in order[i % 3:] + order[:i % 3]:
+            samples[key].append(run_block(variants[key]))
     ratio10 = statistics.median(a / b for a, b in zip(samples["every10"], samples["base"]))
     ratio1 = statistics.median(a / b for a, b in zip(samples["every1"], samples["base"]))
     med = {k: statistics.median(v) for k, v in samples.items()}

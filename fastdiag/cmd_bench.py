@@ -37,13 +37,13 @@ def _machine(device: torch.device) -> str:
 @click.option("--members", type=click.IntRange(2), default=None, help="Ensemble size K (default 32 GPU, 8 CPU).")
 @click.option("--no-compile", is_flag=True, help="Skip the torch.compile'd reference.")
 @click.option("--repeats", type=click.IntRange(3), default=15, show_default=True, help="Timed repeats (CPU).")
-@click.option("--blocks", type=click.IntRange(3), default=15, show_default=True, help="Alternating step blocks.")
+@click.option("--blocks", type=click.IntRange(3), default=21, show_default=True, help="Alternating step blocks.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write all measurements to this JSON file.")
 def bench_command(device, shapes, steps, ensembles, members, no_compile, repeats, blocks, json_path):
     """Measure fastdiag's overhead against a pure-PyTorch reference (kernel) and per training step."""
     dev = _device(device)
-    names = [s.strip() for s in shapes.split(",") if s.strip()]
+    names = [s.strip() for s in shapes.split(",") if s.strip()]   # "" = no kernel rows
     unknown = [s for s in names if s not in bench.KERNEL_SHAPES]
     if unknown:
         raise click.ClickException(f"--shapes: unknown shape(s) {', '.join(unknown)}; "
@@ -68,7 +68,8 @@ def bench_command(device, shapes, steps, ensembles, members, no_compile, repeats
     click.echo("\r\033[K", nl=False, err=True)
     click.echo(f"fastdiag bench — {_machine(dev)}, torch {torch.__version__}, "
                f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
-    click.echo(bench.format_kernel_table(kernel_rows))
+    if kernel_rows:
+        click.echo(bench.format_kernel_table(kernel_rows))
     if step_rows:
         click.echo()
         click.echo(bench.format_step_table(step_rows))
