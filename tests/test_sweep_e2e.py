@@ -78,7 +78,7 @@ def test_mamba_sweep_on_cpu(tmp_path):
 def test_kill_9_then_rerun_redoes_only_unfinished(tmp_path):
     store = tmp_path / "k.sqlite"
     args = ["sweep", "--wd", "0.03,0.1,0.3,1", "--seeds", "2", *TINY, "--epochs", "300", "--no-stop-at-grok",
-            "--workers", "1", "--threads", "1", "--store", str(store)]
+            "--workers", "1", "--threads", "1", "--ensemble", "1", "--store", str(store)]
     proc = subprocess.Popen([sys.executable, "-m", "fastdiag.cli", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
