@@ -91,10 +91,12 @@ def _check_pack(cfgs: Sequence[RunConfig]) -> None:
         raise ValueError("cfgs: duplicate runs in one ensemble")
 
 
-def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], None] | None = None) -> list[RunOutcome]:
+def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], None] | None = None,
+                   on_finish: Callable[[int, RunOutcome], None] | None = None) -> list[RunOutcome]:
     """Train the runs ``cfgs`` as one vectorised model; returns their outcomes in the given order.
 
-    ``progress(member_index, row)`` receives every member's trace rows.
+    ``progress(member_index, row)`` receives every member's trace rows; ``on_finish(member_index,
+    outcome)`` is called as soon as a member is done, so a caller can store it before the others end.
     """
     from fastdiag.models import attention_modules, build_from_run_config, count_parameters
     from fastdiag.models.ensemble import stack_models
@@ -134,6 +136,8 @@ def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], No
                                       has_attention=bool(layer_names), n_params=n_params, device=device)
         result["ensemble_size"] = len(cfgs)
         outcomes[pos] = RunOutcome(config=cfgs[pos], result=result, trace=list(trackers[pos].trace))
+        if on_finish is not None:
+            on_finish(pos, outcomes[pos])
 
     while active:
         epoch += 1

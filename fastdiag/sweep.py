@@ -542,20 +542,30 @@ def _run_local(todo: list[RunConfig], store: Store, finish, *, workers, threads,
                 solo.shutdown(wait=True, cancel_futures=True)
 
 
-def _execute_pack(cfg_dicts: list[dict]) -> list[dict]:
-    """Train runs as one vectorised ensemble; like `_execute`, failures come back as data."""
+def _execute_pack(cfg_dicts: list[dict], finished_queue=None) -> list[dict]:
+    """Train runs as one vectorised ensemble; like `_execute`, failures come back as data. With a
+    ``finished_queue``, each member's output is also put there (index, out) the moment it is done,
+    so the driver stores it at once instead of when the whole pack ends."""
     from fastdiag.ensemble import train_ensemble
 
     started = time.time()
     worker = f"{_hostname()}:{os.getpid()}"
+
+    def output(outcome) -> dict:
+        return {"ok": True, "result": dict(outcome.result), "trace": list(outcome.trace), "started": started,
+                "finished": time.time(), "worker": worker}
+
+    def on_finish(index, outcome) -> None:
+        if finished_queue is not None:
+            finished_queue.put((index, output(outcome)))
+
     try:
-        outcomes = train_ensemble([RunConfig.from_dict(d) for d in cfg_dicts])
+        outcomes = train_ensemble([RunConfig.from_dict(d) for d in cfg_dicts], on_finish=on_finish)
     except Exception as exc:  # noqa: BLE001 - recorded as failed runs, the sweep goes on
         error = f"ensemble of {len(cfg_dicts)}: {type(exc).__name__}: {exc}"
         return [{"ok": False, "error": error, "started": started, "finished": time.time(), "worker": worker}
                 for _ in cfg_dicts]
-    return [{"ok": True, "result": dict(o.result), "trace": list(o.trace), "started": started,
-             "finished": time.time(), "worker": worker} for o in outcomes]
+    return [output(o) for o in outcomes]
 
 
 def _run_packs(todo: list[RunConfig], store: Store, finish, *, ensemble, backend, workers, threads,
@@ -588,25 +598,46 @@ def _run_packs(todo: list[RunConfig], store: Store, finish, *, ensemble, backend
         return left
 
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    import queue as queue_module
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
     n_workers, n_threads = plan_local(todo, workers)
     n_threads = threads if threads is not None else n_threads
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(n_workers, len(packs)), mp_context=ctx,
-                             initializer=_init_worker, initargs=(n_threads,)) as pool:
-        futures = {pool.submit(_execute_pack, [c.to_dict() for c in pack]): pack for pack in packs}
+    with ctx.Manager() as manager, ProcessPoolExecutor(
+            max_workers=min(n_workers, len(packs)), mp_context=ctx,
+            initializer=_init_worker, initargs=(n_threads,)) as pool:
+        finished_queues = [manager.Queue() for _ in packs]
+        futures = {pool.submit(_execute_pack, [c.to_dict() for c in pack], q): (pack, q)
+                   for pack, q in zip(packs, finished_queues)}
         store.mark_running([c.run_id() for pack in packs for c in pack])
-        for fut in as_completed(futures):
-            pack = futures[fut]
-            try:
-                outs = fut.result()
-            except BrokenProcessPool:   # a worker died: its runs are retried one by one
-                left += pack
-                continue
-            for cfg, out in zip(pack, outs):
-                finish(cfg, out)
+        stored: set[str] = set()
+
+        def drain(pack, q) -> None:   # members done so far go to the store now
+            while True:
+                try:
+                    index, out = q.get_nowait()
+                except queue_module.Empty:
+                    return
+                finish(pack[index], out)
+                stored.add(pack[index].run_id())
+
+        while futures:
+            done, _ = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
+            for pack, q in futures.values():
+                drain(pack, q)
+            for fut in done:
+                pack, q = futures.pop(fut)
+                drain(pack, q)
+                try:
+                    outs = fut.result()
+                except BrokenProcessPool:   # a worker died: its unfinished runs go one by one
+                    left += [c for c in pack if c.run_id() not in stored]
+                    continue
+                for cfg, out in zip(pack, outs):
+                    if cfg.run_id() not in stored:
+                        finish(cfg, out)
     return left
 
 

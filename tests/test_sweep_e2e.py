@@ -160,3 +160,31 @@ def test_sweep_packs_runs_into_ensembles(tmp_path):
     assert all(r["config"]["arch"] == "lstm" for r in results if "ensemble_size" not in r)
     traces = con.execute("SELECT run_id, COUNT(*) FROM trace GROUP BY run_id").fetchall()
     assert len(traces) == 8 and all(n == 4 for _, n in traces)
+
+
+def test_kill_9_mid_ensemble_keeps_members_that_finished_early(tmp_path):
+    """Packed runs are stored the moment their member is done, not when the whole ensemble ends."""
+    store = tmp_path / "ke.sqlite"
+    groks = ["--preset", "custom", "--layers", "2", "--heads", "4", "--d-model", "64", "--d-ff", "256",
+             "--p", "31", "--train-frac", "0.7", "--lr", "3e-3", "--batch", "128", "--eval-every", "10"]
+    args = ["sweep", "--wd", "0,1", "--seeds", "2", *groks, "--epochs", "300", "--ensemble", "4",
+            "--workers", "1", "--threads", "1", "--store", str(store)]
+    proc = subprocess.Popen([sys.executable, "-m", "fastdiag.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not finished(store):
+            time.sleep(0.05)
+        assert finished(store), "no member finished in time"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    before = finished(store)
+    assert 1 <= len(before) < 4, "the λ = 1 members grok early; the λ = 0 ones train on to epoch 300"
+    with Store(store) as st:
+        assert all(r["config"]["weight_decay"] == 1.0 for r in st.runs("done"))
+    main(args + ["--quiet"])
+    after = finished(store)
+    assert len(after) == 4 and {k: after[k] for k in before} == before
