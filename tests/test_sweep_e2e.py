@@ -75,14 +75,12 @@ def test_mamba_sweep_on_cpu(tmp_path):
         assert all(r["config"]["arch"] == "mamba" and r["result"]["has_attention"] is False for r in runs)
 
 
-def test_kill_9_then_rerun_redoes_only_unfinished(tmp_path):
-    store = tmp_path / "k.sqlite"
-    args = ["sweep", "--wd", "0.03,0.1,0.3,1", "--seeds", "2", *TINY, "--epochs", "300", "--no-stop-at-grok",
-            "--workers", "1", "--threads", "1", "--ensemble", "1", "--store", str(store)]
+
+def _sweep_then_kill_9_after_first_finished_run(args, store, timeout):
     proc = subprocess.Popen([sys.executable, "-m", "fastdiag.cli", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 180
+        deadline = time.time() + timeout
         while time.time() < deadline and not finished(store):
             time.sleep(0.05)
         assert finished(store), "no run finished in time"
@@ -91,6 +89,12 @@ def test_kill_9_then_rerun_redoes_only_unfinished(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+def test_kill_9_then_rerun_redoes_only_unfinished(tmp_path):
+    store = tmp_path / "k.sqlite"
+    args = ["sweep", "--wd", "0.03,0.1,0.3,1", "--seeds", "2", *TINY, "--epochs", "300", "--no-stop-at-grok",
+            "--workers", "1", "--threads", "1", "--ensemble", "1", "--store", str(store)]
+    _sweep_then_kill_9_after_first_finished_run(args, store, timeout=180)
     before = finished(store)
     assert 1 <= len(before) < 8, "the sweep should have been killed mid-way"
     main(args + ["--quiet"])
@@ -169,18 +173,7 @@ def test_kill_9_mid_ensemble_keeps_members_that_finished_early(tmp_path):
              "--p", "31", "--train-frac", "0.7", "--lr", "3e-3", "--batch", "128", "--eval-every", "10"]
     args = ["sweep", "--wd", "0,1", "--seeds", "2", *groks, "--epochs", "300", "--ensemble", "4",
             "--workers", "1", "--threads", "1", "--store", str(store)]
-    proc = subprocess.Popen([sys.executable, "-m", "fastdiag.cli", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline and not finished(store):
-            time.sleep(0.05)
-        assert finished(store), "no member finished in time"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    _sweep_then_kill_9_after_first_finished_run(args, store, timeout=240)
     before = finished(store)
     assert 1 <= len(before) < 4, "the λ = 1 members grok early; the λ = 0 ones train on to epoch 300"
     with Store(store) as st:
