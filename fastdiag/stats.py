@@ -125,7 +125,11 @@ class HeadStats:
         return h / (c * c).sum((-2, -1))
 
     def spectral_gap(self) -> torch.Tensor:
-        """λ1 − λ2 of C (C is positive semi-definite). NaN for a single head or invalid stats."""
+        """λ1 − λ2 of C (C is positive semi-definite). NaN for a single head or invalid stats.
+
+        Uses ``torch.linalg.eigvalsh``, whose CUDA path may check its solver status on the host: call
+        it at read-out time, not inside a step that must stay free of host syncs (the other
+        read-outs never sync)."""
         c = self.cosine()
         if self.num_heads < 2:
             return torch.full(self.rows.shape, float("nan"), dtype=torch.float64, device=c.device)
