@@ -252,9 +252,25 @@ def _hostname() -> str:
     return socket.gethostname()
 
 
-def _init_worker(threads: int, gpu_counter=None, started_queue=None) -> None:
-    global _STARTED
+def _die_with_parent() -> None:
+    """A worker must not outlive a killed sweep (kill -9 gives the parent no chance to clean up)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+        if os.getppid() == 1:   # the parent died before prctl took effect
+            os._exit(1)
+
+
+def _init_worker(threads: int, gpu_counter=None, started_queue=None, finished_queue=None) -> None:
+    global _STARTED, _FINISHED
     _STARTED = started_queue
+    _FINISHED = finished_queue
+    _die_with_parent()
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
     import torch
@@ -542,10 +558,10 @@ def _run_local(todo: list[RunConfig], store: Store, finish, *, workers, threads,
                 solo.shutdown(wait=True, cancel_futures=True)
 
 
-def _execute_pack(cfg_dicts: list[dict], finished_queue=None) -> list[dict]:
-    """Train runs as one vectorised ensemble; like `_execute`, failures come back as data. With a
-    ``finished_queue``, each member's output is also put there (index, out) the moment it is done,
-    so the driver stores it at once instead of when the whole pack ends."""
+def _execute_pack(cfg_dicts: list[dict], pack_id: int | None = None) -> list[dict]:
+    """Train runs as one vectorised ensemble; like `_execute`, failures come back as data. In a local
+    worker each member's output is also sent to the driver the moment it is done, so it is stored
+    at once instead of when the whole pack ends."""
     from fastdiag.ensemble import train_ensemble
 
     started = time.time()
@@ -556,8 +572,8 @@ def _execute_pack(cfg_dicts: list[dict], finished_queue=None) -> list[dict]:
                 "finished": time.time(), "worker": worker}
 
     def on_finish(index, outcome) -> None:
-        if finished_queue is not None:
-            finished_queue.put((index, output(outcome)))
+        if _FINISHED is not None and pack_id is not None:
+            _FINISHED.put((pack_id, index, output(outcome)))
 
     try:
         outcomes = train_ensemble([RunConfig.from_dict(d) for d in cfg_dicts], on_finish=on_finish)
@@ -598,38 +614,31 @@ def _run_packs(todo: list[RunConfig], store: Store, finish, *, ensemble, backend
         return left
 
     import multiprocessing
-    import queue as queue_module
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
     n_workers, n_threads = plan_local(todo, workers)
     n_threads = threads if threads is not None else n_threads
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Manager() as manager, ProcessPoolExecutor(
-            max_workers=min(n_workers, len(packs)), mp_context=ctx,
-            initializer=_init_worker, initargs=(n_threads,)) as pool:
-        finished_queues = [manager.Queue() for _ in packs]
-        futures = {pool.submit(_execute_pack, [c.to_dict() for c in pack], q): (pack, q)
-                   for pack, q in zip(packs, finished_queues)}
+    finished_q = ctx.SimpleQueue()      # inherited by the workers: members as they finish
+    stored: set[str] = set()
+
+    def drain() -> None:
+        while not finished_q.empty():
+            pack_id, index, out = finished_q.get()
+            cfg = packs[pack_id][index]
+            finish(cfg, out)
+            stored.add(cfg.run_id())
+
+    with ProcessPoolExecutor(max_workers=min(n_workers, len(packs)), mp_context=ctx, initializer=_init_worker,
+                             initargs=(n_threads, None, None, finished_q)) as pool:
+        futures = {pool.submit(_execute_pack, [c.to_dict() for c in pack], i): pack for i, pack in enumerate(packs)}
         store.mark_running([c.run_id() for pack in packs for c in pack])
-        stored: set[str] = set()
-
-        def drain(pack, q) -> None:   # members done so far go to the store now
-            while True:
-                try:
-                    index, out = q.get_nowait()
-                except queue_module.Empty:
-                    return
-                finish(pack[index], out)
-                stored.add(pack[index].run_id())
-
         while futures:
             done, _ = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
-            for pack, q in futures.values():
-                drain(pack, q)
+            drain()
             for fut in done:
-                pack, q = futures.pop(fut)
-                drain(pack, q)
+                pack = futures.pop(fut)
                 try:
                     outs = fut.result()
                 except BrokenProcessPool:   # a worker died: its unfinished runs go one by one
@@ -638,6 +647,8 @@ def _run_packs(todo: list[RunConfig], store: Store, finish, *, ensemble, backend
                 for cfg, out in zip(pack, outs):
                     if cfg.run_id() not in stored:
                         finish(cfg, out)
+                        stored.add(cfg.run_id())
+        drain()
     return left
 
 
@@ -647,6 +658,7 @@ def _ray_execute_pack(cfg_dicts: list[dict]) -> list[dict]:
 
 
 _STARTED = None
+_FINISHED = None   # (pack id, member index, output) of ensemble members, as they finish
 
 
 def _execute_tracked(cfg_dict: dict, train_fn: Callable | None = None) -> dict:
