@@ -143,7 +143,7 @@ def merge_cmd(out, inputs):
     for path in inputs:                       # check every input before touching OUT
         sources.append(open_existing(path))
     target = Store(out, create=True)
-    total = {"added": 0, "updated": 0, "unchanged": 0}
+    total = {"added": 0, "updated": 0, "unchanged": 0, "intervention_arms_added": 0}
     try:
         for src in sources:
             stats = target.merge_from(src)
@@ -155,7 +155,8 @@ def merge_cmd(out, inputs):
         for src in sources:
             src.close()
     click.echo(f"merge: {len(sources)} store(s) into {out}: {total['added']} runs added, "
-               f"{total['updated']} updated, {total['unchanged']} unchanged; now "
+               f"{total['updated']} updated, {total['unchanged']} unchanged, "
+               f"{total['intervention_arms_added']} intervention arms added; now "
                + ", ".join(f"{k} {v}" for k, v in counts.items()))
 
 

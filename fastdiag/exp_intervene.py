@@ -376,6 +376,28 @@ def record_seed(store, experiment: str, cfg: RunConfig, settings: InterventionSe
                               for i, r in enumerate(a["outcome"].trace)])
 
 
+def merge_tables(dst, src) -> int:
+    """Copy the intervention arms of store ``src`` missing from ``dst`` (with their traces); idempotent.
+    Returns how many arms were added."""
+    if not has_tables(src):
+        return 0
+    ensure_tables(dst)
+    have = {r[0] for r in dst.conn.execute("SELECT arm_id FROM intervention_runs")}
+    cols = [r[1] for r in src.conn.execute("PRAGMA table_info(intervention_runs)")]
+    added = 0
+    for row in src.conn.execute(f"SELECT {', '.join(cols)} FROM intervention_runs").fetchall():
+        arm_id = row[cols.index("arm_id")]
+        if arm_id in have:
+            continue
+        trace = src.conn.execute("SELECT arm_id, idx, epoch, step, row FROM intervention_trace WHERE arm_id = ?",
+                                 (arm_id,)).fetchall()
+        with dst.transaction() as conn:
+            conn.execute(f"INSERT INTO intervention_runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", row)
+            conn.executemany("INSERT INTO intervention_trace (arm_id, idx, epoch, step, row) VALUES (?, ?, ?, ?, ?)", trace)
+        added += 1
+    return added
+
+
 def load_experiments(store) -> dict[str, list[dict]]:
     """experiment id → arm rows (dicts with parsed JSON), ordered by seed and arm."""
     if not has_tables(store):

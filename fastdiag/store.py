@@ -307,6 +307,9 @@ class Store:
                                  [(rid, i, r.get("epoch"), r.get("step"), dumps(r)) for i, r in enumerate(trace)])
             stats["added" if here is None else "updated"] += 1
             mine[rid] = run["status"]
+        from .exp_intervene import merge_tables   # experiments keep their own tables
+
+        stats["intervention_arms_added"] = merge_tables(self, other)
         return stats
 
 

@@ -115,3 +115,21 @@ def test_merge_is_idempotent_and_prefers_done(tmp_path):
         assert n_trace == 3
         with pytest.raises(StoreError, match="output store itself"):
             out.merge_from(out)
+
+
+def test_merge_copies_intervention_arms_once(tmp_path):
+    from fastdiag.exp_intervene import ensure_tables
+
+    with Store(tmp_path / "a.sqlite") as sa, Store(tmp_path / "out.sqlite") as out:
+        ensure_tables(sa)
+        with sa.transaction() as conn:
+            for arm in ("control", "reinit", "clip"):
+                conn.execute("INSERT INTO intervention_runs (arm_id, experiment, seed, arm, branch_of, branch_epoch, "
+                             "config, settings, intervention, result, metrics, created_at) "
+                             "VALUES (?, 'x', 0, ?, 'r', 10, '{}', '{}', '{}', '{}', '{}', 0)", (f"x-s0-{arm}", arm))
+                conn.executemany("INSERT INTO intervention_trace (arm_id, idx, epoch, step, row) VALUES (?, ?, ?, ?, '{}')",
+                                 [(f"x-s0-{arm}", i, i, i) for i in range(4)])
+        assert out.merge_from(sa)["intervention_arms_added"] == 3
+        assert out.merge_from(sa)["intervention_arms_added"] == 0
+        assert out.conn.execute("SELECT COUNT(*) FROM intervention_runs").fetchone()[0] == 3
+        assert out.conn.execute("SELECT COUNT(*) FROM intervention_trace").fetchone()[0] == 12
