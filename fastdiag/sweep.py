@@ -600,17 +600,12 @@ def _run_packs(todo: list[RunConfig], store: Store, finish, *, ensemble, backend
                                                          num_cpus=1)
             refs = {task.remote([c.to_dict() for c in pack]): pack for pack in packs}
             store.mark_running([c.run_id() for pack in packs for c in pack], worker="ray")
-            while refs:
-                ready, _ = ray.wait(list(refs), num_returns=1)
-                for ref in ready:
-                    pack = refs.pop(ref)
-                    try:
-                        outs = ray.get(ref)
-                    except Exception:  # noqa: BLE001 - lost after retries: its runs go one by one
-                        left += pack
-                        continue
-                    for cfg, out in zip(pack, outs):
-                        finish(cfg, out)
+            for pack, outs, error in _ray_completed(ray, refs):
+                if error is not None:   # lost after retries: its runs go one by one
+                    left += pack
+                    continue
+                for cfg, out in zip(pack, outs):
+                    finish(cfg, out)
         return left
 
     import multiprocessing
@@ -689,6 +684,19 @@ def _ray_session(address: str | None):
             ray.shutdown()
 
 
+def _ray_completed(ray, refs: dict):
+    """Yield ``(key, result, None)`` or ``(key, None, exception)`` for each Ray task as it completes."""
+    while refs:
+        ready, _ = ray.wait(list(refs), num_returns=1)
+        for ref in ready:
+            key = refs.pop(ref)
+            try:
+                result, error = ray.get(ref), None
+            except Exception as exc:  # noqa: BLE001 - the caller decides what a failure means
+                result, error = None, exc
+            yield key, result, error
+
+
 def _run_ray(todo: list[RunConfig], store: Store, finish, *, address, max_retries, train_fn) -> None:
     with _ray_session(address) as ray:
         gpus = ray.cluster_resources().get("GPU", 0)
@@ -703,19 +711,14 @@ def _run_ray(todo: list[RunConfig], store: Store, finish, *, address, max_retrie
         for cfg in todo:
             refs[remote_for(cfg).remote(cfg.to_dict(), train_fn)] = cfg
         store.mark_running([c.run_id() for c in todo], worker="ray")
-        while refs:
-            ready, _ = ray.wait(list(refs), num_returns=1)
-            for ref in ready:
-                cfg = refs.pop(ref)
-                try:
-                    out = ray.get(ref)
-                except Exception as exc:  # noqa: BLE001 - lost worker after retries, task error, ...
-                    msg = " ".join(str(exc).split())
-                    if len(msg) > 500:
-                        msg = msg[:500] + "..."
-                    out = {"ok": False, "error": f"ray task failed after {max_retries} retries: "
-                                                 f"{type(exc).__name__}: {msg}"}
-                finish(cfg, out)
+        for cfg, out, exc in _ray_completed(ray, refs):
+            if exc is not None:   # lost worker after retries, task error, ...
+                msg = " ".join(str(exc).split())
+                if len(msg) > 500:
+                    msg = msg[:500] + "..."
+                out = {"ok": False, "error": f"ray task failed after {max_retries} retries: "
+                                             f"{type(exc).__name__}: {msg}"}
+            finish(cfg, out)
 
 
 def _ray_execute(cfg_dict: dict, train_fn=None) -> dict:
