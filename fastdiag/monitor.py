@@ -252,13 +252,10 @@ class Monitor:
         if self.all_reduce:
             stats = {name: s.all_reduce(self.group) for name, s in stats.items()}
         summary = summarize(stats)
-        keys = ["s_bar", "sigma_h"]
-        values = [summary.s_bar, summary.sigma_h]
-        for name, v in summary.per_layer.items():
-            keys += [f"sync/{name}", f"spread/{name}"]
-            values += [v["sync"], v["spread"]]
+        values = summary.tensors()
         self._latest, self._latest_summary = stats, summary
-        self._records.append(_Record(step, mode, keys, torch.stack(values).double().reshape(-1)))
+        self._records.append(_Record(step, mode, list(values),
+                                     torch.stack(list(values.values())).double().reshape(-1)))
         self._unlogged += 1
         if self._log is not None and self._unlogged >= self.flush_every:
             self.flush()

@@ -62,15 +62,6 @@ class HeadStats:
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return self.gram, self.entropy_sum, self.rows, self.invalid
 
-    @staticmethod
-    def sum(stats: Sequence["HeadStats"]) -> "HeadStats":
-        if not stats:
-            raise ValueError("stats: expected at least one HeadStats to sum")
-        total = stats[0]
-        for s in stats[1:]:
-            total = total + s
-        return total
-
     def all_reduce(self, group=None) -> "HeadStats":
         """Sum over the ranks of a ``torch.distributed`` group: one flat all-reduce, no host sync."""
         import torch.distributed as dist
@@ -153,16 +144,17 @@ class Summary:
     sigma_h: torch.Tensor
     per_layer: dict[str, dict[str, torch.Tensor]]
 
-    def to_floats(self) -> dict:
-        """Host values (this syncs): ``{"s_bar", "sigma_h", "sync/<layer>", "spread/<layer>"}``."""
-        def scalar(t: torch.Tensor):
-            return t.item() if t.numel() == 1 else t.tolist()
-
-        out = {"s_bar": scalar(self.s_bar), "sigma_h": scalar(self.sigma_h)}
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Device values keyed ``s_bar``, ``sigma_h``, ``sync/<layer>``, ``spread/<layer>``."""
+        out = {"s_bar": self.s_bar, "sigma_h": self.sigma_h}
         for name, values in self.per_layer.items():
-            out[f"sync/{name}"] = scalar(values["sync"])
-            out[f"spread/{name}"] = scalar(values["spread"])
+            out[f"sync/{name}"] = values["sync"]
+            out[f"spread/{name}"] = values["spread"]
         return out
+
+    def to_floats(self) -> dict:
+        """`tensors` as host values (this syncs)."""
+        return {k: (t.item() if t.numel() == 1 else t.tolist()) for k, t in self.tensors().items()}
 
 
 def summarize(stats_per_layer: Mapping[str, HeadStats] | Sequence[HeadStats]) -> Summary:

@@ -160,12 +160,7 @@ def summary_values(pending: dict, layer_names: list[str]) -> dict[str, torch.Ten
         return {}
     from fastdiag.stats import summarize
 
-    summary = summarize({name: pending[name] for name in layer_names})
-    values = {"s_bar": summary.s_bar, "sigma_h": summary.sigma_h}
-    for name in layer_names:
-        values[f"sync/{name}"] = summary.per_layer[name]["sync"]
-        values[f"spread/{name}"] = summary.per_layer[name]["spread"]
-    return values
+    return summarize({name: pending[name] for name in layer_names}).tensors()
 
 
 class Trainer:

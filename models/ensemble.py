@@ -1,6 +1,6 @@
 """K models of one architecture as one vectorised model: every weight gets a leading member axis.
 
-``EnsembleTransformer.from_models(models)`` stacks K `Transformer`s (each built with its own seed,
+``EnsembleTransformer(models)`` stacks K `Transformer`s (each built with its own seed,
 so member k starts exactly where the single run with that seed starts) and runs them in one forward
 pass: batched matmuls over the member axis, one SDPA call per layer, and — on diagnostic steps — one
 ``head_stats`` call per layer on probabilities ``[K, B, H, T, T]``. ``EnsembleMLP`` does the same for
@@ -73,8 +73,6 @@ class _Stacked(nn.Module):
 
 
 class EnsembleTransformer(_Stacked):
-    records_head_stats = False
-
     def __init__(self, models: list[Transformer]) -> None:
         super().__init__(models)
         cfg = models[0].config
@@ -84,10 +82,6 @@ class EnsembleTransformer(_Stacked):
         self.record = False           # on: compute probabilities explicitly and keep HeadStats
         self.diag_backend = "auto"
         self.stats: dict[str, object] = {}
-
-    @classmethod
-    def from_models(cls, models: list[Transformer]) -> "EnsembleTransformer":
-        return cls(models)
 
     def _attention(self, x: torch.Tensor, i: int) -> torch.Tensor:
         p = f"blocks.{i}.attn."
@@ -121,8 +115,6 @@ class EnsembleTransformer(_Stacked):
 
 
 class EnsembleMLP(_Stacked):
-    records_head_stats = False
-
     def __init__(self, models: list[MLP]) -> None:
         super().__init__(models)
         self.config = models[0].config

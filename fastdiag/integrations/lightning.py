@@ -45,13 +45,9 @@ class FastdiagCallback(Callback):
         self.monitor.end_step()
         if self.monitor.num_records > self._records_seen:
             self._records_seen = self.monitor.num_records
-            summary = self.monitor.latest_summary()
-            values = {"fastdiag/s_bar": summary.s_bar, "fastdiag/sigma_h": summary.sigma_h}
-            for name, v in summary.per_layer.items():
-                values[f"fastdiag/sync/{name}"] = v["sync"]
-                values[f"fastdiag/spread/{name}"] = v["spread"]
-            pl_module.log_dict({k: v.float() for k, v in values.items()}, on_step=True, on_epoch=False,
-                               batch_size=1)
+            values = self.monitor.latest_summary().tensors()
+            pl_module.log_dict({f"fastdiag/{k}": v.float() for k, v in values.items()}, on_step=True,
+                               on_epoch=False, batch_size=1)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         if self.monitor is not None and self.monitor.measure_eval:
