@@ -10,7 +10,6 @@ diverged) are dropped from every stacked tensor at the next evaluation, so they 
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Callable, Sequence
 

@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 from .config import ARCHS, RunConfig
 from .store import Store

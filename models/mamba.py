@@ -110,7 +110,6 @@ class SelectiveSSM(nn.Module):
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        L = hidden_states.shape[1]
         x, z = self.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)    # [b, d_inner, l] each
         x = F.silu(causal_depthwise_conv(x, self.conv1d.weight, self.conv1d.bias))
         dt, B, C = self.x_proj(x.transpose(1, 2)).split([self.dt_rank, self.d_state, self.d_state], dim=-1)

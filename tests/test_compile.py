@@ -1,5 +1,4 @@
 """The diagnostics inside compiled graphs: fullgraph, same numbers as eager."""
-import pytest
 import torch
 
 import fastdiag

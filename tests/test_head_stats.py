@@ -6,7 +6,6 @@ import torch
 
 import fastdiag
 from fastdiag.diagnostics import triton_available
-from fastdiag.kernels import head_stats_ref
 from fastdiag.testing import random_probs, random_query_mask
 
 # SPEC §3: relative error against float64 on the same (rounded) inputs.

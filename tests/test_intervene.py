@@ -11,9 +11,9 @@ from scipy import stats
 from fastdiag import exp_intervene as iv
 from fastdiag.cli import main
 from fastdiag.config import RunConfig
-from fastdiag.models import attention_modules, build_from_run_config
-from fastdiag.store import Store, open_existing
-from fastdiag.train import Trainer, train_run
+from fastdiag.models import build_from_run_config
+from fastdiag.store import open_existing
+from fastdiag.train import train_run
 
 # A 2-layer, 4-head model on a+b mod 11; "grokking" at test accuracy 0.6 comes within ~150 epochs,
 # so the peak search, the branch and 3 arms of 10 epochs take ~3 s per seed on one core.

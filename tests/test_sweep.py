@@ -1,7 +1,6 @@
 """Sweep grid parsing, sharding, resuming and failure handling (fast: fake trainers, no real training)."""
 import math
 import random
-import sys
 import textwrap
 from types import SimpleNamespace
 
