@@ -233,9 +233,19 @@ def format_step_table(rows: list[dict]) -> str:
 
 # ---- sweep throughput: vectorised ensembles against one run at a time -------------------------
 
+# The issue's target model, and the small model of the README sweep (where per-op overhead matters more).
+ENSEMBLE_WORKLOADS: dict[str, dict] = {
+    "canonical": dict(epochs=3),
+    "small": dict(preset="custom", n_layers=2, n_heads=4, d_model=64, d_ff=256, p=31, train_frac=0.7,
+                  lr=3e-3, batch_size=128, epochs=30),
+}
+
+
 @dataclass
 class EnsembleResult:
     device: str
+    workload: str
+    runs: int
     members: int
     epochs: int
     one_by_one_s: float
@@ -245,37 +255,49 @@ class EnsembleResult:
     speedup: float
 
 
-def bench_ensemble(device: torch.device, members: int | None = None, epochs: int = 3,
+def bench_ensemble(device: torch.device, workload: str = "canonical", members: int | None = None,
+                   runs: int | None = None, epochs: int | None = None,
                    progress: Callable[[str], None] = print) -> EnsembleResult:
-    """Canonical grokking runs (distinct seeds and λ), each trained ``epochs`` epochs with
-    diagnostics: one by one, then all together as one ensemble, in the same process."""
-    from fastdiag.config import RunConfig
-    from fastdiag.ensemble import default_ensemble_size, train_ensemble
-    from fastdiag.train import train_run
+    """Runs per hour of a real sweep (`sweep.run_sweep`, its default workers and threads, a fresh
+    store each) of ``runs`` runs (distinct seeds and λ, diagnostics on): one by one (``--ensemble 1``)
+    against ensembles of ``members`` (``--ensemble K``), one after the other in this session.
 
-    k = members or default_ensemble_size(device.type)
-    cfgs = [RunConfig(seed=i, weight_decay=[0.1, 0.3, 1.0, 3.0][i % 4], epochs=epochs, stop_at_grok=False,
-                      device=device.type) for i in range(k)]
-    # warm-up (allocator, kernels) outside the timing
-    train_ensemble([RunConfig(seed=99, epochs=1, device=device.type)] * 1)
-    progress(f"ensemble: {k} runs one by one ...")
-    t0 = time.perf_counter()
-    for cfg in cfgs:
-        train_run(cfg)
-    single = time.perf_counter() - t0
-    progress(f"ensemble: {k} runs as one ensemble ...")
-    t0 = time.perf_counter()
-    train_ensemble(cfgs)
-    together = time.perf_counter() - t0
-    return EnsembleResult(device.type, k, epochs, single, together, 3600 * k / single, 3600 * k / together,
-                          single / together)
+    The default ``runs`` gives every local worker a full pack, so neither side idles cores."""
+    import tempfile
+    from pathlib import Path
+
+    from fastdiag.config import RunConfig
+    from fastdiag.ensemble import default_ensemble_size
+    from fastdiag.store import Store
+    from fastdiag.sweep import available_cores, run_sweep
+
+    if workload not in ENSEMBLE_WORKLOADS:
+        raise ValueError(f"workload: expected one of {', '.join(ENSEMBLE_WORKLOADS)}, got {workload!r}")
+    spec = {**ENSEMBLE_WORKLOADS[workload], **({"epochs": epochs} if epochs else {})}
+    k = members or max(2, default_ensemble_size(RunConfig(device=device.type, **spec)))
+    runs = runs or k * (1 if device.type == "cuda" else available_cores())
+    cfgs = [RunConfig(seed=i, weight_decay=[0.1, 0.3, 1.0, 3.0][i % 4], stop_at_grok=False,
+                      device=device.type, **spec) for i in range(runs)]
+    seconds = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in (1, k):
+            progress(f"ensemble bench: {workload}, {runs} runs, --ensemble {size} ...")
+            with Store(Path(tmp) / f"k{size}.sqlite") as store:
+                t0 = time.perf_counter()
+                summary = run_sweep(cfgs, store, ensemble=size, progress=False)
+                seconds[size] = time.perf_counter() - t0
+            if summary.failed:
+                raise RuntimeError(f"ensemble bench: {summary.failed} run(s) failed: {summary.failures[:1]}")
+    return EnsembleResult(device.type, workload, runs, k, spec["epochs"], seconds[1], seconds[k],
+                          3600 * runs / seconds[1], 3600 * runs / seconds[k], seconds[1] / seconds[k])
 
 
 def format_ensemble_table(rows: list[dict]) -> str:
-    head = f"{'device':<7} {'K':>4} {'epochs':>6} {'1-by-1 s':>9} {'ensemble s':>10} {'runs/h 1-by-1':>14} {'runs/h ens':>11} {'speed-up':>9}"
+    head = (f"{'device':<7} {'workload':<10} {'runs':>5} {'K':>4} {'epochs':>6} {'1-by-1 s':>9} {'ensemble s':>10} "
+            f"{'runs/h 1-by-1':>14} {'runs/h ens':>11} {'speed-up':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['device']:<7} {r['members']:>4} {r['epochs']:>6} {r['one_by_one_s']:>9.1f} "
-                     f"{r['ensemble_s']:>10.1f} {r['runs_per_hour_one_by_one']:>14.0f} "
+        lines.append(f"{r['device']:<7} {r['workload']:<10} {r['runs']:>5} {r['members']:>4} {r['epochs']:>6} "
+                     f"{r['one_by_one_s']:>9.1f} {r['ensemble_s']:>10.1f} {r['runs_per_hour_one_by_one']:>14.0f} "
                      f"{r['runs_per_hour_ensemble']:>11.0f} {r['speedup']:>9.2f}")
     return "\n".join(lines)

@@ -34,13 +34,15 @@ def _machine(device: torch.device) -> str:
 @click.option("--steps/--no-steps", default=True, show_default=True, help="Also time training steps with attach.")
 @click.option("--ensembles/--no-ensembles", default=True, show_default=True,
               help="Also time a sweep's runs as one vectorised ensemble against one by one.")
-@click.option("--members", type=click.IntRange(2), default=None, help="Ensemble size K (default 32 GPU, 8 CPU).")
+@click.option("--members", type=click.IntRange(2), default=None, help="Ensemble size K (default: what `sweep --ensemble auto` picks).")
+@click.option("--workloads", default=",".join(bench.ENSEMBLE_WORKLOADS), show_default=True,
+              help="Comma list of sweep workloads for the ensemble rows: " + ", ".join(bench.ENSEMBLE_WORKLOADS))
 @click.option("--no-compile", is_flag=True, help="Skip the torch.compile'd reference.")
 @click.option("--repeats", type=click.IntRange(3), default=15, show_default=True, help="Timed repeats (CPU).")
 @click.option("--blocks", type=click.IntRange(3), default=21, show_default=True, help="Alternating step blocks.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write all measurements to this JSON file.")
-def bench_command(device, shapes, steps, ensembles, members, no_compile, repeats, blocks, json_path):
+def bench_command(device, shapes, steps, ensembles, members, workloads, no_compile, repeats, blocks, json_path):
     """Measure fastdiag's overhead against a pure-PyTorch reference (kernel) and per training step."""
     dev = _device(device)
     names = [s.strip() for s in shapes.split(",") if s.strip()]   # "" = no kernel rows
@@ -48,6 +50,11 @@ def bench_command(device, shapes, steps, ensembles, members, no_compile, repeats
     if unknown:
         raise click.ClickException(f"--shapes: unknown shape(s) {', '.join(unknown)}; "
                                    f"expected some of {', '.join(bench.KERNEL_SHAPES)}")
+    sweep_workloads = [w.strip() for w in workloads.split(",") if w.strip()]
+    unknown = [w for w in sweep_workloads if w not in bench.ENSEMBLE_WORKLOADS]
+    if unknown:
+        raise click.ClickException(f"--workloads: unknown workload(s) {', '.join(unknown)}; "
+                                   f"expected some of {', '.join(bench.ENSEMBLE_WORKLOADS)}")
 
     def progress(msg: str) -> None:
         click.echo(f"\r\033[K{msg}", nl=False, err=True)
@@ -64,7 +71,8 @@ def bench_command(device, shapes, steps, ensembles, members, no_compile, repeats
             step_rows.append(asdict(bench.bench_step(name, factory, dev, blocks=blocks, progress=progress)))
     ensemble_rows = []
     if ensembles:
-        ensemble_rows.append(asdict(bench.bench_ensemble(dev, members, progress=progress)))
+        for workload in sweep_workloads:
+            ensemble_rows.append(asdict(bench.bench_ensemble(dev, workload, members, progress=progress)))
     click.echo("\r\033[K", nl=False, err=True)
     click.echo(f"fastdiag bench — {_machine(dev)}, torch {torch.__version__}, "
                f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")

@@ -207,10 +207,10 @@ def _evaluate(model, train_x, train_y, test_x, test_y, chunk: int) -> dict[str, 
     return out
 
 
-def pack_runs(cfgs: Sequence[RunConfig], size: int) -> list[list[RunConfig]]:
-    """Group runs into ensembles of at most ``size`` compatible members; runs that cannot be
-    vectorised come back as packs of one."""
-    if size < 1:
+def pack_runs(cfgs: Sequence[RunConfig], size: int | None) -> list[list[RunConfig]]:
+    """Group runs into ensembles of at most ``size`` compatible members (None: `default_ensemble_size`
+    of each group); runs that cannot be vectorised come back as packs of one."""
+    if size is not None and size < 1:
         raise ValueError(f"ensemble size: must be >= 1, got {size}")
     groups: dict[tuple, list[RunConfig]] = {}
     packs: list[list[RunConfig]] = []
@@ -219,16 +219,27 @@ def pack_runs(cfgs: Sequence[RunConfig], size: int) -> list[list[RunConfig]]:
             packs.append([cfg])
         else:
             groups.setdefault(pack_key(cfg), []).append(cfg)
-    for members in groups.values():
-        packs += [members[i:i + size] for i in range(0, len(members), size)]
+    for members in groups.values():   # ceil(n / k) packs of near-equal size, not k, k, …, rest
+        k = size or default_ensemble_size(members[0])
+        n_packs = -(-len(members) // k)
+        bounds = [round(i * len(members) / n_packs) for i in range(n_packs + 1)]
+        packs += [members[a:b] for a, b in zip(bounds, bounds[1:])]
     return packs
 
 
-def default_ensemble_size(device: str = "auto") -> int:
-    """A GPU is idle with one tiny model: pack many. Two CPU cores gain from a handful."""
-    if resolve_device(device).type == "cuda":
+def default_ensemble_size(cfg: RunConfig) -> int:
+    """The ensemble size ``--ensemble auto`` gives runs like ``cfg``.
+
+    A GPU is idle with one tiny model: pack 32. On a CPU a member-step costs about what a single run's
+    step costs (benchmarks/RESULTS.md), so ensembles only pay where per-op overhead is large, i.e. for
+    small models, and too many members push the activations out of the caches: 8 members up to
+    ~0.45 M parameters, fewer above (canonical 0.82 M: 4), one by one from ~5 M."""
+    if resolve_device(cfg.device).type == "cuda":
         return 32
-    return 8
+    from fastdiag.sweep import parameter_count
+
+    n = parameter_count(cfg) or 1_000_000
+    return max(1, min(8, round(3.5e6 / n)))
 
 
 __all__ = ["EnsembleAdamW", "can_vectorise", "default_ensemble_size", "pack_key", "pack_runs", "train_ensemble"]

@@ -186,7 +186,7 @@ def available_memory() -> int | None:
     return None
 
 
-def _parameter_count(cfg: RunConfig) -> int | None:
+def parameter_count(cfg: RunConfig) -> int | None:
     try:
         import torch
 
@@ -200,7 +200,7 @@ def _parameter_count(cfg: RunConfig) -> int | None:
 
 def memory_per_run(cfg: RunConfig) -> int:
     """Rough bytes one worker needs: the torch runtime plus parameters, gradients and AdamW state."""
-    n = _parameter_count(cfg) or 1_000_000
+    n = parameter_count(cfg) or 1_000_000
     return 400 * 2**20 + 6 * 4 * n
 
 
@@ -221,6 +221,23 @@ def plan_local(configs: Sequence[RunConfig], workers: int | None = None, cores: 
     return workers, threads
 
 
+def _default_workers(configs: Sequence[RunConfig], workers: int | None) -> int | None:
+    """On CUDA one worker per GPU unless told otherwise (CPU: decided by `plan_local`)."""
+    if workers is None and any(_uses_cuda(c) for c in configs):
+        import torch
+        return max(1, torch.cuda.device_count())
+    return workers
+
+
+def plan_packs(configs: Sequence[RunConfig], n_packs: int, workers: int | None = None,
+               threads: int | None = None, cores: int | None = None) -> tuple[int, int]:
+    """(workers, threads) for ``n_packs`` ensembles: one process per pack at most, so that with
+    fewer packs than cores each pack gets more threads instead of cores idling."""
+    cores = cores or available_cores()
+    n_workers = min(plan_local(configs, _default_workers(configs, workers), cores)[0], n_packs)
+    return n_workers, threads if threads is not None else max(1, cores // n_workers)
+
+
 # =============================================================================== executing
 
 
@@ -235,7 +252,7 @@ def _execute(cfg_dict: dict, train_fn: Callable | None = None) -> dict:
         result = dict(outcome.result)
         result.setdefault("run_id", cfg.run_id())
         if result.get("n_params") is None:
-            n = _parameter_count(cfg)
+            n = parameter_count(cfg)
             if n is not None:
                 result["n_params"] = n
         return {"ok": True, "result": result, "trace": list(outcome.trace), "started": started,
@@ -378,11 +395,11 @@ def _duration(seconds: float) -> str:
 
 def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "local",
               workers: int | None = None, threads: int | None = None, address: str | None = None,
-              max_retries: int = 2, retry_failed: bool = True, ensemble: int = 1,
+              max_retries: int = 2, retry_failed: bool = True, ensemble: int | None = 1,
               train_fn: Callable | None = None, progress: bool | Progress = True) -> SweepSummary:
     """Register ``configs`` in ``store`` and run those not finished yet. Returns a SweepSummary.
 
-    ``ensemble`` > 1 trains compatible runs (same everything but seed and λ, an architecture that
+    ``ensemble`` > 1 (None: `fastdiag.ensemble.default_ensemble_size` per group) trains compatible runs (same everything but seed and λ, an architecture that
     vectorises) as vectorised ensembles of up to that many members (`fastdiag.ensemble`); the
     others, and the members of an ensemble whose worker died, run one by one as usual."""
     if backend not in BACKENDS:
@@ -424,7 +441,7 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
             bar.update(failed=True)
 
     try:
-        if todo and ensemble > 1 and train_fn is None:
+        if todo and ensemble != 1 and train_fn is None:
             todo = _run_packs(todo, store, finish, ensemble=ensemble, backend=backend, workers=workers,
                               threads=threads, address=address, max_retries=max_retries)
         if todo:
@@ -454,10 +471,7 @@ def _uses_cuda(cfg: RunConfig) -> bool:
 
 def _run_local(todo: list[RunConfig], store: Store, finish, *, workers, threads, max_retries, train_fn) -> None:
     cuda = any(_uses_cuda(c) for c in todo)
-    if workers is None and cuda:
-        import torch
-        workers = max(1, torch.cuda.device_count())
-    n_workers, n_threads = plan_local(todo, workers)
+    n_workers, n_threads = plan_local(todo, _default_workers(todo, workers))
     if threads is not None:
         n_threads = threads
     n_workers = min(n_workers, len(todo))
@@ -612,8 +626,7 @@ def _run_packs(todo: list[RunConfig], store: Store, finish, *, ensemble, backend
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
-    n_workers, n_threads = plan_local(todo, workers)
-    n_threads = threads if threads is not None else n_threads
+    n_workers, n_threads = plan_packs(todo, len(packs), workers, threads)
     ctx = multiprocessing.get_context("spawn")
     finished_q = ctx.SimpleQueue()      # inherited by the workers: members as they finish
     stored: set[str] = set()
@@ -625,8 +638,9 @@ def _run_packs(todo: list[RunConfig], store: Store, finish, *, ensemble, backend
             finish(cfg, out)
             stored.add(cfg.run_id())
 
-    with ProcessPoolExecutor(max_workers=min(n_workers, len(packs)), mp_context=ctx, initializer=_init_worker,
-                             initargs=(n_threads, None, None, finished_q)) as pool:
+    gpu_counter = ctx.Value("i", 0) if any(_uses_cuda(c) for c in todo) else None
+    with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(n_threads, gpu_counter, None, finished_q)) as pool:
         futures = {pool.submit(_execute_pack, [c.to_dict() for c in pack], i): pack for i, pack in enumerate(packs)}
         store.mark_running([c.run_id() for pack in packs for c in pack])
         while futures:
@@ -776,7 +790,7 @@ class Group:
         values = sorted(r["result"]["n_params"] for r in self.runs if r["result"].get("n_params"))
         if values:
             return int(values[len(values) // 2])
-        return _parameter_count(RunConfig.from_dict({**self.config, "weight_decay": 1.0, "seed": 0}))
+        return parameter_count(RunConfig.from_dict({**self.config, "weight_decay": 1.0, "seed": 0}))
 
     def arrays(self):
         lambdas = [float(r["config"]["weight_decay"]) for r in self.runs]

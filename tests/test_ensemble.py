@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fastdiag.config import RunConfig
-from fastdiag.ensemble import EnsembleAdamW, pack_runs, train_ensemble
+from fastdiag.ensemble import EnsembleAdamW, default_ensemble_size, pack_runs, train_ensemble
 from fastdiag.models import build
 from fastdiag.models.ensemble import stack_models
 from fastdiag.train import train_run
@@ -86,6 +86,17 @@ def test_pack_runs_groups_compatible_runs_and_leaves_others_single():
     runs.append(RunConfig(arch="lstm", seed=0))
     runs.append(RunConfig(seed=0, **{**SMALL, "p": 23}))
     packs = pack_runs(runs, 4)
-    assert sorted(len(p) for p in packs) == [1, 1, 2, 4]
+    assert sorted(len(p) for p in packs) == [1, 1, 3, 3]     # 6 compatible runs, K = 4: two packs of 3
     assert sorted(c.run_id() for p in packs for c in p) == sorted(c.run_id() for c in runs)
     assert all(len(p) == 1 for p in pack_runs(runs, 1))
+    many = [RunConfig(seed=s, **SMALL) for s in range(17)]
+    assert sorted(len(p) for p in pack_runs(many, 8)) == [5, 6, 6]     # balanced, not 8, 8, 1
+    assert sorted(len(p) for p in pack_runs(many, None)) == [5, 6, 6]  # auto: 8 for this small model
+
+
+def test_auto_ensemble_size_follows_device_and_model_size():
+    assert default_ensemble_size(RunConfig(**SMALL)) == 8
+    assert default_ensemble_size(RunConfig(device="cpu")) == 4             # canonical, 0.82 M
+    assert default_ensemble_size(RunConfig(device="cpu", preset="19m")) == 1
+    if torch.cuda.is_available():
+        assert default_ensemble_size(RunConfig(device="cuda")) == 32

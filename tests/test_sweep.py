@@ -78,6 +78,15 @@ def test_plan_local_fits_cores_and_memory():
     assert sw.plan_local(grid, workers=3, cores=8) == (3, 2)
 
 
+def test_plan_packs_gives_idle_cores_to_the_packs():
+    grid = sw.build_grid(TINY, [0.1, 1.0], [0, 1, 2, 3])
+    assert sw.plan_packs(grid, n_packs=1, cores=2) == (1, 2)       # one pack of 8 uses both cores
+    assert sw.plan_packs(grid, n_packs=3, cores=2) == (2, 1)
+    assert sw.plan_packs(grid, n_packs=3, cores=8) == (3, 2)
+    assert sw.plan_packs(grid, n_packs=3, workers=1, cores=8) == (1, 8)
+    assert sw.plan_packs(grid, n_packs=3, threads=1, cores=8) == (3, 1)
+
+
 # ------------------------------------------------------------------------------ running (fake trainers)
 
 def fake_train(cfg):
