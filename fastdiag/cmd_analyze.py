@@ -12,7 +12,7 @@ def _fmt(x, digits: int = 4) -> str:
 
 def analyze_store(store_path: str, n_boot: int = 1500, seed: int = 0, retention_threshold: float = 0.9,
                   predict: bool = False, t0: float | None = None, test_frac: float = 0.5,
-                  split_seed: int = 0) -> dict:
+                  split_seed: int = 0, fit_max_lambda: float | None = None) -> dict:
     from .store import open_existing
     from .sweep import analyze_group, load_groups
 
@@ -22,7 +22,7 @@ def analyze_store(store_path: str, n_boot: int = 1500, seed: int = 0, retention_
         extra = _experiments(store, groups, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
                              predict=predict, t0=t0, test_frac=test_frac, split_seed=split_seed)
     report = {"store": str(store_path), "counts": counts, "n_boot": n_boot, "seed": seed,
-              "groups": [analyze_group(g, n_boot=n_boot, seed=seed) for g in groups],
+              "groups": [analyze_group(g, n_boot=n_boot, seed=seed, fit_max_lambda=fit_max_lambda) for g in groups],
               "failed_runs": failed}
     for g, (retention, stages) in zip(report["groups"], extra.pop("per_group")):
         if retention is not None:
@@ -194,13 +194,16 @@ def format_report(report: dict) -> str:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstrap.")
 @click.option("--retention-threshold", type=float, default=0.9, show_default=True,
               help="Runs trained to the horizon: a grokked run is retained if its final test accuracy is ≥ this.")
+@click.option("--fit-max-lambda", type=float, default=None, metavar="λ",
+              help="Keep runs with a larger λ (e.g. the collapse regime) out of the λ_c and ν fits.")
 @click.option("--predict", is_flag=True,
               help="Also test on held-out seeds whether s̄/σ_H at epoch t0 add predictive value (groks by the "
                    "horizon; ln t_grok) beyond epoch, loss and weight-norm baselines.")
 @click.option("--t0", type=float, default=None, help="--predict: the epoch of the prediction [default: median t_mem].")
 @click.option("--test-frac", type=float, default=0.5, show_default=True, help="--predict: fraction of seeds held out.")
 @click.option("--split-seed", type=int, default=0, show_default=True, help="--predict: seed of the seed split.")
-def analyze_cmd(store_path, as_json, n_boot, seed, retention_threshold, predict, t0, test_frac, split_seed):
+def analyze_cmd(store_path, as_json, n_boot, seed, fit_max_lambda, retention_threshold, predict, t0, test_frac,
+                split_seed):
     """Critical weight decay λ_c, exponent ν (with bootstrap CIs), regime table and median t_grok
     per architecture/size group of a sweep store."""
     from .cli import CLIError
@@ -211,8 +214,11 @@ def analyze_cmd(store_path, as_json, n_boot, seed, retention_threshold, predict,
         raise CLIError(f"--test-frac: must be in (0, 1), got {test_frac}")
     if t0 is not None and not t0 > 0:
         raise CLIError(f"--t0: must be > 0, got {t0}")
+    if fit_max_lambda is not None and not fit_max_lambda > 0:
+        raise CLIError(f"--fit-max-lambda: must be > 0, got {fit_max_lambda}")
     report = analyze_store(store_path, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
-                           predict=predict, t0=t0, test_frac=test_frac, split_seed=split_seed)
+                           predict=predict, t0=t0, test_frac=test_frac, split_seed=split_seed,
+                           fit_max_lambda=fit_max_lambda)
     if as_json:
         click.echo(json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False))
     else:

@@ -812,22 +812,30 @@ def load_groups(store: Store) -> tuple[list[Group], dict[str, int]]:
     return ordered, store.counts()
 
 
-def analyze_group(group: Group, n_boot: int = 1500, seed: int = 0) -> dict:
+def analyze_group(group: Group, n_boot: int = 1500, seed: int = 0, fit_max_lambda: float | None = None) -> dict:
     """λ_c, ν (fixed and joint), regime table and median t_grok of one group, as a JSON-able dict.
-    A fit that cannot be made is ``{"error": reason}``, never a number."""
+    A fit that cannot be made is ``{"error": reason}``, never a number. Runs with λ above
+    ``fit_max_lambda`` (e.g. the collapse regime, which the logistic would count as "not grokked")
+    stay in the regime table but out of the fits."""
     from fastdiag import analysis
 
     lambdas, regimes, grokked, t_grok = group.arrays()
     n_zero = sum(1 for lam in lambdas if lam == 0)
     out: dict = {
         "group": group.label, "config": group.config, "n_runs": len(lambdas),
-        "n_params": group.n_params, "n_zero_lambda": n_zero,
+        "n_params": group.n_params, "n_zero_lambda": n_zero, "fit_max_lambda": fit_max_lambda,
         "notes": [],
     }
     if n_zero:
         out["notes"].append(f"{n_zero} run(s) at λ = 0 kept out of the λ_c fit (log-λ axis)")
+    in_fit = [fit_max_lambda is None or lam <= fit_max_lambda for lam in lambdas]
+    if not all(in_fit):
+        out["notes"].append(f"{in_fit.count(False)} run(s) with λ > {fit_max_lambda:g} kept out of the "
+                            "λ_c and ν fits (--fit-max-lambda)")
+    fit_lambdas, fit_grokked, fit_t_grok = ([x for x, keep in zip(xs, in_fit) if keep]
+                                            for xs in (lambdas, grokked, t_grok))
     try:
-        fit = analysis.fit_lambda_c(lambdas, grokked, n_boot=n_boot, seed=seed, drop_zero=True)
+        fit = analysis.fit_lambda_c(fit_lambdas, fit_grokked, n_boot=n_boot, seed=seed, drop_zero=True)
         out["lambda_c"] = {"lambda_c": fit.lambda_c, "ci": list(fit.ci), "k": fit.k,
                            "n_boot_ok": fit.n_boot_ok, "n_boot": n_boot, "n_runs": fit.n_runs,
                            "bins": [list(b) for b in fit.bins]}
@@ -839,8 +847,8 @@ def analyze_group(group: Group, n_boot: int = 1500, seed: int = 0) -> dict:
             out[name] = {"error": "nu: no λ_c (the λ_c fit failed, see above)"}
             continue
         try:
-            nf = analysis.fit_nu(lambdas, t_grok, fit.lambda_c, n_boot=n_boot, seed=seed, joint=joint,
-                                 grokked=grokked)
+            nf = analysis.fit_nu(fit_lambdas, fit_t_grok, fit.lambda_c, n_boot=n_boot, seed=seed, joint=joint,
+                                 grokked=fit_grokked)
             out[name] = {"nu": nf.nu, "ci": list(nf.ci), "amplitude": nf.amplitude, "n": nf.n,
                          "n_boot_ok": nf.n_boot_ok, "n_boot": n_boot, "lambda_c": nf.lambda_c}
         except analysis.FitError as exc:

@@ -246,7 +246,8 @@ def p_grok_figure(group, analysis: dict, stem: Path, n_band: int = 300, seed: in
         fit = analysis["lambda_c"]
         if "lambda_c" in fit:
             grid = np.logspace(math.log10(lo), math.log10(hi), 200)
-            band = _band(lam, g, grid, n_band, seed)
+            in_fit = lam <= (analysis.get("fit_max_lambda") or np.inf)
+            band = _band(lam[in_fit], g[in_fit], grid, n_band, seed)
             if band is not None:
                 ax.fill_between(grid, band[0], band[1], color="#e1812c", alpha=0.22, linewidth=0,
                                 label=f"95% bootstrap band ({n_band} resamples)")
@@ -265,6 +266,9 @@ def p_grok_figure(group, analysis: dict, stem: Path, n_band: int = 300, seed: in
         ax.set_ylabel("$P(\\mathrm{grok})$")
         n_zero = int((~positive).sum())
         sub = f"{group.label} — {len(lam)} runs" + (f", {n_zero} at $\\lambda=0$ not shown" if n_zero else "")
+        if analysis.get("fit_max_lambda") is not None and lam.max(initial=0) > analysis["fit_max_lambda"]:
+            ax.axvspan(analysis["fit_max_lambda"], hi, color="#999999", alpha=0.12, linewidth=0)
+            sub += f"; $\\lambda > {analysis['fit_max_lambda']:g}$ (grey) not fitted"
         ax.set_title(title + "\n" + _wrap(sub, 60))
         handles, _ = ax.get_legend_handles_labels()
         if handles:
@@ -393,7 +397,7 @@ def trajectories_figure(group, traces: dict[str, list[dict]], stem: Path, format
 
 
 def plot_store(store, out_dir, n_boot: int = 1500, n_band: int = 300, seed: int = 0,
-               formats=FORMATS) -> tuple[list[Path], list[dict]]:
+               formats=FORMATS, fit_max_lambda: float | None = None) -> tuple[list[Path], list[dict]]:
     """Every sweep figure of a store into ``out_dir``; returns (paths written, group analyses)."""
     from fastdiag.sweep import analyze_group, load_groups
 
@@ -406,7 +410,7 @@ def plot_store(store, out_dir, n_boot: int = 1500, n_band: int = 300, seed: int 
         if load_experiments(store):                  # a store holding only intervention experiments
             return experiment_figures(store, out, n_boot=n_boot, seed=seed, formats=formats), []
         raise ValueError(f"store {store.path}: no finished runs to plot")
-    analyses = [analyze_group(g, n_boot=n_boot, seed=seed) for g in groups]
+    analyses = [analyze_group(g, n_boot=n_boot, seed=seed, fit_max_lambda=fit_max_lambda) for g in groups]
     paths = regime_diagram(groups, analyses, out / "regime_diagram", formats)
     for g, a in zip(groups, analyses):
         suffix = g.slug if len(groups) > 1 else ""

@@ -150,3 +150,23 @@ def test_bad_stores_are_one_line_exit_2(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("fastdiag: error:") and match in lines[0], (args, r.stderr)
     assert text.read_text().startswith("not a database")          # never overwritten
     assert not (tmp_path / "out.sqlite").exists()
+
+
+def test_fit_max_lambda_keeps_collapse_runs_out_of_the_fits(synthetic_store, tmp_path, capsys):
+    def canonical(extra):
+        main(["analyze", str(synthetic_store), "--json", "--n-boot", "100", *extra])
+        report = json.loads(capsys.readouterr().out)
+        return next(g for g in report["groups"] if g["config"]["preset"] == "canonical")
+
+    everything, capped = canonical([]), canonical(["--fit-max-lambda", "5"])
+    assert capped["fit_max_lambda"] == 5 and everything["fit_max_lambda"] is None
+    assert "6 run(s) with λ > 5 kept out of the λ_c and ν fits (--fit-max-lambda)" in capped["notes"]
+    assert everything["lambda_c"]["n_runs"] - capped["lambda_c"]["n_runs"] == 6
+    assert sum(r["n"] for r in capped["regimes"]) == sum(r["n"] for r in everything["regimes"])  # table keeps them
+    assert capped["lambda_c"]["lambda_c"] != everything["lambda_c"]["lambda_c"]
+    main(["plot", str(synthetic_store), "--out", str(tmp_path / "figs"), "--n-boot", "50", "--n-band", "20",
+          "--format", "png", "--fit-max-lambda", "5"])
+    assert "p_grok" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["analyze", str(synthetic_store), "--fit-max-lambda", "0"])
+    assert exc.value.code == 2 and "--fit-max-lambda" in capsys.readouterr().err
