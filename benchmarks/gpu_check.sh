@@ -26,8 +26,11 @@ timeout 240 $PY -m pytest -q -p no:cacheprovider --rootdir=. -c /dev/null -o add
   2>&1 | tee "$OUT/tests.txt" | tail -n 25
 tests_rc=${PIPESTATUS[0]}
 
+echo "== ensemble step scan (per-member step time against K)"
+timeout 90 $PY benchmarks/ensemble_step_scan.py 2>&1 | tee "$OUT/ensemble_scan.txt"
+
 echo "== bench"
-timeout 300 $PY -m fastdiag.cli bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -n 30
+timeout 360 $PY -m fastdiag.cli bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -n 30
 bench_rc=${PIPESTATUS[0]}
 
 echo "tests rc=$tests_rc bench rc=$bench_rc" | tee "$OUT/status.txt"
