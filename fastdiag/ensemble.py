@@ -227,6 +227,28 @@ def pack_runs(cfgs: Sequence[RunConfig], size: int | None) -> list[list[RunConfi
     return packs
 
 
+def describe_packs(packs: list[list[RunConfig]]) -> list[str]:
+    """What a sweep is about to do with its runs, in lines for the user."""
+    from collections import Counter
+
+    from fastdiag.models.ensemble import VECTORISED
+
+    lines = []
+    multi = [p for p in packs if len(p) > 1]
+    if multi:
+        sizes = "/".join(str(n) for n in sorted({len(p) for p in multi}))
+        lines.append(f"ensembles: {sum(map(len, multi))} runs as {len(multi)} vectorised ensemble(s) of "
+                     f"{sizes} members")
+    singles = [p[0] for p in packs if len(p) == 1]
+    for arch, n in Counter(c.arch for c in singles if not can_vectorise(c)).items():
+        lines.append(f"ensembles: {n} {arch} run(s) one by one ({arch} cannot be vectorised; "
+                     f"only {', '.join(VECTORISED)} can)")
+    alone = sum(1 for c in singles if can_vectorise(c))
+    if alone:
+        lines.append(f"ensembles: {alone} run(s) one by one (ensemble size 1, or no compatible run to pack with)")
+    return lines
+
+
 def default_ensemble_size(cfg: RunConfig) -> int:
     """The ensemble size ``--ensemble auto`` gives runs like ``cfg``.
 
@@ -242,4 +264,4 @@ def default_ensemble_size(cfg: RunConfig) -> int:
     return max(1, min(8, round(3.5e6 / n)))
 
 
-__all__ = ["EnsembleAdamW", "can_vectorise", "default_ensemble_size", "pack_key", "pack_runs", "train_ensemble"]
+__all__ = ["EnsembleAdamW", "can_vectorise", "default_ensemble_size", "describe_packs", "pack_key", "pack_runs", "train_ensemble"]

@@ -359,6 +359,17 @@ class Progress:
                 self.regimes[regime] = self.regimes.get(regime, 0) + 1
         self.show(force=force)
 
+    def note(self, message: str) -> None:
+        """A line of its own above the progress line."""
+        if not self.enabled:
+            return
+        if self.tty and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+        self.stream.write(message + "\n")
+        self.stream.flush()
+        self._shown = None
+        self.show(force=True)
+
     def show(self, force: bool = False) -> None:
         if not self.enabled:
             return
@@ -442,7 +453,12 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
 
     try:
         if todo and ensemble != 1 and train_fn is None:
-            todo = _run_packs(todo, store, finish, ensemble=ensemble, backend=backend, workers=workers,
+            from fastdiag.ensemble import describe_packs, pack_runs
+
+            packs = pack_runs(todo, ensemble)
+            for line in describe_packs(packs):
+                bar.note(line)
+            todo = _run_packs(packs, store, finish, backend=backend, workers=workers,
                               threads=threads, address=address, max_retries=max_retries)
         if todo:
             if backend == "ray":
@@ -598,12 +614,10 @@ def _execute_pack(cfg_dicts: list[dict], pack_id: int | None = None) -> list[dic
     return [output(o) for o in outcomes]
 
 
-def _run_packs(todo: list[RunConfig], store: Store, finish, *, ensemble, backend, workers, threads,
+def _run_packs(packs: list[list[RunConfig]], store: Store, finish, *, backend, workers, threads,
                address, max_retries) -> list[RunConfig]:
-    """Run the vectorisable runs of ``todo`` as ensembles; return the runs left to run one by one."""
-    from fastdiag.ensemble import pack_runs
-
-    packs = pack_runs(todo, ensemble)
+    """Run the packs of more than one run as ensembles; return the runs left to run one by one."""
+    todo = [c for p in packs for c in p]
     left = [p[0] for p in packs if len(p) == 1]
     packs = [p for p in packs if len(p) > 1]
     if not packs:

@@ -147,7 +147,7 @@ def test_sweep_packs_runs_into_ensembles(tmp_path):
     import sys
 
     store = tmp_path / "ens.sqlite"
-    common = ["--p", "11", "--epochs", "4", "--store", str(store), "--workers", "1", "--threads", "1", "-q"]
+    common = ["--p", "11", "--epochs", "4", "--store", str(store), "--workers", "1", "--threads", "1"]
     sizes = {"transformer": ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "32", "--d-ff", "64"],
              "lstm": ["--layers", "1", "--d-model", "32"]}
     for arch, size in sizes.items():
@@ -155,6 +155,9 @@ def test_sweep_packs_runs_into_ensembles(tmp_path):
                 "--ensemble", "4", *size, *common]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
+        said = {"transformer": "ensembles: 4 runs as 1 vectorised ensemble(s) of 4 members",
+                "lstm": "ensembles: 4 lstm run(s) one by one (lstm cannot be vectorised; only transformer, mlp can)"}
+        assert said[arch] in proc.stderr
     con = sqlite3.connect(store)
     rows = con.execute("SELECT status, result FROM runs").fetchall()
     assert len(rows) == 8 and all(status == "done" for status, _ in rows)
