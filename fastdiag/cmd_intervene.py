@@ -231,7 +231,9 @@ def headdim_configs(base: dict, widths: list[int], heads: list[int], weight_deca
 
 def format_headdim(a: dict) -> str:
     lines = [f"peak σ_H after grokking against d/H: {a['n_points']} grokked run(s)"
-             + (f", {a['n_skipped']} left out (did not grok or no σ_H after t_grok)" if a["n_skipped"] else "")]
+             + (f", {a['n_skipped']} left out (did not grok or no σ_H after t_grok)" if a["n_skipped"] else "")
+             + (f", {a['n_single_head']} single-head run(s) left out (σ_H of one head is 0)"
+                if a.get("n_single_head") else "")]
     lines.append(f"  {'d/H':>6} {'runs':>5} {'mean':>8} {'median':>8} {'std':>8}  (d, H)")
     for b in a["bins"]:
         lines.append(f"  {b['d_per_head']:>6g} {b['n']:>5} {b['mean']:>8.4f} {b['median']:>8.4f} "
@@ -279,7 +281,10 @@ def headdim_cmd(widths, heads, ff_mult, weight_decay, patience, workers, n_boot,
     base = {**_base_config(**kw), "arch": "transformer", "stop_at_grok": True, "patience": patience}
     if kw["arch"] != "transformer":
         raise CLIError(f"--arch: headdim varies attention heads; need transformer, got {kw['arch']!r}")
-    configs, skipped = headdim_configs(base, _int_list(widths, "d-model"), _int_list(heads, "heads"),
+    head_counts = _int_list(heads, "heads")
+    if min(head_counts) < 2:
+        raise CLIError(f"--heads: σ_H is a spread across heads, so every H must be >= 2, got {heads}")
+    configs, skipped = headdim_configs(base, _int_list(widths, "d-model"), head_counts,
                                        weight_decay, parse_seeds(kw["seeds"]), ff_mult)
     _check_runnable(configs[0], kw["threads"])
     for s in skipped:

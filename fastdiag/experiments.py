@@ -268,9 +268,12 @@ def headdim_analysis(runs: Sequence[dict], traces: dict[str, list[dict]], n_boot
     from fastdiag import analysis
 
     points = []
-    skipped = 0
+    skipped = single_head = 0
     for run in runs:
         dh = resolved_heads_width(run["config"])
+        if dh is not None and dh[1] < 2:     # σ_H over one head is 0 by definition, not a measurement
+            single_head += 1
+            continue
         result = run.get("result") or {}
         peak = phase2_peak_sigma_h(traces.get(run["run_id"], []), result.get("t_grok_epoch")) \
             if result.get("regime") in GROKKED else None
@@ -287,7 +290,8 @@ def headdim_analysis(runs: Sequence[dict], traces: dict[str, list[dict]], n_boot
              "std": float(np.std(v, ddof=1)) if len(v) > 1 else None,
              "configs": sorted({(p["d_model"], p["n_heads"]) for p in points if p["d_per_head"] == x})}
             for x, v in sorted(by_x.items())]
-    out = {"n_points": len(points), "n_skipped": skipped, "points": points, "bins": bins}
+    out = {"n_points": len(points), "n_skipped": skipped, "n_single_head": single_head, "points": points,
+           "bins": bins}
     try:
         fit = analysis.fit_saturating([p["d_per_head"] for p in points], [p["peak_sigma_h"] for p in points],
                                       n_boot=n_boot, seed=seed)

@@ -492,8 +492,15 @@ def headdim_figure(analysis: dict, stem: Path, title_note: str = "", formats=FOR
                 grid = np.logspace(math.log10(min(bx) / 1.2), math.log10(max(bx) * 1.2), 200)
                 ax.plot(grid, fit["c"] + fit["a"] * -np.expm1(-fit["b"] * grid), "--", color="#d35f0a",
                         linewidth=1.6, label="saturating fit", zorder=4)
-                ax.axhspan(*fit["ci"]["plateau"], color="#d35f0a", alpha=0.08, linewidth=0,
-                           label="plateau $c + a$: 95% CI")
+                ys = [p["peak_sigma_h"] for p in pts] + [b["mean"] + (b["std"] or 0.0) for b in bins] \
+                    + [b["mean"] - (b["std"] or 0.0) for b in bins]
+                pad = 0.1 * (max(ys) - min(ys) or abs(max(ys)) or 1e-3)
+                view = (min(ys) - pad, max(ys) + pad)       # the data set the axes, not a wild CI
+                lo, hi = fit["ci"]["plateau"]
+                clipped = lo < view[0] or hi > view[1]
+                ax.axhspan(max(lo, view[0]), min(hi, view[1]), color="#d35f0a", alpha=0.08, linewidth=0,
+                           label="plateau $c + a$: 95% CI" + (" (beyond the axes)" if clipped else ""))
+                ax.set_ylim(*view)
                 title = (f"$\\sigma_{{max}} = c + a(1 - e^{{-b\\,d/H}})$: plateau {fit['plateau']:.3g} "
                          f"[{fit['ci']['plateau'][0]:.3g}, {fit['ci']['plateau'][1]:.3g}]")
             else:

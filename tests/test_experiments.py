@@ -102,8 +102,10 @@ def test_phase2_peak_and_headdim_fit_recover_a_saturating_curve():
                 traces[rid] = [{"epoch": 40, "sigma_h": 0.5}, {"epoch": 50, "sigma_h": peak - 0.01},
                                {"epoch": 60, "sigma_h": peak}]
     runs.append(_run("nogrok", 1.0, 0, "memorization", 0.2, t_grok=None, preset="custom", d_model=32, n_heads=4))
+    runs.append(_run("onehead", 1.0, 0, "grok", 1.0, t_grok=50, preset="custom", d_model=64, n_heads=1))
+    traces["onehead"] = [{"epoch": 60, "sigma_h": 0.0}]
     a = ex.headdim_analysis(runs, traces, n_boot=200)
-    assert a["n_points"] == 36 and a["n_skipped"] == 1
+    assert a["n_points"] == 36 and a["n_skipped"] == 1 and a["n_single_head"] == 1
     fit = a["fit"]
     assert abs(fit["plateau"] - 0.11) < 0.01 and fit["ci"]["plateau"][0] <= fit["plateau"] <= fit["ci"]["plateau"][1]
     assert [b["d_per_head"] for b in a["bins"]][:3] == [2.0, 4.0, 8.0]
@@ -218,6 +220,9 @@ def test_headdim_command_fits_and_draws(tmp_path, capsys, monkeypatch):
     assert "== per-head dimension (λ = 1.0)" in capsys.readouterr().out
     main(["plot", str(store), "--out", str(tmp_path / "p"), "--n-boot", "50", "--format", "png"])
     assert (tmp_path / "p" / "headdim.png").exists()
+    with pytest.raises(SystemExit) as exc:
+        main([*args[:4], "1,2", *args[5:]])
+    assert exc.value.code == 2 and "--heads: σ_H is a spread across heads" in capsys.readouterr().err
 
 
 def test_analyze_predict_on_a_store(tmp_path, capsys):
