@@ -410,9 +410,10 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
               train_fn: Callable | None = None, progress: bool | Progress = True) -> SweepSummary:
     """Register ``configs`` in ``store`` and run those not finished yet. Returns a SweepSummary.
 
-    ``ensemble`` > 1 (None: `fastdiag.ensemble.default_ensemble_size` per group) trains compatible runs (same everything but seed and λ, an architecture that
-    vectorises) as vectorised ensembles of up to that many members (`fastdiag.ensemble`); the
-    others, and the members of an ensemble whose worker died, run one by one as usual."""
+    ``ensemble`` > 1 trains compatible runs (same everything but seed and λ, an architecture that
+    vectorises) as vectorised ensembles of up to that many members (`fastdiag.ensemble`; None: the
+    size `default_ensemble_size` picks per group); the others, and the members of an ensemble whose
+    worker died, run one by one as usual."""
     if backend not in BACKENDS:
         raise ValueError(f"--backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     if max_retries < 0:

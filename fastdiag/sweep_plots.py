@@ -509,7 +509,7 @@ def headdim_figure(analysis: dict, stem: Path, title_note: str = "", formats=FOR
             from matplotlib.ticker import NullFormatter
             ax.set_xticks(bx, [f"{x:g}" for x in bx])
             ax.xaxis.set_minor_formatter(NullFormatter())
-            ax.legend(loc="lower right")
+            ax.legend(loc="best")
         else:
             title = "no grokked runs with σ_H after $t_{grok}$"
             ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="#666666")
