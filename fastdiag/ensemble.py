@@ -46,6 +46,7 @@ class EnsembleAdamW:
                  betas=(0.9, 0.98), eps: float = 1e-8) -> None:
         self.params, self.lr, self.betas, self.eps = params, lr, betas, eps
         self.decay = torch.tensor([1.0 - lr * wd for wd in weight_decay], dtype=torch.float64)
+        self._decay_on: dict = {}     # (device, dtype) -> decay there: no host-to-device copy per step
         self.exp_avg = [torch.zeros_like(p) for p in params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in params]
         self.step_count = 0
@@ -62,8 +63,10 @@ class EnsembleAdamW:
         bias_correction2_sqrt = (1 - beta2 ** self.step_count) ** 0.5
         step_size = self.lr / bias_correction1
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
-            decay = self.decay.to(device=p.device, dtype=p.dtype).view(-1, *([1] * (p.dim() - 1)))
-            p.mul_(decay)
+            key = (p.device, p.dtype)
+            if key not in self._decay_on:
+                self._decay_on[key] = self.decay.to(device=p.device, dtype=p.dtype)
+            p.mul_(self._decay_on[key].view(-1, *([1] * (p.dim() - 1))))
             m.lerp_(p.grad, 1 - beta1)
             v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
             denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
@@ -71,6 +74,7 @@ class EnsembleAdamW:
 
     def keep(self, index: torch.Tensor) -> None:
         self.decay = self.decay.index_select(0, index.cpu())
+        self._decay_on = {}
         self.exp_avg = [m.index_select(0, index) for m in self.exp_avg]
         self.exp_avg_sq = [v.index_select(0, index) for v in self.exp_avg_sq]
 
