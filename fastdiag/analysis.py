@@ -48,6 +48,7 @@ __all__ = [
     "paired_tests",
     "holm_bonferroni",
     "auc_mann_whitney",
+    "roc_curve",
     "bootstrap_auc",
     "bootstrap_mae",
 ]
@@ -635,6 +636,20 @@ def auc_mann_whitney(y_true: Sequence[bool], score: Sequence[float]) -> float:
     score = _as_float_array(score, "score")
     _require_same_length(y_true=labels, score=score)
     return _auc(labels, score)
+
+
+def roc_curve(y_true: Sequence[bool], score: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """(false-positive rate, true-positive rate) as the threshold falls through the distinct scores,
+    from (0, 0) to (1, 1); tied scores move both rates at once, so the trapezoid area under the curve
+    equals `auc_mann_whitney` (ties counting half)."""
+    labels = _as_labels(y_true)
+    score = _as_float_array(score, "score")
+    _require_same_length(y_true=labels, score=score)
+    order = np.argsort(-score, kind="stable")
+    s, y = score[order], labels[order]
+    last_of_tie = np.r_[np.flatnonzero(np.diff(s)), len(s) - 1]
+    tp, fp = np.cumsum(y)[last_of_tie], np.cumsum(~y)[last_of_tie]
+    return np.r_[0.0, fp / fp[-1]], np.r_[0.0, tp / tp[-1]]
 
 
 def _auc(labels: np.ndarray, score: np.ndarray) -> float:

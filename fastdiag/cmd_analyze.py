@@ -187,6 +187,36 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def analysis_options(command):
+    """--fit-max-lambda, --predict, --t0, --test-frac, --split-seed: shared by analyze and plot."""
+    options = [
+        click.option("--fit-max-lambda", type=float, default=None, metavar="λ",
+                     help="Keep runs with a larger λ (e.g. the collapse regime) out of the λ_c and ν fits."),
+        click.option("--predict", is_flag=True,
+                     help="Also test on held-out seeds whether s̄/σ_H at epoch t0 add predictive value (groks by "
+                          "the horizon; ln t_grok) beyond epoch, loss and weight-norm baselines."),
+        click.option("--t0", type=float, default=None,
+                     help="--predict: the epoch of the prediction [default: median t_mem]."),
+        click.option("--test-frac", type=float, default=0.5, show_default=True,
+                     help="--predict: fraction of seeds held out."),
+        click.option("--split-seed", type=int, default=0, show_default=True, help="--predict: seed of the seed split."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def check_analysis_options(fit_max_lambda: float | None, t0: float | None, test_frac: float) -> None:
+    from .cli import CLIError
+
+    if fit_max_lambda is not None and not fit_max_lambda > 0:
+        raise CLIError(f"--fit-max-lambda: must be > 0, got {fit_max_lambda}")
+    if not 0 < test_frac < 1:
+        raise CLIError(f"--test-frac: must be in (0, 1), got {test_frac}")
+    if t0 is not None and not t0 > 0:
+        raise CLIError(f"--t0: must be > 0, got {t0}")
+
+
 @click.command("analyze")
 @click.argument("store_path", metavar="STORE", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -194,14 +224,7 @@ def format_report(report: dict) -> str:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstrap.")
 @click.option("--retention-threshold", type=float, default=0.9, show_default=True,
               help="Runs trained to the horizon: a grokked run is retained if its final test accuracy is ≥ this.")
-@click.option("--fit-max-lambda", type=float, default=None, metavar="λ",
-              help="Keep runs with a larger λ (e.g. the collapse regime) out of the λ_c and ν fits.")
-@click.option("--predict", is_flag=True,
-              help="Also test on held-out seeds whether s̄/σ_H at epoch t0 add predictive value (groks by the "
-                   "horizon; ln t_grok) beyond epoch, loss and weight-norm baselines.")
-@click.option("--t0", type=float, default=None, help="--predict: the epoch of the prediction [default: median t_mem].")
-@click.option("--test-frac", type=float, default=0.5, show_default=True, help="--predict: fraction of seeds held out.")
-@click.option("--split-seed", type=int, default=0, show_default=True, help="--predict: seed of the seed split.")
+@analysis_options
 def analyze_cmd(store_path, as_json, n_boot, seed, fit_max_lambda, retention_threshold, predict, t0, test_frac,
                 split_seed):
     """Critical weight decay λ_c, exponent ν (with bootstrap CIs), regime table and median t_grok
@@ -210,12 +233,7 @@ def analyze_cmd(store_path, as_json, n_boot, seed, fit_max_lambda, retention_thr
 
     if n_boot < 1:
         raise CLIError(f"--n-boot: must be >= 1, got {n_boot}")
-    if not 0 < test_frac < 1:
-        raise CLIError(f"--test-frac: must be in (0, 1), got {test_frac}")
-    if t0 is not None and not t0 > 0:
-        raise CLIError(f"--t0: must be > 0, got {t0}")
-    if fit_max_lambda is not None and not fit_max_lambda > 0:
-        raise CLIError(f"--fit-max-lambda: must be > 0, got {fit_max_lambda}")
+    check_analysis_options(fit_max_lambda, t0, test_frac)
     report = analyze_store(store_path, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
                            predict=predict, t0=t0, test_frac=test_frac, split_seed=split_seed,
                            fit_max_lambda=fit_max_lambda)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import click
 
+from .cmd_analyze import analysis_options, check_analysis_options
+
 
 @click.command("plot")
 @click.argument("store_path", metavar="STORE", type=click.Path())
@@ -12,10 +14,9 @@ import click
 @click.option("--n-band", type=int, default=300, show_default=True,
               help="Bootstrap resamples of the P(grok) confidence band.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstraps.")
-@click.option("--fit-max-lambda", type=float, default=None, metavar="λ",
-              help="Keep runs with a larger λ (e.g. the collapse regime) out of the λ_c and ν fits.")
+@analysis_options
 @click.option("--format", "formats", default="png,svg", show_default=True, help="Comma list of png, svg, pdf.")
-def plot_cmd(store_path, out_dir, n_boot, n_band, seed, fit_max_lambda, formats):
+def plot_cmd(store_path, out_dir, n_boot, n_band, seed, fit_max_lambda, predict, t0, test_frac, split_seed, formats):
     """Draw the sweep figures of STORE as PNG and SVG into DIR: regime diagram (λ × N), P(grok) with
     the logistic fit and its bootstrap band, t_grok against λ − λ_c with the power-law fit, and median/IQR
     trajectories of test accuracy, s̄ and σ_H per λ."""
@@ -24,8 +25,7 @@ def plot_cmd(store_path, out_dir, n_boot, n_band, seed, fit_max_lambda, formats)
 
     if n_boot < 1 or n_band < 1:
         raise CLIError("--n-boot and --n-band: must be >= 1")
-    if fit_max_lambda is not None and not fit_max_lambda > 0:
-        raise CLIError(f"--fit-max-lambda: must be > 0, got {fit_max_lambda}")
+    check_analysis_options(fit_max_lambda, t0, test_frac)
     fmts = tuple(f.strip().lower() for f in formats.split(",") if f.strip())
     bad = [f for f in fmts if f not in ("png", "svg", "pdf")]
     if not fmts or bad:
@@ -36,7 +36,8 @@ def plot_cmd(store_path, out_dir, n_boot, n_band, seed, fit_max_lambda, formats)
 
     with open_existing(store_path) as store:
         paths, analyses = plot_store(store, out_dir, n_boot=n_boot, n_band=n_band, seed=seed, formats=fmts,
-                                     fit_max_lambda=fit_max_lambda)
+                                     fit_max_lambda=fit_max_lambda,
+                                     predict=dict(t0=t0, test_frac=test_frac, split_seed=split_seed) if predict else None)
     for path in paths:
         click.echo(str(path))
     for a in analyses:

@@ -479,7 +479,9 @@ def predictive_analysis(runs: Sequence[dict], traces: dict[str, list[dict]], t0:
         base = analysis.bootstrap_auc(y_test, scores["baseline"], n_boot=n_boot, seed=seed)
         cls.update({"auc_full": res.auc, "auc_full_ci": list(res.ci), "auc_baseline": res.baseline_auc,
                     "auc_baseline_ci": list(base.ci), "diff": res.diff, "diff_ci": list(res.diff_ci),
-                    "verdict": _verdict(res.diff_ci, better_if_positive=True)})
+                    "verdict": _verdict(res.diff_ci, better_if_positive=True),
+                    "test_scores": [{"run_id": c["run_id"], "grokked": bool(y), "baseline": float(sb), "full": float(sf)}
+                                    for c, y, sb, sf in zip(test, y_test, scores["baseline"], scores["full"])]})
     out["groks_by_horizon"] = cls
 
     # ---- ln t_grok
@@ -501,6 +503,9 @@ def predictive_analysis(runs: Sequence[dict], traces: dict[str, list[dict]], t0:
         base = analysis.bootstrap_mae(yte, preds["baseline"], n_boot=n_boot, seed=seed)
         reg.update({"mae_full": res.mae, "mae_full_ci": list(res.ci), "mae_baseline": res.baseline_mae,
                     "mae_baseline_ci": list(base.ci), "diff": res.diff, "diff_ci": list(res.diff_ci),
-                    "units": "ln(epochs)", "verdict": _verdict(res.diff_ci, better_if_positive=False)})
+                    "units": "ln(epochs)", "verdict": _verdict(res.diff_ci, better_if_positive=False),
+                    "test_predictions": [{"run_id": c["run_id"], "log_t_grok": float(y), "baseline": float(pb),
+                                          "full": float(pf)}
+                                         for c, y, pb, pf in zip(te, yte, preds["baseline"], preds["full"])]})
     out["log_t_grok"] = reg
     return out

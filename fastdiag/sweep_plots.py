@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fastdiag.analysis import FitError, _lambda_c_point, _logistic
+
 REGIME_STYLE = {   # regime: (marker, colour, label)
     "grok": ("o", "#111111", "grok"),
     "anti-grok": ("^", "#8e44ad", "anti-grok"),
@@ -194,16 +196,8 @@ def regime_diagram(groups, analyses, stem: Path, formats=FORMATS) -> list[Path]:
 # ============================================================================ P(grok)
 
 
-def _logistic(lam, lambda_c, k):
-    return 1.0 / (1.0 + np.exp(-k * (np.log10(lam) - math.log10(lambda_c))))
-
-
 def _band(lambdas, grokked, grid, n_boot: int, seed: int):
     """95 % pointwise band of the logistic over ``grid`` from a run bootstrap (None if unavailable)."""
-    try:
-        from fastdiag.analysis import FitError, _lambda_c_point
-    except ImportError:
-        return None
     lambdas = np.asarray(lambdas, float)
     grokked = np.asarray(grokked, bool)
     keep = lambdas > 0
@@ -216,7 +210,7 @@ def _band(lambdas, grokked, grid, n_boot: int, seed: int):
             log_lc, k = _lambda_c_point(lambdas[idx], grokked[idx])
         except (FitError, ValueError):
             continue
-        curves.append(_logistic(grid, 10 ** log_lc, k))
+        curves.append(_logistic(np.log10(grid), log_lc, k))   # log λ_c: λ_c may underflow
     if len(curves) < max(10, n_boot // 2):
         return None
     return np.percentile(np.asarray(curves), [2.5, 97.5], axis=0)
@@ -251,7 +245,7 @@ def p_grok_figure(group, analysis: dict, stem: Path, n_band: int = 300, seed: in
             if band is not None:
                 ax.fill_between(grid, band[0], band[1], color="#e1812c", alpha=0.22, linewidth=0,
                                 label=f"95% bootstrap band ({n_band} resamples)")
-            ax.plot(grid, _logistic(grid, fit["lambda_c"], fit["k"]), color="#e1812c", linewidth=1.8,
+            ax.plot(grid, _logistic(np.log10(grid), math.log10(fit["lambda_c"]), fit["k"]), color="#e1812c", linewidth=1.8,
                     label="logistic fit")
             ax.axvline(fit["lambda_c"], color="#6c7a89", linestyle="--", linewidth=1.1, label="$\\lambda_c$")
             ax.axvspan(*fit["ci"], color="#6c7a89", alpha=0.08, linewidth=0)
@@ -397,8 +391,10 @@ def trajectories_figure(group, traces: dict[str, list[dict]], stem: Path, format
 
 
 def plot_store(store, out_dir, n_boot: int = 1500, n_band: int = 300, seed: int = 0,
-               formats=FORMATS, fit_max_lambda: float | None = None) -> tuple[list[Path], list[dict]]:
-    """Every sweep figure of a store into ``out_dir``; returns (paths written, group analyses)."""
+               formats=FORMATS, fit_max_lambda: float | None = None,
+               predict: dict | None = None) -> tuple[list[Path], list[dict]]:
+    """Every sweep figure of a store into ``out_dir``; returns (paths written, group analyses).
+    ``predict`` (t0, test_frac, split_seed) adds the held-out predictive-value figure."""
     from fastdiag.sweep import analyze_group, load_groups
 
     out = Path(out_dir)
@@ -421,6 +417,13 @@ def plot_store(store, out_dir, n_boot: int = 1500, n_band: int = 300, seed: int 
         paths += trajectories_figure(g, traces, name("trajectories"), formats=formats)
         paths += _stages_for_group(g, traces, name, formats)
     paths += experiment_figures(store, out, n_boot=n_boot, seed=seed, formats=formats)
+    if predict is not None:
+        from fastdiag.experiments import predictive_analysis
+
+        runs = store.runs("done")
+        traces = {r["run_id"]: store.trace(r["run_id"]) for r in runs}
+        pa = predictive_analysis(runs, traces, n_boot=n_boot, seed=seed, **predict)
+        paths += predict_figure(pa, out / "predict", formats=formats)
     return paths, analyses
 
 
@@ -463,6 +466,58 @@ def experiment_figures(store, out: Path, n_boot: int = 1500, seed: int = 0, form
         stem = out / ("intervention" if len(experiments) == 1 else f"intervention_{exp_id}")
         paths += intervention_figure(rows, traces, stem, formats=formats)
     return paths
+
+
+def predict_figure(pa: dict, stem: Path, formats=FORMATS) -> list[Path]:
+    """`experiments.predictive_analysis` on the held-out seeds: ROC curves of "groks by the horizon"
+    (baselines against baselines + s̄/σ_H) and predicted against true ln t_grok."""
+    import matplotlib as mpl
+
+    from fastdiag.analysis import roc_curve
+
+    models = (("baseline", "baselines", "#6c7a89"), ("full", "baselines + $\\bar{s}$, $\\sigma_H$", "#d35f0a"))
+    with mpl.rc_context(STYLE):
+        fig, axes = _figure(9.0, 4.2, ncols=2)
+        ax, bx = axes[0, 0], axes[0, 1]
+        cls = pa.get("groks_by_horizon", {})
+        if "test_scores" in cls:
+            y = [c["grokked"] for c in cls["test_scores"]]
+            for key, label, colour in models:
+                fpr, tpr = roc_curve(y, [c[key] for c in cls["test_scores"]])
+                auc, ci = cls[f"auc_{key}"], cls[f"auc_{key}_ci"]
+                ax.plot(fpr, tpr, color=colour, linewidth=1.8,
+                        label=f"{label}: AUC {auc:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
+            ax.plot([0, 1], [0, 1], ":", color="#999999", linewidth=1)
+            ax.set_title(_wrap(f"groks by the horizon ({cls['test_positives']} grokked, {cls['test_negatives']} not); "
+                               f"ΔAUC {cls['diff']:+.3f} [{cls['diff_ci'][0]:+.3f}, {cls['diff_ci'][1]:+.3f}]", 55))
+            ax.legend(loc="lower right")
+        else:
+            ax.text(0.5, 0.5, _wrap(cls.get("error", pa.get("error", "no data")), 40), transform=ax.transAxes,
+                    ha="center", va="center", color="#666666")
+        ax.set_xlabel("false-positive rate")
+        ax.set_ylabel("true-positive rate")
+        reg = pa.get("log_t_grok", {})
+        if "test_predictions" in reg:
+            truth = np.array([c["log_t_grok"] for c in reg["test_predictions"]])
+            for key, label, colour in models:
+                pred = np.array([c[key] for c in reg["test_predictions"]])
+                mae, ci = reg[f"mae_{key}"], reg[f"mae_{key}_ci"]
+                bx.scatter(truth, pred, s=26, color=colour, alpha=0.75, linewidths=0,
+                           label=f"{label}: MAE {mae:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
+            lo, hi = float(truth.min()), float(truth.max())
+            pad = 0.1 * (hi - lo or 1.0)
+            bx.plot([lo - pad, hi + pad], [lo - pad, hi + pad], ":", color="#999999", linewidth=1)
+            bx.set_title(_wrap(f"ln t_grok ({reg['n_test']} grokked test runs); ΔMAE {reg['diff']:+.3f} "
+                               f"[{reg['diff_ci'][0]:+.3f}, {reg['diff_ci'][1]:+.3f}]", 55))
+            bx.legend(loc="upper left")
+        else:
+            bx.text(0.5, 0.5, _wrap(reg.get("error", pa.get("error", "no data")), 40), transform=bx.transAxes,
+                    ha="center", va="center", color="#666666")
+        bx.set_xlabel("true ln $t_{grok}$")
+        bx.set_ylabel("predicted ln $t_{grok}$")
+        fig.suptitle(f"Predictive value on held-out seeds at $t_0$ = {pa['t0']:g} epochs ({pa['t0_source']}); "
+                     f"train seeds {len(pa.get('train_seeds', []))}, test seeds {len(pa.get('test_seeds', []))}")
+        return _save(fig, stem, formats)
 
 
 # ============================================================================ issue 8: experiments

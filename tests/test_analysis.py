@@ -22,6 +22,7 @@ from fastdiag.analysis import (
     median_t_grok,
     paired_tests,
     regime_table,
+    roc_curve,
 )
 
 N_BOOT = 250
@@ -357,6 +358,17 @@ def test_auc_matches_pairwise_definition_on_tied_scores():
     labels = rng.random(60) < 0.4
     score = rng.integers(0, 5, 60).astype(float)            # many ties
     assert auc_mann_whitney(labels, score) == pytest.approx(pairwise_auc(labels, score))
+
+
+def test_roc_curve_area_is_the_mann_whitney_auc():
+    fpr, tpr = roc_curve([1, 1, 0, 0, 1, 0], [0.9, 0.5, 0.5, 0.1, 0.3, 0.3])
+    assert fpr.tolist() == pytest.approx([0, 0, 1 / 3, 2 / 3, 1]) and tpr.tolist() == pytest.approx([0, 1 / 3, 2 / 3, 1, 1])
+    rng = np.random.default_rng(6)
+    labels = rng.random(80) < 0.3
+    score = rng.integers(0, 6, 80) + labels * rng.random(80)    # ties and some signal
+    fpr, tpr = roc_curve(labels, score)
+    assert np.all(np.diff(fpr) >= 0) and np.all(np.diff(tpr) >= 0) and fpr[-1] == tpr[-1] == 1
+    assert np.sum(np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2) == pytest.approx(auc_mann_whitney(labels, score))
 
 
 def test_auc_perfect_reversed_and_constant_scores():

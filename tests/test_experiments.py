@@ -245,6 +245,12 @@ def test_analyze_predict_on_a_store(tmp_path, capsys):
     main(["analyze", str(path), "--n-boot", "100", "--predict", "--json"])
     p = json.loads(capsys.readouterr().out)["predict"]
     assert p["t0_source"] == "median t_mem" and p["t0"] == 40
+    assert len(p["groks_by_horizon"]["test_scores"]) == p["n_test"]
+    assert len(p["log_t_grok"]["test_predictions"]) == p["log_t_grok"]["n_test"]
+    main(["plot", str(path), "--out", str(tmp_path / "figs"), "--n-boot", "50", "--format", "png", "--predict",
+          "--t0", "50"])
+    assert str(tmp_path / "figs" / "predict.png") in capsys.readouterr().out
+    assert (tmp_path / "figs" / "predict.png").stat().st_size > 5000
     with pytest.raises(SystemExit) as exc:
         main(["analyze", str(path), "--predict", "--test-frac", "1.5"])
     assert exc.value.code == 2
