@@ -508,7 +508,7 @@ def predict_figure(pa: dict, stem: Path, formats=FORMATS) -> list[Path]:
             pad = 0.1 * (hi - lo or 1.0)
             bx.plot([lo - pad, hi + pad], [lo - pad, hi + pad], ":", color="#999999", linewidth=1)
             bx.set_title(_wrap(f"ln t_grok ({reg['n_test']} grokked test runs); ΔMAE {reg['diff']:+.3f} "
-                               f"[{reg['diff_ci'][0]:+.3f}, {reg['diff_ci'][1]:+.3f}]", 55))
+                               f"[{reg['diff_ci'][0]:+.3f}, {reg['diff_ci'][1]:+.3f}]", 62))
             bx.legend(loc="upper left")
         else:
             bx.text(0.5, 0.5, _wrap(reg.get("error", pa.get("error", "no data")), 40), transform=bx.transAxes,
