@@ -489,7 +489,7 @@ def predict_figure(pa: dict, stem: Path, formats=FORMATS) -> list[Path]:
                         label=f"{label}: AUC {auc:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
             ax.plot([0, 1], [0, 1], ":", color="#999999", linewidth=1)
             ax.set_title(_wrap(f"groks by the horizon ({cls['test_positives']} grokked, {cls['test_negatives']} not); "
-                               f"ΔAUC {cls['diff']:+.3f} [{cls['diff_ci'][0]:+.3f}, {cls['diff_ci'][1]:+.3f}]", 55))
+                               f"ΔAUC {cls['diff']:+.3f} [{cls['diff_ci'][0]:+.3f}, {cls['diff_ci'][1]:+.3f}]", 62))
             ax.legend(loc="lower right")
         else:
             ax.text(0.5, 0.5, _wrap(cls.get("error", pa.get("error", "no data")), 40), transform=ax.transAxes,
