@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastdiag.analysis import FitError, _lambda_c_point, _logistic
+from fastdiag.analysis import FitError, _lambda_c_point, _logistic, roc_curve
 
 REGIME_STYLE = {   # regime: (marker, colour, label)
     "grok": ("o", "#111111", "grok"),
@@ -468,12 +468,14 @@ def experiment_figures(store, out: Path, n_boot: int = 1500, seed: int = 0, form
     return paths
 
 
+def _no_data(ax, why: str) -> None:
+    ax.text(0.5, 0.5, _wrap(why, 40), transform=ax.transAxes, ha="center", va="center", color="#666666")
+
+
 def predict_figure(pa: dict, stem: Path, formats=FORMATS) -> list[Path]:
     """`experiments.predictive_analysis` on the held-out seeds: ROC curves of "groks by the horizon"
     (baselines against baselines + s̄/σ_H) and predicted against true ln t_grok."""
     import matplotlib as mpl
-
-    from fastdiag.analysis import roc_curve
 
     models = (("baseline", "baselines", "#6c7a89"), ("full", "baselines + $\\bar{s}$, $\\sigma_H$", "#d35f0a"))
     with mpl.rc_context(STYLE):
@@ -492,8 +494,7 @@ def predict_figure(pa: dict, stem: Path, formats=FORMATS) -> list[Path]:
                                f"ΔAUC {cls['diff']:+.3f} [{cls['diff_ci'][0]:+.3f}, {cls['diff_ci'][1]:+.3f}]", 62))
             ax.legend(loc="lower right")
         else:
-            ax.text(0.5, 0.5, _wrap(cls.get("error", pa.get("error", "no data")), 40), transform=ax.transAxes,
-                    ha="center", va="center", color="#666666")
+            _no_data(ax, cls.get("error", pa.get("error", "no data")))
         ax.set_xlabel("false-positive rate")
         ax.set_ylabel("true-positive rate")
         reg = pa.get("log_t_grok", {})
@@ -511,8 +512,7 @@ def predict_figure(pa: dict, stem: Path, formats=FORMATS) -> list[Path]:
                                f"[{reg['diff_ci'][0]:+.3f}, {reg['diff_ci'][1]:+.3f}]", 62))
             bx.legend(loc="upper left")
         else:
-            bx.text(0.5, 0.5, _wrap(reg.get("error", pa.get("error", "no data")), 40), transform=bx.transAxes,
-                    ha="center", va="center", color="#666666")
+            _no_data(bx, reg.get("error", pa.get("error", "no data")))
         bx.set_xlabel("true ln $t_{grok}$")
         bx.set_ylabel("predicted ln $t_{grok}$")
         fig.suptitle(f"Predictive value on held-out seeds at $t_0$ = {pa['t0']:g} epochs ({pa['t0_source']}); "
