@@ -241,14 +241,34 @@ def plan_packs(configs: Sequence[RunConfig], n_packs: int, workers: int | None =
 # =============================================================================== executing
 
 
-def _execute(cfg_dict: dict, train_fn: Callable | None = None) -> dict:
-    """Run one config; never raises for a failing run (the error comes back as data)."""
+EPOCH_REPORT_S = 2.0   # how often a run in flight tells the driver its epoch
+
+
+def _epoch_reporter(report: Callable[[str, int, int], None], run_id: str, epochs: int) -> Callable[[dict], None]:
+    """A trainer progress callback that passes (run id, epoch, horizon) on every EPOCH_REPORT_S at most."""
+    last = [-math.inf]
+
+    def on_row(row: dict) -> None:
+        now = time.monotonic()
+        if now - last[0] >= EPOCH_REPORT_S:
+            last[0] = now
+            report(run_id, int(row["epoch"]), epochs)
+    return on_row
+
+
+def _execute(cfg_dict: dict, train_fn: Callable | None = None,
+             report: Callable[[str, int, int], None] | None = None) -> dict:
+    """Run one config; never raises for a failing run (the error comes back as data). ``report``
+    receives (run id, epoch, horizon) of the real trainer now and then."""
     started = time.time()
     try:
-        if train_fn is None:
-            from fastdiag.train import train_run as train_fn
         cfg = RunConfig.from_dict(cfg_dict)
-        outcome = train_fn(cfg)
+        if train_fn is None:
+            from fastdiag.train import train_run
+
+            outcome = train_run(cfg, _epoch_reporter(report, cfg.run_id(), cfg.epochs) if report else None)
+        else:
+            outcome = train_fn(cfg)
         result = dict(outcome.result)
         result.setdefault("run_id", cfg.run_id())
         if result.get("n_params") is None:
@@ -328,6 +348,7 @@ class Progress:
         self.done_now = 0
         self.failed = 0
         self.regimes = dict(regimes or {})
+        self.running: dict[str, tuple[int, int]] = {}    # run id -> (epoch, horizon) of runs in flight
         self._last = 0.0
         self._width = 0
         self._shown = None
@@ -335,11 +356,12 @@ class Progress:
     def line(self) -> str:
         done = self.skipped + self.done_now + self.failed
         remaining = self.total - done
-        worked = self.done_now + self.failed
+        in_flight = sum(e / h for e, h in self.running.values())     # runs' worth of epochs in flight
+        worked = self.done_now + self.failed + in_flight
         if remaining == 0:
             eta = "done"
         elif worked:
-            eta = "ETA " + _duration((time.time() - self.started) / worked * remaining)
+            eta = "ETA " + _duration((time.time() - self.started) / worked * (remaining - in_flight))
         else:
             eta = "ETA ?"
         regimes = " ".join(f"{r} {n}" for r, n in self.regimes.items() if n)
@@ -348,9 +370,23 @@ class Progress:
             parts.append(f"{self.failed} failed")
         if regimes:
             parts.append(regimes)
+        if self.running:
+            at = sorted(self.running.values(), key=lambda eh: eh[0] / eh[1])
+            if len(at) <= 2:
+                parts.append("running: epoch " + ", ".join(f"{e}/{h}" for e, h in at))
+            else:
+                e, h = at[len(at) // 2]
+                parts.append(f"{len(at)} running, median at {100 * e // h}% of their epochs")
         return " | ".join(parts)
 
-    def update(self, regime: str | None = None, failed: bool = False, force: bool = False) -> None:
+    def epoch(self, run_id: str, epoch: int, epochs: int) -> None:
+        """A run in flight reached ``epoch`` of ``epochs``."""
+        self.running[run_id] = (epoch, epochs)
+        self.show()
+
+    def update(self, regime: str | None = None, failed: bool = False, force: bool = False,
+               run_id: str | None = None) -> None:
+        self.running.pop(run_id, None)
         if failed:
             self.failed += 1
         else:
@@ -445,12 +481,12 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
             regime = out["result"].get("regime")
             summary.done += 1
             summary.regimes[regime] = summary.regimes.get(regime, 0) + 1
-            bar.update(regime)
+            bar.update(regime, run_id=rid)
         else:
             store.record_failed(rid, out["error"])
             summary.failed += 1
             summary.failures.append((rid, out["error"]))
-            bar.update(failed=True)
+            bar.update(failed=True, run_id=rid)
 
     try:
         if todo and ensemble != 1 and train_fn is None:
@@ -460,13 +496,13 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
             for line in describe_packs(packs):
                 bar.note(line)
             todo = _run_packs(packs, store, finish, backend=backend, workers=workers,
-                              threads=threads, address=address, max_retries=max_retries)
+                              threads=threads, address=address, max_retries=max_retries, report=bar.epoch)
         if todo:
             if backend == "ray":
                 _run_ray(todo, store, finish, address=address, max_retries=max_retries, train_fn=train_fn)
             else:
                 _run_local(todo, store, finish, workers=workers, threads=threads,
-                           max_retries=max_retries, train_fn=train_fn)
+                           max_retries=max_retries, train_fn=train_fn, report=bar.epoch)
     finally:
         bar.show(force=True)
         bar.close()
@@ -486,7 +522,8 @@ def _uses_cuda(cfg: RunConfig) -> bool:
     return False
 
 
-def _run_local(todo: list[RunConfig], store: Store, finish, *, workers, threads, max_retries, train_fn) -> None:
+def _run_local(todo: list[RunConfig], store: Store, finish, *, workers, threads, max_retries, train_fn,
+               report=None) -> None:
     cuda = any(_uses_cuda(c) for c in todo)
     n_workers, n_threads = plan_local(todo, _default_workers(todo, workers))
     if threads is not None:
@@ -500,7 +537,7 @@ def _run_local(todo: list[RunConfig], store: Store, finish, *, workers, threads,
         try:
             for cfg in todo:
                 store.mark_running([cfg.run_id()])
-                finish(cfg, _execute(cfg.to_dict(), train_fn))
+                finish(cfg, _execute(cfg.to_dict(), train_fn, report))
         finally:
             torch.set_num_threads(previous)
         return
@@ -510,7 +547,7 @@ def _run_local(todo: list[RunConfig], store: Store, finish, *, workers, threads,
     from concurrent.futures.process import BrokenProcessPool
 
     ctx = multiprocessing.get_context("spawn")
-    started_q = ctx.SimpleQueue()        # workers say which run they start (written synchronously)
+    started_q = ctx.SimpleQueue()        # workers say which run they start (synchronously), and its epochs
     attempts = {c.run_id(): 0 for c in todo}
 
     def make_pool(n: int) -> ProcessPoolExecutor:
@@ -521,7 +558,11 @@ def _run_local(todo: list[RunConfig], store: Store, finish, *, workers, threads,
     def started_ids() -> set:
         ids = set()
         while not started_q.empty():
-            ids.add(started_q.get())
+            kind, *msg = started_q.get()
+            if kind == "start":
+                ids.add(msg[0])
+            elif report is not None:
+                report(*msg)
         return ids
 
     def give_up(cfg: RunConfig) -> None:
@@ -547,18 +588,20 @@ def _run_local(todo: list[RunConfig], store: Store, finish, *, workers, threads,
             started_ids()                          # drain anything stale
             pool = make_pool(n_workers)
             broken: list[RunConfig] = []
+            began: set = set()
             try:
                 pending = {pool.submit(_execute_tracked, cfg.to_dict(), train_fn): cfg for cfg in queue}
                 store.mark_running([c.run_id() for c in queue])
                 while pending:
-                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    finished, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                    began |= started_ids()
                     for fut in finished:
                         collect(fut, pending.pop(fut), broken)
             except BaseException:
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
             pool.shutdown(wait=True)
-            began = started_ids()
+            began |= started_ids()
             hit = [c for c in broken if c.run_id() in began] or broken
             for cfg in hit:
                 attempts[cfg.run_id()] += 1
@@ -604,10 +647,18 @@ def _execute_pack(cfg_dicts: list[dict], pack_id: int | None = None) -> list[dic
 
     def on_finish(index, outcome) -> None:
         if _FINISHED is not None and pack_id is not None:
-            _FINISHED.put((pack_id, index, output(outcome)))
+            _FINISHED.put(("done", pack_id, index, output(outcome)))
 
+    cfgs = [RunConfig.from_dict(d) for d in cfg_dicts]
+    progress = None
+    if _FINISHED is not None:
+        reporters = [_epoch_reporter(lambda *msg: _FINISHED.put(("epoch", *msg)), c.run_id(), c.epochs)
+                     for c in cfgs]
+
+        def progress(index, row) -> None:
+            reporters[index](row)
     try:
-        outcomes = train_ensemble([RunConfig.from_dict(d) for d in cfg_dicts], on_finish=on_finish)
+        outcomes = train_ensemble(cfgs, progress=progress, on_finish=on_finish)
     except Exception as exc:  # noqa: BLE001 - recorded as failed runs, the sweep goes on
         error = f"ensemble of {len(cfg_dicts)}: {type(exc).__name__}: {exc}"
         return [{"ok": False, "error": error, "started": started, "finished": time.time(), "worker": worker}
@@ -616,7 +667,7 @@ def _execute_pack(cfg_dicts: list[dict], pack_id: int | None = None) -> list[dic
 
 
 def _run_packs(packs: list[list[RunConfig]], store: Store, finish, *, backend, workers, threads,
-               address, max_retries) -> list[RunConfig]:
+               address, max_retries, report=None) -> list[RunConfig]:
     """Run the packs of more than one run as ensembles; return the runs left to run one by one."""
     todo = [c for p in packs for c in p]
     left = [p[0] for p in packs if len(p) == 1]
@@ -643,12 +694,17 @@ def _run_packs(packs: list[list[RunConfig]], store: Store, finish, *, backend, w
 
     n_workers, n_threads = plan_packs(todo, len(packs), workers, threads)
     ctx = multiprocessing.get_context("spawn")
-    finished_q = ctx.SimpleQueue()      # inherited by the workers: members as they finish
+    finished_q = ctx.SimpleQueue()      # inherited by the workers: members' epochs, and members as they finish
     stored: set[str] = set()
 
     def drain() -> None:
         while not finished_q.empty():
-            pack_id, index, out = finished_q.get()
+            kind, *msg = finished_q.get()
+            if kind == "epoch":
+                if report is not None:
+                    report(*msg)
+                continue
+            pack_id, index, out = msg
             cfg = packs[pack_id][index]
             finish(cfg, out)
             stored.add(cfg.run_id())
@@ -682,13 +738,14 @@ def _ray_execute_pack(cfg_dicts: list[dict]) -> list[dict]:
 
 
 _STARTED = None
-_FINISHED = None   # (pack id, member index, output) of ensemble members, as they finish
+_FINISHED = None   # ("done", pack id, member index, output) of ensemble members as they finish; ("epoch", …)
 
 
 def _execute_tracked(cfg_dict: dict, train_fn: Callable | None = None) -> dict:
-    if _STARTED is not None:
-        _STARTED.put(RunConfig.from_dict(cfg_dict).run_id())
-    return _execute(cfg_dict, train_fn)
+    if _STARTED is None:
+        return _execute(cfg_dict, train_fn)
+    _STARTED.put(("start", RunConfig.from_dict(cfg_dict).run_id()))
+    return _execute(cfg_dict, train_fn, lambda *msg: _STARTED.put(("epoch", *msg)))
 
 
 @contextlib.contextmanager

@@ -197,6 +197,42 @@ def test_progress_line():
     assert lines[-1].startswith("sweep: 3/4 runs | ETA") and "1 failed" in lines[-1] and "grok 1" in lines[-1]
 
 
+def test_progress_line_shows_runs_in_flight():
+    import io
+
+    out = io.StringIO()
+    bar = sw.Progress(total=5, stream=out)
+    bar.epoch("a", 3400, 10000)
+    assert bar.line().endswith("running: epoch 3400/10000")
+    bar.epoch("b", 1200, 10000)
+    assert bar.line().endswith("running: epoch 1200/10000, 3400/10000")
+    bar.epoch("c", 500, 1000)
+    assert bar.line().endswith("3 running, median at 34% of their epochs")
+    assert "ETA ?" not in bar.line()                 # estimated from the epochs in flight
+    bar.update("grok", run_id="c")
+    bar.update(failed=True, run_id="b")
+    assert bar.line().endswith("running: epoch 3400/10000") and "2/5 runs" in bar.line()
+
+
+def test_epoch_reports_reach_the_progress_line_in_process(tmp_path, monkeypatch):
+    """workers = 1 trains in this process: the real trainer's epochs reach the bar as they happen."""
+    monkeypatch.setattr(sw, "EPOCH_REPORT_S", 0.0)
+    seen = []
+
+    class Recording(sw.Progress):
+        def epoch(self, run_id, epoch, epochs):
+            seen.append((run_id, epoch, epochs))
+            super().epoch(run_id, epoch, epochs)
+
+    import io
+    bar = Recording(total=1, stream=io.StringIO())
+    grid = sw.build_grid({**TINY, "epochs": 6, "stop_at_grok": False}, [1.0], [0])
+    with Store(tmp_path / "p.sqlite") as st:
+        sw.run_sweep(grid, st, workers=1, threads=1, ensemble=1, progress=bar)
+    assert [e for _, e, _ in seen] == [1, 2, 3, 4, 5, 6] and {r for r, _, _ in seen} == {grid[0].run_id()}
+    assert bar.running == {}                                    # the finished run left the line
+
+
 # ------------------------------------------------------------------------------ analysis of a store
 
 def test_analyze_group_recovers_lambda_c_and_nu(tmp_path):

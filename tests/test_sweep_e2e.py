@@ -184,3 +184,15 @@ def test_kill_9_mid_ensemble_keeps_members_that_finished_early(tmp_path):
     main(args + ["--quiet"])
     after = finished(store)
     assert len(after) == 4 and {k: after[k] for k in before} == before
+
+
+@pytest.mark.parametrize("ensemble", ["1", "auto"])
+def test_long_runs_report_their_epochs_from_worker_processes(tmp_path, ensemble):
+    """Pool workers (one by one) and packed ensembles both send their epochs to the progress line."""
+    store = tmp_path / f"ep{ensemble}.sqlite"
+    proc = fastdiag_cli("sweep", "--wd", "0.3,1", "--seeds", "1", *TINY, "--epochs", "3000", "--no-stop-at-grok",
+                        "--eval-every", "10", "--workers", "2", "--threads", "1", "--ensemble", ensemble,
+                        "--store", store)
+    assert proc.returncode == 0, proc.stderr
+    assert "running: epoch " in proc.stderr and "/3000" in proc.stderr
+    assert len(finished(store)) == 2
