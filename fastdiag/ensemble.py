@@ -259,7 +259,7 @@ def default_ensemble_size(cfg: RunConfig) -> int:
     A GPU is idle with one tiny model: pack 32. On a CPU a member-step costs about what a single run's
     step costs (benchmarks/RESULTS.md), so ensembles only pay where per-op overhead is large, i.e. for
     small models, and too many members push the activations out of the caches: 8 members up to
-    ~0.45 M parameters, fewer above (canonical 0.82 M: 4), one by one from ~5 M."""
+    ~0.45 M parameters, fewer above (canonical 0.82 M: 4), one by one from ~2.5 M."""
     if resolve_device(cfg.device).type == "cuda":
         return 32
     from fastdiag.sweep import parameter_count
