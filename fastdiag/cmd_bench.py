@@ -27,6 +27,15 @@ def _machine(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
 
 
+def _known_names(text: str, known, option: str, what: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in known]
+    if unknown:
+        raise click.ClickException(f"{option}: unknown {what}(s) {', '.join(unknown)}; "
+                                   f"expected some of {', '.join(known)}")
+    return names
+
+
 @click.command("bench")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--shapes", default=",".join(bench.KERNEL_SHAPES), show_default=True,
@@ -45,16 +54,8 @@ def _machine(device: torch.device) -> str:
 def bench_command(device, shapes, steps, ensembles, members, workloads, no_compile, repeats, blocks, json_path):
     """Measure fastdiag's overhead against a pure-PyTorch reference (kernel) and per training step."""
     dev = _device(device)
-    names = [s.strip() for s in shapes.split(",") if s.strip()]   # "" = no kernel rows
-    unknown = [s for s in names if s not in bench.KERNEL_SHAPES]
-    if unknown:
-        raise click.ClickException(f"--shapes: unknown shape(s) {', '.join(unknown)}; "
-                                   f"expected some of {', '.join(bench.KERNEL_SHAPES)}")
-    sweep_workloads = [w.strip() for w in workloads.split(",") if w.strip()]
-    unknown = [w for w in sweep_workloads if w not in bench.ENSEMBLE_WORKLOADS]
-    if unknown:
-        raise click.ClickException(f"--workloads: unknown workload(s) {', '.join(unknown)}; "
-                                   f"expected some of {', '.join(bench.ENSEMBLE_WORKLOADS)}")
+    names = _known_names(shapes, bench.KERNEL_SHAPES, "--shapes", "shape")   # "" = no kernel rows
+    sweep_workloads = _known_names(workloads, bench.ENSEMBLE_WORKLOADS, "--workloads", "workload")
 
     def progress(msg: str) -> None:
         click.echo(f"\r\033[K{msg}", nl=False, err=True)

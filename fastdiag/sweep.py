@@ -831,30 +831,26 @@ class Group:
     config: dict                       # the shared configuration (λ, seed, device removed)
     runs: list = field(default_factory=list)    # store run dicts (status done)
 
-    @property
-    def label(self) -> str:
+    def _model_parts(self) -> list[str]:
+        """arch [preset] [L.. H.. d.. ff..]"""
         c = self.config
         parts = [c["arch"]]
         if c["arch"] == "transformer" and c.get("preset") not in (None, "custom"):
             parts.append(c["preset"])
-        sizes = [f"{short}{c[name]}" for name, short in
-                 (("n_layers", "L"), ("n_heads", "H"), ("d_model", "d"), ("d_ff", "ff")) if c.get(name)]
-        parts += sizes
-        parts.append(f"a{c['op']}b mod {c['p']}")
-        parts.append(f"{c['epochs']} ep")
-        return " ".join(parts)
+        return parts + [f"{short}{c[name]}" for name, short in
+                        (("n_layers", "L"), ("n_heads", "H"), ("d_model", "d"), ("d_ff", "ff")) if c.get(name)]
+
+    @property
+    def label(self) -> str:
+        c = self.config
+        return " ".join(self._model_parts() + [f"a{c['op']}b mod {c['p']}", f"{c['epochs']} ep"])
 
     @property
     def slug(self) -> str:
         """A file-name-safe short name: arch[-preset][-L..-H..-d..-ff..]-op-pP-eE."""
         c = self.config
-        parts = [c["arch"]]
-        if c["arch"] == "transformer" and c.get("preset") not in (None, "custom"):
-            parts.append(c["preset"])
-        parts += [f"{short}{c[name]}" for name, short in
-                  (("n_layers", "L"), ("n_heads", "H"), ("d_model", "d"), ("d_ff", "ff")) if c.get(name)]
-        parts += [{"+": "add", "-": "sub", "*": "mul", "/": "div"}.get(c["op"], "op"), f"p{c['p']}",
-                  f"e{c['epochs']}"]
+        parts = self._model_parts() + [{"+": "add", "-": "sub", "*": "mul", "/": "div"}.get(c["op"], "op"),
+                                       f"p{c['p']}", f"e{c['epochs']}"]
         return re.sub(r"[^A-Za-z0-9]+", "-", "-".join(str(x) for x in parts)).strip("-").lower()
 
     @property
@@ -884,6 +880,11 @@ def load_groups(store: Store) -> tuple[list[Group], dict[str, int]]:
     return ordered, store.counts()
 
 
+def in_fit_range(lambdas, fit_max_lambda: float | None) -> list[bool]:
+    """Which runs the λ_c and ν fits use (``--fit-max-lambda``: those with λ ≤ it; None: all)."""
+    return [fit_max_lambda is None or lam <= fit_max_lambda for lam in lambdas]
+
+
 def analyze_group(group: Group, n_boot: int = 1500, seed: int = 0, fit_max_lambda: float | None = None) -> dict:
     """λ_c, ν (fixed and joint), regime table and median t_grok of one group, as a JSON-able dict.
     A fit that cannot be made is ``{"error": reason}``, never a number. Runs with λ above
@@ -900,7 +901,7 @@ def analyze_group(group: Group, n_boot: int = 1500, seed: int = 0, fit_max_lambd
     }
     if n_zero:
         out["notes"].append(f"{n_zero} run(s) at λ = 0 kept out of the λ_c fit (log-λ axis)")
-    in_fit = [fit_max_lambda is None or lam <= fit_max_lambda for lam in lambdas]
+    in_fit = in_fit_range(lambdas, fit_max_lambda)
     if not all(in_fit):
         out["notes"].append(f"{in_fit.count(False)} run(s) with λ > {fit_max_lambda:g} kept out of the "
                             "λ_c and ν fits (--fit-max-lambda)")

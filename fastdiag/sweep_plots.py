@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from fastdiag.analysis import FitError, _lambda_c_point, _logistic, roc_curve
+from fastdiag.sweep import in_fit_range
 
 REGIME_STYLE = {   # regime: (marker, colour, label)
     "grok": ("o", "#111111", "grok"),
@@ -240,8 +241,8 @@ def p_grok_figure(group, analysis: dict, stem: Path, n_band: int = 300, seed: in
         fit = analysis["lambda_c"]
         if "lambda_c" in fit:
             grid = np.logspace(math.log10(lo), math.log10(hi), 200)
-            in_fit = lam <= (analysis.get("fit_max_lambda") or np.inf)
-            band = _band(lam[in_fit], g[in_fit], grid, n_band, seed)
+            fitted = np.array(in_fit_range(lam, analysis.get("fit_max_lambda")))
+            band = _band(lam[fitted], g[fitted], grid, n_band, seed)
             if band is not None:
                 ax.fill_between(grid, band[0], band[1], color="#e1812c", alpha=0.22, linewidth=0,
                                 label=f"95% bootstrap band ({n_band} resamples)")
@@ -408,21 +409,22 @@ def plot_store(store, out_dir, n_boot: int = 1500, n_band: int = 300, seed: int 
         raise ValueError(f"store {store.path}: no finished runs to plot")
     analyses = [analyze_group(g, n_boot=n_boot, seed=seed, fit_max_lambda=fit_max_lambda) for g in groups]
     paths = regime_diagram(groups, analyses, out / "regime_diagram", formats)
+    all_traces: dict[str, list[dict]] = {}
     for g, a in zip(groups, analyses):
         suffix = g.slug if len(groups) > 1 else ""
         name = (lambda base: out / (f"{base}_{suffix}" if suffix else base))
         paths += p_grok_figure(g, a, name("p_grok"), n_band=min(n_band, n_boot), seed=seed, formats=formats)
         paths += t_grok_figure(g, a, name("t_grok"), formats=formats)
         traces = {run["run_id"]: store.trace(run["run_id"]) for run in g.runs}
+        all_traces.update(traces)
         paths += trajectories_figure(g, traces, name("trajectories"), formats=formats)
         paths += _stages_for_group(g, traces, name, formats)
     paths += experiment_figures(store, out, n_boot=n_boot, seed=seed, formats=formats)
     if predict is not None:
         from fastdiag.experiments import predictive_analysis
 
-        runs = store.runs("done")
-        traces = {r["run_id"]: store.trace(r["run_id"]) for r in runs}
-        pa = predictive_analysis(runs, traces, n_boot=n_boot, seed=seed, **predict)
+        runs = [r for g in groups for r in g.runs]      # the groups hold every done run
+        pa = predictive_analysis(runs, all_traces, n_boot=n_boot, seed=seed, **predict)
         paths += predict_figure(pa, out / "predict", formats=formats)
     return paths, analyses
 
