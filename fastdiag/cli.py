@@ -1,7 +1,11 @@
 """The `fastdiag` command line. Every error is one line on stderr and exit status 2."""
 from __future__ import annotations
 
+import signal
+import sqlite3
 import sys
+import threading
+from contextlib import contextmanager
 
 import click
 
@@ -32,26 +36,80 @@ def _register_commands() -> None:
             cli.add_command(command)
 
 
-def _one_line(message: str) -> str:
+@contextmanager
+def option_errors(flags: dict[str, str]):
+    """Library errors name parameters ("weight_decay: must be finite"); the user typed flags. Re-raise
+    a ValueError/TypeError whose message starts with a parameter in ``flags`` as a CLIError naming the
+    flag ("--wd: must be finite")."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        message = _one_line(exc)
+        name, sep, rest = message.partition(":")
+        if sep and name in flags:
+            raise CLIError(f"{flags[name]}:{rest}") from None
+        raise
+
+
+# RunConfig fields and sweep parameters → the flags `run` and `sweep` take for them.
+RUN_FLAGS = {
+    "arch": "--arch", "archs": "--arch", "preset": "--preset", "presets": "--preset", "n_layers": "--layers",
+    "n_heads": "--heads", "d_model": "--d-model", "d_ff": "--d-ff", "op": "--op", "p": "--p",
+    "weight_decay": "--wd", "weight_decays": "--wd", "seeds": "--seeds", "lr": "--lr", "batch_size": "--batch",
+    "epochs": "--epochs", "train_frac": "--train-frac", "eval_every and diag_every": "--eval-every and --diag-every",
+    "grok_threshold": "--grok-threshold", "patience": "--patience", "device": "--device",
+    "weight_decays, seeds": "--wd, --seeds", "shard": "--shard", "workers": "--workers", "threads": "--threads",
+    "backend": "--backend", "max_retries": "--max-retries", "ensemble": "--ensemble",
+}
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that every `finally` runs (a sweep stores what finished)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def _one_line(message) -> str:
     return " ".join(str(message).split())
+
+
+def os_error_text(exc: OSError) -> str:
+    """"No space left on device: /data/run" rather than "[Errno 28] ..." with a traceback."""
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or type(exc).__name__}{where}" if exc.strerror else _one_line(exc)
+
+
+def _fail(message: str, status: int = 2) -> None:
+    click.echo(f"fastdiag: error: {_one_line(message)}", err=True)
+    sys.exit(status)
 
 
 def main(argv: list[str] | None = None) -> None:
     _register_commands()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         cli.main(args=argv, prog_name="fastdiag", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("fastdiag: error: aborted", err=True)
-        sys.exit(2)
+    except click.exceptions.Abort as exc:    # click turns Ctrl-C (KeyboardInterrupt) into Abort
+        _fail("interrupted" if isinstance(exc.__context__, KeyboardInterrupt) else "aborted",
+              130 if isinstance(exc.__context__, KeyboardInterrupt) else 2)
     except click.ClickException as exc:  # usage errors, bad options, CLIError
-        click.echo(f"fastdiag: error: {_one_line(exc.format_message())}", err=True)
-        sys.exit(2)
-    except (ValueError, TypeError, FileNotFoundError, PermissionError) as exc:
-        click.echo(f"fastdiag: error: {_one_line(exc)}", err=True)
-        sys.exit(2)
+        _fail(exc.format_message())
+    except (ValueError, TypeError) as exc:  # StoreError is a ValueError
+        _fail(exc)
+    except OSError as exc:                   # disk full, read-only file system, permissions, ...
+        _fail(os_error_text(exc))
+    except sqlite3.Error as exc:             # what the store did not name itself
+        _fail(f"result store: {exc}")
     except KeyboardInterrupt:
-        click.echo("fastdiag: error: interrupted", err=True)
-        sys.exit(130)
+        _fail("interrupted", 130)
+    except Terminated:
+        _fail("terminated", 143)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

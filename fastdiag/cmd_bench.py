@@ -56,6 +56,9 @@ def bench_command(device, shapes, steps, ensembles, members, workloads, no_compi
     dev = _device(device)
     names = _known_names(shapes, bench.KERNEL_SHAPES, "--shapes", "shape")   # "" = no kernel rows
     sweep_workloads = _known_names(workloads, bench.ENSEMBLE_WORKLOADS, "--workloads", "workload")
+    if not names and not steps and not (ensembles and sweep_workloads):
+        raise click.ClickException("nothing to run: --shapes and --workloads are empty or --no-steps and "
+                                   "--no-ensembles are given; name at least one kernel shape, step or workload")
 
     def progress(msg: str) -> None:
         click.echo(f"\r\033[K{msg}", nl=False, err=True)

@@ -68,25 +68,28 @@ def run(arch, preset, n_layers, n_heads, d_model, d_ff, op, p, weight_decay, lr,
         train_frac, eval_every, diag_every, grok_threshold, patience, no_stop_at_grok, device, threads,
         out_dir, quiet) -> None:
     """Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."""
-    from .cli import CLIError
+    from .cli import RUN_FLAGS, CLIError, option_errors, os_error_text
 
-    cfg = RunConfig(arch=arch, preset=preset, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff,
-                    op=op, p=p, weight_decay=weight_decay, lr=lr, batch_size=batch_size, epochs=epochs,
-                    seed=seed, train_frac=train_frac, eval_every=eval_every, diag_every=diag_every,
-                    grok_threshold=grok_threshold, stop_at_grok=not no_stop_at_grok, patience=patience,
-                    device=device)
-    cfg.validate()
     if threads < 1:
         raise CLIError(f"--threads: must be >= 1, got {threads}")
-    # Check everything the run needs before any training: the task (÷ needs a prime p), the model
-    # settings (heads dividing the width, settings that do not apply to the architecture), the device.
-    from fastdiag.models import resolve_run_config
-    from fastdiag.tasks import all_pairs
-    from fastdiag.train import resolve_device, train_run, write_outputs
+    # Check everything the run needs before any training: the values, the task (÷ needs a prime p,
+    # p² pairs must fit in memory), the model settings, the device, and the output directory.
+    from fastdiag.sweep import check_buildable
+    from fastdiag.train import prepare_out_dir, resolve_device, train_run, write_outputs
 
-    all_pairs(op, p)
-    resolve_run_config(cfg, p + 1, 3)
-    resolve_device(device)
+    with option_errors(RUN_FLAGS):
+        cfg = RunConfig(arch=arch, preset=preset, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff,
+                        op=op, p=p, weight_decay=weight_decay, lr=lr, batch_size=batch_size, epochs=epochs,
+                        seed=seed, train_frac=train_frac, eval_every=eval_every, diag_every=diag_every,
+                        grok_threshold=grok_threshold, stop_at_grok=not no_stop_at_grok, patience=patience,
+                        device=device)
+        check_buildable(cfg)
+        resolve_device(device)
+    out_dir = out_dir or f"runs/{cfg.run_id()}"
+    try:
+        prepare_out_dir(out_dir)
+    except OSError as exc:
+        raise CLIError(f"--out: cannot write to {out_dir}: {os_error_text(exc)}") from None
 
     import torch
 
@@ -97,18 +100,22 @@ def run(arch, preset, n_layers, n_heads, d_model, d_ff, op, p, weight_decay, lr,
     finally:
         if progress is not None:
             progress.close()
-    paths = write_outputs(outcome, out_dir or f"runs/{cfg.run_id()}")
-
     r = outcome.result
 
     def when(kind: str) -> str:
         epoch = r[f"t_{kind}_epoch"]
         return "not reached" if epoch is None else f"epoch {epoch} (step {r[f't_{kind}_step']})"
 
+    # The summary first: if the outputs cannot be written (disk full), the run's outcome is still said.
     click.echo(f"regime: {r['regime']}   t_mem: {when('mem')}   t_grok: {when('grok')}")
     click.echo(f"final: train acc {_fmt(r['final_train_acc'])}  test acc {_fmt(r['final_test_acc'])}  "
                f"peak s̄ {_fmt(r['peak_s_bar'])}  peak σ_H {_fmt(r['peak_sigma_h'])}  "
                f"({r['epochs_run']} epochs, {r['steps']} steps, {r['wall_seconds']:.1f} s on {r['device']})")
+    try:
+        paths = write_outputs(outcome, out_dir)
+    except OSError as exc:
+        raise CLIError(f"--out: the run finished but its outputs could not be written to {out_dir}: "
+                       f"{os_error_text(exc)}") from None
     click.echo("wrote: " + ", ".join(str(path) for path in paths.values()))
 
 

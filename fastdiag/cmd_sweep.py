@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -81,6 +80,7 @@ def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, 
               ensemble, dry_run, quiet):
     """Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."""
     from . import sweep as sw
+    from .cli import RUN_FLAGS, option_errors
     from .store import Store
 
     if workers is not None and workers < 1:
@@ -90,16 +90,17 @@ def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, 
     if max_retries < 0:
         raise CLIError(f"--max-retries: must be >= 0, got {max_retries}")
     ensemble_size = _parse_ensemble(ensemble)
-    weight_decays = sw.parse_wd(wd)
-    seed_list = sw.parse_seeds(seeds)
-    archs = sw.parse_list(arch, "arch")
-    presets = sw.parse_list(preset, "preset")
-    shard_spec = sw.parse_shard(shard)
-    base = dict(n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff, op=op, p=p, epochs=epochs,
-                lr=lr, batch_size=batch_size, train_frac=train_frac, eval_every=eval_every,
-                diag_every=diag_every, grok_threshold=grok_threshold, stop_at_grok=stop_at_grok,
-                patience=patience, device=device)
-    configs = sw.build_grid(base, weight_decays, seed_list, archs, presets)
+    with option_errors(RUN_FLAGS):
+        weight_decays = sw.parse_wd(wd)
+        seed_list = sw.parse_seeds(seeds)
+        archs = sw.parse_list(arch, "archs")
+        presets = sw.parse_list(preset, "presets")
+        shard_spec = sw.parse_shard(shard)
+        base = dict(n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff, op=op, p=p, epochs=epochs,
+                    lr=lr, batch_size=batch_size, train_frac=train_frac, eval_every=eval_every,
+                    diag_every=diag_every, grok_threshold=grok_threshold, stop_at_grok=stop_at_grok,
+                    patience=patience, device=device)
+        configs = sw.build_grid(base, weight_decays, seed_list, archs, presets)
     if shard_spec is not None:
         grid_size = len(configs)
         configs = sw.shard(configs, *shard_spec)
@@ -114,9 +115,10 @@ def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, 
         return
     store = Store(store_path, create=True)
     try:
-        summary = sw.run_sweep(configs, store, backend=backend, workers=workers, threads=threads,
-                               address=address, max_retries=max_retries, retry_failed=retry_failed,
-                               ensemble=ensemble_size, progress=not quiet)
+        with option_errors(RUN_FLAGS):
+            summary = sw.run_sweep(configs, store, backend=backend, workers=workers, threads=threads,
+                                   address=address, max_retries=max_retries, retry_failed=retry_failed,
+                                   ensemble=ensemble_size, progress=not quiet)
     finally:
         store.close()
     regimes = ", ".join(f"{r} {n}" for r, n in sorted(summary.regimes.items())) or "none"
@@ -190,9 +192,10 @@ def flatten_runs(runs: list[dict]) -> tuple[list[str], list[dict]]:
 
 
 def _write_table(columns: list[str], rows: list[dict], path: Path, fmt: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    from .train import atomic_path
+
     if fmt == "csv":
-        with open(tmp, "w", newline="") as fh:
+        with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
             writer.writeheader()
             for row in rows:
@@ -215,8 +218,8 @@ def _write_table(columns: list[str], rows: list[dict], path: Path, fmt: str) -> 
                 data[col] = pa.array([None if v is None else float(v) for v in values], type=pa.float64())
             else:
                 data[col] = pa.array([None if v is None else str(v) for v in values], type=pa.string())
-        pq.write_table(pa.table(data), tmp)
-    os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            pq.write_table(pa.table(data), tmp)
 
 
 @click.command("export")
@@ -231,18 +234,20 @@ def export_cmd(store_path, fmt, out, trace_out, status):
     """Export a store's runs table (config and result flattened into columns), optionally its traces."""
     from .store import open_existing
 
-    out_path = Path(out)
-    if not out_path.parent.exists():
-        raise CLIError(f"--out: directory {out_path.parent} does not exist")
+    outputs = [("--out", Path(out))] + ([("--trace-out", Path(trace_out))] if trace_out else [])
+    for flag, path in outputs:               # before reading anything: no half-done export
+        if path.is_dir():
+            raise CLIError(f"{flag}: {path} is a directory; expected a file name")
+        if not path.parent.is_dir():
+            raise CLIError(f"{flag}: directory {path.parent} does not exist")
+    out_path = outputs[0][1]
     with open_existing(store_path) as store:
         runs = store.runs(status)
         columns, rows = flatten_runs(runs)
         _write_table(columns, rows, out_path, fmt)
         n_trace = 0
         if trace_out:
-            trace_path = Path(trace_out)
-            if not trace_path.parent.exists():
-                raise CLIError(f"--trace-out: directory {trace_path.parent} does not exist")
+            trace_path = outputs[1][1]
             wanted = {r["run_id"] for r in runs}
             trace_rows, trace_cols = [], ["run_id", "idx"]
             for rid, idx, row in store.traces():

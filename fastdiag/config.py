@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 
 ARCHS = ("transformer", "mlp", "lstm", "mamba")
@@ -40,10 +41,12 @@ class RunConfig:
             raise ValueError(f"op: unknown operation {self.op!r}; expected one of {' '.join(OPS)}")
         if self.p < 2:
             raise ValueError(f"p: modulus must be >= 2, got {self.p}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"weight_decay: must be a finite number >= 0, got {self.weight_decay}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"lr: must be a finite number > 0, got {self.lr}")
+        if not 0 < self.grok_threshold <= 1:     # an accuracy; NaN would never be reached
+            raise ValueError(f"grok_threshold: must be an accuracy in (0, 1], got {self.grok_threshold}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {self.batch_size}")
         if self.epochs < 1:

@@ -383,16 +383,20 @@ def merge_tables(dst, src) -> int:
         return 0
     ensure_tables(dst)
     have = {r[0] for r in dst.conn.execute("SELECT arm_id FROM intervention_runs")}
-    cols = [r[1] for r in src.conn.execute("PRAGMA table_info(intervention_runs)")]
+    # The input's column names are untrusted text: copy only the columns this schema has, quoted.
+    known = [r[1] for r in dst.conn.execute("PRAGMA table_info(intervention_runs)")]
+    present = {r[1] for r in src.conn.execute("PRAGMA table_info(intervention_runs)")}
+    cols = [c for c in known if c in present]
+    quoted = ", ".join('"' + c.replace('"', '""') + '"' for c in cols)
     added = 0
-    for row in src.conn.execute(f"SELECT {', '.join(cols)} FROM intervention_runs").fetchall():
+    for row in src.conn.execute(f"SELECT {quoted} FROM intervention_runs").fetchall():
         arm_id = row[cols.index("arm_id")]
         if arm_id in have:
             continue
         trace = src.conn.execute("SELECT arm_id, idx, epoch, step, row FROM intervention_trace WHERE arm_id = ?",
                                  (arm_id,)).fetchall()
         with dst.transaction() as conn:
-            conn.execute(f"INSERT INTO intervention_runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", row)
+            conn.execute(f"INSERT INTO intervention_runs ({quoted}) VALUES ({', '.join('?' * len(cols))})", row)
             conn.executemany("INSERT INTO intervention_trace (arm_id, idx, epoch, step, row) VALUES (?, ?, ?, ?, ?)", trace)
         added += 1
     return added

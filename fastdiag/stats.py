@@ -78,8 +78,10 @@ class HeadStats:
     # ---- read-out: derived in float64, NaN where the statistics are not usable ----------------
 
     def valid(self) -> torch.Tensor:
-        """Bool ``[...]``: no bad probability entry and at least one valid row."""
-        return (self.invalid == 0) & (self.rows > 0)
+        """Bool ``[...]``: no bad probability entry, at least one valid row, and every head's pattern
+        nonzero (an all-zero or underflowed head has no direction: its cosines, s and C are NaN)."""
+        nonzero = (torch.diagonal(self.gram, dim1=-2, dim2=-1) > 0).all(-1)
+        return (self.invalid == 0) & (self.rows > 0) & nonzero
 
     def _nan_unless_valid(self, value: torch.Tensor) -> torch.Tensor:
         ok = self.valid().reshape(*self.rows.shape, *([1] * (value.dim() - self.rows.dim())))
@@ -168,6 +170,10 @@ def summarize(stats_per_layer: Mapping[str, HeadStats] | Sequence[HeadStats]) ->
     for name, s in items:
         if not isinstance(s, HeadStats):
             raise TypeError(f"stats_per_layer[{name!r}]: expected HeadStats, got {type(s).__name__}")
+    shapes = {name: tuple(s.rows.shape) for name, s in items}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"stats_per_layer: layers have different leading shapes {shapes}; expected one "
+                         "shape (the same members/problems in every layer)")
     per_layer = {name: s.summary() for name, s in items}
     s_bar = torch.stack([v["sync"] for v in per_layer.values()]).mean(0)
     sigma_h = torch.stack([v["spread"] for v in per_layer.values()]).mean(0)

@@ -18,6 +18,7 @@ whose trainer raises is recorded ``failed`` with its error; the sweep goes on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -29,6 +30,7 @@ from typing import Callable, Sequence
 
 from .config import ARCHS, RunConfig
 from .store import Store
+from .tasks import available_memory, check_task
 
 REGIMES = ("grok", "memorization", "collapse", "anti-grok", "diverged")
 GROKKED = ("grok", "anti-grok")          # reached t_grok within the horizon
@@ -40,26 +42,30 @@ BACKENDS = ("local", "ray")
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 
 
+# A grid larger than this is a typo (1e-3:1:100000000), not an experiment: refuse it before building it.
+MAX_GRID_RUNS = 100_000
+
+
 def parse_wd(spec: str) -> list[float]:
     """``"0.01,0.1,1"`` → those values; ``"1e-3:2:13"`` → 13 log-spaced values from 1e-3 to 2."""
     text = str(spec).strip()
     if not text:
-        raise ValueError("--wd: empty weight-decay grid")
+        raise ValueError("weight_decays: empty weight-decay grid")
     if ":" in text:
         parts = text.split(":")
         if len(parts) != 3 or not all(re.fullmatch(_NUMBER, s.strip()) for s in parts[:2]) \
                 or not re.fullmatch(r"[-+]?\d+", parts[2].strip()):
-            raise ValueError(f"--wd: bad range {text!r}; expected START:STOP:COUNT, e.g. 1e-3:2:13 "
+            raise ValueError(f"weight_decays: bad range {text!r}; expected START:STOP:COUNT, e.g. 1e-3:2:13 "
                              "(COUNT log-spaced values from START to STOP)")
         start, stop, count = float(parts[0]), float(parts[1]), int(parts[2])
-        if count < 1:
-            raise ValueError(f"--wd: range count must be >= 1, got {count}")
+        if not 1 <= count <= MAX_GRID_RUNS:
+            raise ValueError(f"weight_decays: range count must be >= 1 and at most {MAX_GRID_RUNS}, got {count}")
         if not (start > 0 and stop > 0 and math.isfinite(start) and math.isfinite(stop)):
-            raise ValueError(f"--wd: a log-spaced range needs START > 0 and STOP > 0, got {start:g}:{stop:g}; "
-                             "list 0 explicitly (e.g. 0,0.01,0.1) if you want it")
+            raise ValueError(f"weight_decays: a log-spaced range needs START > 0 and STOP > 0, got "
+                             f"{start:g}:{stop:g}; list 0 explicitly (e.g. 0,0.01,0.1) if you want it")
         if count == 1:
             if start != stop:
-                raise ValueError(f"--wd: a range of 1 value needs START = STOP, got {start:g}:{stop:g}")
+                raise ValueError(f"weight_decays: a range of 1 value needs START = STOP, got {start:g}:{stop:g}")
             return [start]
         a, b = math.log10(start), math.log10(stop)
         values = [10.0 ** (a + (b - a) * i / (count - 1)) for i in range(count)]
@@ -69,12 +75,12 @@ def parse_wd(spec: str) -> list[float]:
     for item in text.split(","):
         item = item.strip()
         if not item:
-            raise ValueError(f"--wd: empty item in {text!r}")
+            raise ValueError(f"weight_decays: empty item in {text!r}")
         if not re.fullmatch(_NUMBER, item):
-            raise ValueError(f"--wd: {item!r} is not a number")
+            raise ValueError(f"weight_decays: {item!r} is not a number")
         value = float(item)
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"--wd: weight decay must be a finite number >= 0, got {item}")
+            raise ValueError(f"weight_decays: weight decay must be a finite number >= 0, got {item}")
         values.append(value)
     return sorted(set(values))
 
@@ -83,19 +89,19 @@ def parse_seeds(spec: str | int) -> list[int]:
     """``"5"`` → seeds 0..4; ``"0,3,7"`` → those seeds."""
     text = str(spec).strip()
     if not text:
-        raise ValueError("--seeds: empty")
+        raise ValueError("seeds: empty")
     if "," not in text:
         if not re.fullmatch(r"[-+]?\d+", text):
-            raise ValueError(f"--seeds: expected a count N (seeds 0..N-1) or a comma list, got {text!r}")
+            raise ValueError(f"seeds: expected a count N (seeds 0..N-1) or a comma list, got {text!r}")
         n = int(text)
-        if n < 1:
-            raise ValueError(f"--seeds: the count must be >= 1, got {n}")
+        if not 1 <= n <= MAX_GRID_RUNS:
+            raise ValueError(f"seeds: the count must be >= 1 and at most {MAX_GRID_RUNS}, got {n}")
         return list(range(n))
     seeds = []
     for item in text.split(","):
         item = item.strip()
         if not re.fullmatch(r"\d+", item):
-            raise ValueError(f"--seeds: {item!r} is not a seed (an integer >= 0)")
+            raise ValueError(f"seeds: {item!r} is not a seed (an integer >= 0)")
         seeds.append(int(item))
     return sorted(set(seeds))
 
@@ -103,7 +109,7 @@ def parse_seeds(spec: str | int) -> list[int]:
 def parse_list(spec: str, name: str) -> list[str]:
     items = [s.strip() for s in str(spec).split(",")]
     if not items or any(not s for s in items):
-        raise ValueError(f"--{name}: empty item in {spec!r}")
+        raise ValueError(f"{name}: empty item in {spec!r}")
     return list(dict.fromkeys(items))
 
 
@@ -113,22 +119,33 @@ def parse_shard(spec: str | None) -> tuple[int, int] | None:
         return None
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(spec))
     if not m:
-        raise ValueError(f"--shard: expected I/N with 0 <= I < N (e.g. 0/4), got {spec!r}")
+        raise ValueError(f"shard: expected I/N with 0 <= I < N (e.g. 0/4), got {spec!r}")
     i, n = int(m.group(1)), int(m.group(2))
     if n < 1 or not 0 <= i < n:
-        raise ValueError(f"--shard: expected I/N with 0 <= I < N, got {spec!r}")
+        raise ValueError(f"shard: expected I/N with 0 <= I < N, got {spec!r}")
     return i, n
 
 
 def check_buildable(cfg: RunConfig) -> None:
-    """Raise ValueError now (not in a worker an hour later) for a config the model zoo rejects."""
+    """Raise ValueError now (not in a worker an hour later) for a config that cannot train: bad values,
+    a task that cannot be built (÷ with a composite p, more pairs than memory holds) or a model the
+    zoo rejects (unknown preset, heads not dividing the width, settings of another architecture)."""
     cfg.validate()
+    check_task(cfg.op, cfg.p)
+    _check_model(cfg.arch, cfg.preset, cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_ff, cfg.p)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_model(arch, preset, n_layers, n_heads, d_model, d_ff, p) -> None:
+    """Build the model on the meta device (no memory, no time): the zoo's own checks, once per shape."""
+    import torch
+
+    from fastdiag.models import build_from_run_config
+
+    cfg = RunConfig(arch=arch, preset=preset, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff, p=p)
     try:
-        from fastdiag.models import resolve_run_config
-    except ImportError:  # pragma: no cover - the model zoo not installed
-        return
-    try:
-        resolve_run_config(cfg, cfg.p + 1, 3)
+        with torch.device("meta"):
+            build_from_run_config(cfg, p + 1, 3, device=torch.device("meta"))
     except TypeError as exc:
         raise ValueError(str(exc)) from None
 
@@ -140,10 +157,14 @@ def build_grid(base: dict, weight_decays: Sequence[float], seeds: Sequence[int],
     archs = list(archs) if archs else [base.get("arch", "transformer")]
     presets = list(presets) if presets else [base.get("preset", "canonical")]
     if not weight_decays or not seeds:
-        raise ValueError("sweep: empty grid (no weight decays or no seeds)")
+        raise ValueError("weight_decays, seeds: empty grid (no weight decays or no seeds)")
+    size = len(archs) * len(presets) * len(weight_decays) * len(seeds)
+    if size > MAX_GRID_RUNS:
+        raise ValueError(f"weight_decays, seeds: a grid of {size} runs is more than {MAX_GRID_RUNS}; "
+                         "split it into sweeps of fewer runs")
     for arch in archs:
         if arch not in ARCHS:
-            raise ValueError(f"--arch: unknown architecture {arch!r}; expected one of {', '.join(ARCHS)}")
+            raise ValueError(f"archs: unknown architecture {arch!r}; expected one of {', '.join(ARCHS)}")
     configs: dict[str, RunConfig] = {}
     for arch in archs:
         for preset in presets:
@@ -154,7 +175,7 @@ def build_grid(base: dict, weight_decays: Sequence[float], seeds: Sequence[int],
                     check_buildable(cfg)
                     configs.setdefault(cfg.run_id(), cfg)
     if not configs:
-        raise ValueError("sweep: empty grid")
+        raise ValueError("weight_decays, seeds: empty grid")
     return [configs[k] for k in sorted(configs)]
 
 
@@ -172,18 +193,6 @@ def available_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         return max(1, os.cpu_count() or 1)
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available now (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover
-        pass
-    return None
 
 
 def parameter_count(cfg: RunConfig) -> int | None:
@@ -823,6 +832,12 @@ def _ray_execute(cfg_dict: dict, train_fn=None) -> dict:
 GROUP_EXCLUDE = ("weight_decay", "seed", "device")
 
 
+def file_safe(text) -> str:
+    """Letters, digits and single dashes only: a name from a store (untrusted) that can be neither a
+    path nor a hidden file."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", str(text)).strip("-")[:80] or "unnamed"
+
+
 @dataclass
 class Group:
     """Done runs that differ only in λ and seed: one experimental condition."""
@@ -851,7 +866,7 @@ class Group:
         c = self.config
         parts = self._model_parts() + [{"+": "add", "-": "sub", "*": "mul", "/": "div"}.get(c["op"], "op"),
                                        f"p{c['p']}", f"e{c['epochs']}"]
-        return re.sub(r"[^A-Za-z0-9]+", "-", "-".join(str(x) for x in parts)).strip("-").lower()
+        return file_safe("-".join(str(x) for x in parts)).lower()
 
     @property
     def n_params(self) -> int | None:

@@ -11,14 +11,14 @@ When a fit is impossible the figure is drawn without it and its title says why.
 from __future__ import annotations
 
 import math
-import os
 import textwrap
 from pathlib import Path
 
 import numpy as np
 
 from fastdiag.analysis import FitError, _lambda_c_point, _logistic, roc_curve
-from fastdiag.sweep import in_fit_range
+from fastdiag.sweep import file_safe, in_fit_range
+from fastdiag.train import atomic_path
 
 REGIME_STYLE = {   # regime: (marker, colour, label)
     "grok": ("o", "#111111", "grok"),
@@ -60,9 +60,8 @@ def _save(fig, stem: Path, formats=FORMATS) -> list[Path]:
     paths = []
     for fmt in formats:
         path = stem.with_suffix(f".{fmt}")
-        tmp = path.with_name(path.stem + ".tmp." + fmt)
-        fig.savefig(tmp, format=fmt)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format=fmt)
         paths.append(path)
     return paths
 
@@ -465,7 +464,8 @@ def experiment_figures(store, out: Path, n_boot: int = 1500, seed: int = 0, form
     experiments = exp_intervene.load_experiments(store)
     for exp_id, rows in experiments.items():
         traces = {r["arm_id"]: exp_intervene.arm_trace(store, r["arm_id"]) for r in rows}
-        stem = out / ("intervention" if len(experiments) == 1 else f"intervention_{exp_id}")
+        # experiment ids come from the store: untrusted, never a path of their own
+        stem = out / ("intervention" if len(experiments) == 1 else f"intervention_{file_safe(exp_id)}")
         paths += intervention_figure(rows, traces, stem, formats=formats)
     return paths
 

@@ -6,12 +6,17 @@ split into train / test halves (``train_frac``) by a seeded permutation.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 OPS = ("+", "-", "*", "/")
 SEQ_LEN = 3
+# Peak host bytes per (a, b) pair while the task is built: a, b, the "=" column and the stacked
+# [N, 3] sequences (int64), the targets and their temporaries, the permutation and the split copies:
+# about ten int64 values per pair. The pairs grow as p², so this, not the model, bounds p.
+TASK_BYTES_PER_PAIR = 80
 
 
 def is_prime(n: int) -> bool:
@@ -23,6 +28,39 @@ def is_prime(n: int) -> bool:
             return False
         i += 1
     return True
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return None
+
+
+def max_modulus(memory: int) -> int:
+    """The largest p whose p² pairs fit in ``memory`` bytes while the task is built."""
+    return math.isqrt(memory // TASK_BYTES_PER_PAIR)
+
+
+def check_task(op: str, p: int, memory: int | None = None) -> None:
+    """Raise ValueError now, before anything is allocated, for a task that cannot be built: an unknown
+    operation, p < 2, ÷ with a composite p, or more pairs than ``memory`` (default: available now) holds."""
+    if op not in OPS:
+        raise ValueError(f"op: unknown operation {op!r}; expected one of {' '.join(OPS)}")
+    if not isinstance(p, int) or isinstance(p, bool) or p < 2:
+        raise ValueError(f"p: modulus must be an integer >= 2, got {p!r}")
+    if op == "/" and not is_prime(p):
+        raise ValueError(f"p: division mod {p} needs a prime modulus (not every b has an inverse)")
+    memory = available_memory() if memory is None else memory
+    if memory is not None and p > max_modulus(memory):
+        raise ValueError(f"p: {p} gives p² = {p * p:.3g} pairs, about {p * p * TASK_BYTES_PER_PAIR / 2**30:.0f} GiB "
+                         f"to build the task, but {memory / 2**30:.1f} GiB of memory is available "
+                         f"(largest p here: {max_modulus(memory)})")
 
 
 def apply_op(op: str, a: torch.Tensor, b: torch.Tensor, p: int) -> torch.Tensor:
@@ -63,12 +101,7 @@ class Task:
 
 def all_pairs(op: str, p: int) -> tuple[torch.Tensor, torch.Tensor]:
     """All sequences ``[a, b, p]`` and targets, in (a, b) lexicographic order."""
-    if op not in OPS:
-        raise ValueError(f"op: unknown operation {op!r}; expected one of {' '.join(OPS)}")
-    if not isinstance(p, int) or isinstance(p, bool) or p < 2:
-        raise ValueError(f"p: modulus must be an integer >= 2, got {p!r}")
-    if op == "/" and not is_prime(p):
-        raise ValueError(f"p: division mod {p} needs a prime modulus (not every b has an inverse)")
+    check_task(op, p)
     a = torch.arange(p).repeat_interleave(p)
     b = torch.arange(p).repeat(p)
     if op == "/":

@@ -16,10 +16,12 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 import time
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -289,20 +291,45 @@ def trace_columns(trace: list[dict]) -> list[str]:
     return columns
 
 
-def write_outputs(outcome: RunOutcome, out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write ``result.json``, ``trace.csv`` and ``trajectory.png`` into ``out_dir``; return their paths."""
-    from .plots import plot_trajectory
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path next to ``path`` to write to; on success it replaces ``path`` in one step (a
+    reader never sees half a file), on failure (disk full, ...) it is removed. It keeps the suffix, so
+    writers that pick the format from it (matplotlib) still can."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
+
+def prepare_out_dir(out_dir: str | os.PathLike) -> Path:
+    """Create ``out_dir`` and prove it writable now, so that a bad path fails before training, not
+    after it (raises OSError: not a directory, read-only file system, permission denied, disk full)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out, prefix=".probe"):
+        pass
+    return out
+
+
+def write_outputs(outcome: RunOutcome, out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write ``result.json``, ``trace.csv`` and ``trajectory.png`` into ``out_dir``; return their paths.
+    Each file is written whole or not at all (`atomic_path`)."""
+    from .plots import plot_trajectory
+
+    out = prepare_out_dir(out_dir)
     paths = {"result": out / "result.json", "trace": out / "trace.csv", "plot": out / "trajectory.png"}
-    tmp = paths["result"].with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(outcome.result, indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, paths["result"])
-    with open(paths["trace"], "w", newline="") as fh:
+    with atomic_path(paths["result"]) as tmp:
+        tmp.write_text(json.dumps(outcome.result, indent=2, allow_nan=False) + "\n")
+    with atomic_path(paths["trace"]) as tmp, open(tmp, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=trace_columns(outcome.trace))
         writer.writeheader()
         for row in outcome.trace:
             writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
-    plot_trajectory(outcome.trace, paths["plot"], result=outcome.result)
+    with atomic_path(paths["plot"]) as tmp:
+        plot_trajectory(outcome.trace, tmp, result=outcome.result)
     return paths

@@ -44,11 +44,11 @@ def test_parse_seeds_and_shard():
     assert sw.parse_seeds("3") == [0, 1, 2]
     assert sw.parse_seeds("7,3,3") == [3, 7]
     for bad in ("0", "-2", "a", "1,,2", ""):
-        with pytest.raises(ValueError, match="--seeds"):
+        with pytest.raises(ValueError, match="^seeds: "):
             sw.parse_seeds(bad)
     assert sw.parse_shard("1/4") == (1, 4)
     for bad in ("4/4", "1/0", "x", "1-4"):
-        with pytest.raises(ValueError, match="--shard"):
+        with pytest.raises(ValueError, match="^shard: "):
             sw.parse_shard(bad)
 
 

@@ -1,0 +1,323 @@
+"""Hostile inputs and faults (issue 16): bad values, damaged and read-only stores, full disks, signals.
+
+Every CLI failure is one line on stderr with exit status 2 (130 for Ctrl-C), before any training
+where the input alone decides it, and nothing finished is lost. Faults are real: a full disk is a
+tiny tmpfs, a read-only store sits on a read-only mount (both need root; skipped otherwise),
+damaged stores are real SQLite files edited behind fastdiag's back, signals are real signals.
+"""
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fastdiag.cli import main
+from fastdiag.config import RunConfig
+from fastdiag.store import Store, StoreError, open_existing
+
+TINY_RUN = ["--p", "7", "--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "16",
+            "--batch", "8", "--train-frac", "0.6", "--device", "cpu", "--threads", "1"]
+
+
+def cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "fastdiag.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def one_line_error(r, needle, code=2):
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == code, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("fastdiag: error:") and needle in lines[0], r.stderr
+
+
+@contextlib.contextmanager
+def tmpfs(path, size):
+    """A real file system of ``size`` bytes at ``path`` (ENOSPC when full; remountable read-only)."""
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if r.returncode:
+        pytest.skip("needs a tmpfs mount (root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def remount_read_only(path):
+    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True, capture_output=True)
+
+
+def small_store(path, n=3):
+    """A store with ``n`` done runs (tiny fake results and traces)."""
+    cfgs = [RunConfig(weight_decay=0.1 * (i + 1), seed=i, epochs=5, p=11) for i in range(n)]
+    with Store(path) as st:
+        st.add_runs([c.to_dict() for c in cfgs])
+        for c in cfgs:
+            st.record_done(c.run_id(), {"regime": "grok", "t_grok_epoch": 3, "n_params": 10},
+                           [{"epoch": e, "step": e, "test_acc": 0.5, "train_acc": 1.0, "s_bar": 0.9,
+                             "sigma_h": 0.1} for e in range(1, 6)])
+    return cfgs
+
+
+# ----------------------------------------------------------------------------- fastdiag run
+
+def test_run_checks_out_before_the_first_step(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    r = cli("run", *TINY_RUN, "--epochs", "3", "--out", not_a_dir / "sub")
+    one_line_error(r, "--out")
+    assert "epoch 1/" not in r.stderr                       # refused before training, not after
+
+
+def test_run_read_only_out_refused_before_training(tmp_path):
+    with tmpfs(tmp_path / "ro", "1m") as ro:
+        remount_read_only(ro)
+        r = cli("run", *TINY_RUN, "--epochs", "3", "--out", ro / "run")
+        one_line_error(r, "--out")
+        assert "epoch 1/" not in r.stderr
+
+
+def test_run_disk_full_is_one_line_and_keeps_no_partial_file(tmp_path):
+    with tmpfs(tmp_path / "full", "12k") as full:              # result.json fits, the figure does not
+        r = cli("run", *TINY_RUN, "--epochs", "3", "--quiet", "--out", full / "run")
+        one_line_error(r, "No space left on device")
+        assert "regime:" in r.stdout                          # the finished run is still reported
+        names = sorted(p.name for p in (full / "run").iterdir())
+        assert not [n for n in names if "tmp" in n], names      # nothing half-written is left behind
+        if "result.json" in names:
+            json.loads((full / "run" / "result.json").read_text())
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--wd", "inf"], "--wd"),
+    (["--lr", "inf"], "--lr"),
+    (["--grok-threshold", "nan"], "--grok-threshold"),
+    (["--grok-threshold", "2"], "--grok-threshold"),
+    (["--p", "50021"], "--p"),
+], ids=["wd-inf", "lr-inf", "threshold-nan", "threshold-2", "huge-p"])
+def test_run_values_checked_before_training(capsys, tmp_path, argv, needle):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", *TINY_RUN, "--epochs", "3", "--out", str(tmp_path / "out"), *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and not (tmp_path / "out").exists()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "epoch 1/" not in err, err
+
+
+def test_modulus_limit_comes_from_memory():
+    from fastdiag.tasks import check_task, max_modulus
+
+    assert max_modulus(8 * 2**30) > 5_000                     # 8 GiB: every p of the paper and far beyond
+    with pytest.raises(ValueError, match=r"^p: .*50021.*GiB"):
+        check_task("+", 50021, memory=8 * 2**30)
+    check_task("+", 97, memory=8 * 2**30)
+    with pytest.raises(ValueError, match=r"^p: .*prime"):
+        check_task("/", 12)
+
+
+def test_ctrl_c_exits_130(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "fastdiag.cli", "run", *TINY_RUN, "--epochs", "100000",
+                             "--out", str(tmp_path / "r")], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert "epoch 1/" in proc.stderr.readline()           # training has started
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "fastdiag: error: interrupted"
+
+
+# ----------------------------------------------------------------------------- sweep grid values
+
+@pytest.mark.parametrize("args, needle", [
+    (["--wd", "1", "--preset", "7b"], "--preset"),
+    (["--wd", "1", "--op", "/", "--p", "12"], "prime"),
+    (["--wd", "1e-3:1:100000000"], "--wd"),
+    (["--wd", "1", "--seeds", "100000000000000000000000"], "--seeds"),
+    (["--wd", "1", "--lr", "inf"], "--lr"),
+    (["--wd", "1", "--grok-threshold", "2"], "--grok-threshold"),
+    (["--wd", "1", "--p", "50021"], "--p"),
+], ids=["preset", "div-non-prime", "huge-wd-grid", "huge-seeds", "lr-inf", "threshold-2", "huge-p"])
+def test_sweep_bad_values_refused_even_dry_run(tmp_path, args, needle):
+    r = cli("sweep", *args, "--dry-run", "--store", tmp_path / "s.sqlite", timeout=60)
+    one_line_error(r, needle)
+    assert not (tmp_path / "s.sqlite").exists()
+
+
+def test_library_errors_name_parameters_not_flags():
+    from fastdiag import sweep as sw
+
+    with pytest.raises(ValueError, match=r"^weight_decays: "):
+        sw.parse_wd("")
+    with pytest.raises(ValueError, match=r"^seeds: "):
+        sw.parse_seeds("0")
+    with pytest.raises(ValueError, match=r"^weight_decays: .*at most"):
+        sw.parse_wd("1e-3:1:100000000")
+
+
+# ----------------------------------------------------------------------------- stores
+
+def test_readers_do_not_write(tmp_path):
+    small_store(tmp_path / "s.sqlite")
+    with open_existing(tmp_path / "s.sqlite") as st:
+        with pytest.raises(StoreError, match="readonly"):
+            st.conn.execute("DELETE FROM runs")
+
+
+def test_read_only_store_analyze_plot_export(tmp_path):
+    with tmpfs(tmp_path / "ro", "4m") as ro:
+        small_store(ro / "s.sqlite")
+        remount_read_only(ro)
+        r = cli("analyze", ro / "s.sqlite", "--n-boot", "20")
+        assert r.returncode == 0 and "3 done" in r.stdout, r.stderr
+        r = cli("export", ro / "s.sqlite", "--out", tmp_path / "runs.csv")
+        assert r.returncode == 0 and "3 runs" in r.stdout, r.stderr
+        r = cli("plot", ro / "s.sqlite", "--out", tmp_path / "figs", "--n-boot", "20", "--n-band", "5")
+        assert r.returncode == 0, r.stderr
+
+
+def test_export_out_a_directory_is_one_line_and_leaves_nothing(tmp_path):
+    small_store(tmp_path / "s.sqlite")
+    (tmp_path / "dir").mkdir()
+    r = cli("export", tmp_path / "s.sqlite", "--out", tmp_path / "dir")
+    one_line_error(r, "--out")
+    assert not [p.name for p in tmp_path.rglob("*") if "tmp" in p.name] and not list((tmp_path / "dir").iterdir())
+
+
+def test_store_disk_full_is_one_line_not_cannot_rollback(tmp_path):
+    src = tmp_path / "big.sqlite"
+    cfgs = [RunConfig(weight_decay=0.1 * (i + 1), seed=i, epochs=5, p=11) for i in range(40)]
+    with Store(src) as st:
+        st.add_runs([c.to_dict() for c in cfgs])
+        for c in cfgs:
+            st.record_done(c.run_id(), {"regime": "grok"}, [{"epoch": e, "pad": "x" * 200} for e in range(100)])
+    with tmpfs(tmp_path / "full", "256k") as full:
+        r = cli("merge", full / "out.sqlite", src)
+        one_line_error(r, "disk is full")
+        assert "rollback" not in r.stderr
+        with open_existing(full / "out.sqlite") as out:          # what was committed is intact
+            done = out.runs("done")
+            assert 0 < len(done) < 40 and all(len(out.trace(r["run_id"])) == 100 for r in done)
+
+
+def test_corrupted_store_pages_are_one_line(tmp_path):
+    path = tmp_path / "s.sqlite"
+    small_store(path, n=30)
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    data = bytearray(path.read_bytes())
+    page = 4096
+    for start in range(2 * page, len(data), page):            # keep page 1 (header, schema) intact
+        data[start + 8:start + 200] = os.urandom(192)
+    path.write_bytes(bytes(data))
+    for cmd in (["analyze", path], ["export", path, "--out", tmp_path / "x.csv"]):
+        r = cli(*cmd)
+        one_line_error(r, str(path))
+        assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("sql, needle", [
+    ("UPDATE runs SET result = NULL WHERE run_id = :rid", "no result"),
+    ("UPDATE runs SET config = json_remove(config, '$.arch') WHERE run_id = :rid", "arch"),
+    ("UPDATE runs SET config = json_set(config, '$.weight_decay', 'heavy') WHERE run_id = :rid", "weight_decay"),
+    ("UPDATE runs SET config = '[1, 2]' WHERE run_id = :rid", "config"),
+    ("UPDATE runs SET result = '{\"regime\": ' WHERE run_id = :rid", "invalid JSON"),
+    ("UPDATE runs SET result = '{\"regime\": 7}' WHERE run_id = :rid", "regime"),
+    ("UPDATE trace SET row = 'nope' WHERE run_id = :rid", "invalid JSON"),
+], ids=["null-result", "missing-key", "wrong-type", "config-list", "bad-json", "regime-type", "bad-trace"])
+def test_damaged_store_content_names_store_and_run(tmp_path, sql, needle):
+    path = tmp_path / "s.sqlite"
+    cfgs = small_store(path)
+    rid = cfgs[1].run_id()
+    conn = sqlite3.connect(path)
+    conn.execute(sql, {"rid": rid})
+    conn.commit()
+    conn.close()
+    commands = [["export", path, "--out", tmp_path / "x.csv", "--trace-out", tmp_path / "t.csv"]]
+    if "trace" not in sql:                                    # analyze reads no trace of these runs
+        commands.append(["analyze", path])
+    for cmd in commands:
+        r = cli(*cmd)
+        one_line_error(r, needle)
+        assert str(path) in r.stderr and rid in r.stderr, r.stderr
+
+
+def _intervention_store(path, experiment):
+    from fastdiag.exp_intervene import ensure_tables
+
+    with Store(path) as st:
+        ensure_tables(st)
+        with st.transaction() as conn:
+            for arm in ("control", "reinit"):
+                conn.execute("INSERT INTO intervention_runs (arm_id, experiment, seed, arm, branch_of, branch_epoch, "
+                             "config, settings, intervention, result, metrics, created_at) "
+                             "VALUES (?, ?, 0, ?, 'r', 10, '{}', '{}', '{}', '{}', '{}', 0)",
+                             (f"a-{arm}", experiment, arm))
+
+
+def test_plot_never_writes_outside_out(tmp_path):
+    path = tmp_path / "evil.sqlite"
+    _intervention_store(path, "../../escaped")
+    with Store(path) as st:                                 # a second experiment: names come from the ids
+        with st.transaction() as conn:
+            conn.execute("UPDATE intervention_runs SET experiment = '../../escaped' WHERE arm = 'control'")
+            conn.execute("UPDATE intervention_runs SET experiment = '/tmp/abs' WHERE arm = 'reinit'")
+    out = tmp_path / "a" / "b" / "figs"
+    cli("plot", path, "--out", out, "--n-boot", "10")
+    outside = [p for p in tmp_path.rglob("*") if p.is_file() and out not in p.parents and p != path
+               and not p.name.startswith("evil.sqlite")]
+    assert outside == []
+
+
+def test_merge_quotes_column_names_of_the_input(tmp_path):
+    src = tmp_path / "src.sqlite"
+    _intervention_store(src, "x")
+    conn = sqlite3.connect(src)
+    conn.execute('ALTER TABLE intervention_runs ADD COLUMN "a) VALUES (1); DROP TABLE runs; --" TEXT')
+    conn.commit()
+    conn.close()
+    r = cli("merge", tmp_path / "out.sqlite", src)
+    assert r.returncode == 0, r.stderr
+    with open_existing(tmp_path / "out.sqlite") as out:
+        assert out.conn.execute("SELECT COUNT(*) FROM intervention_runs").fetchone()[0] == 2
+        assert out.counts()["done"] == 0                      # the runs table is still there
+
+
+# ----------------------------------------------------------------------------- HeadStats read-out
+
+def test_valid_is_false_where_sync_is_nan():
+    from fastdiag.stats import HeadStats
+
+    gram = torch.eye(3, dtype=torch.float64).repeat(2, 1, 1)
+    gram[1, 2, 2] = 0.0                                       # an all-zero (or underflowed) head
+    stats = HeadStats(gram, torch.ones(2, 3), torch.tensor([4.0, 4.0]), torch.zeros(2))
+    assert stats.valid().tolist() == [True, False]
+    assert torch.isnan(stats.sync()[1]) and not torch.isnan(stats.sync()[0])
+
+
+def test_summarize_mismatched_layers_is_a_named_value_error():
+    from fastdiag.stats import HeadStats, summarize
+
+    def stats(*lead):
+        return HeadStats(torch.eye(2).expand(*lead, 2, 2), torch.ones(*lead, 2), torch.ones(lead),
+                         torch.zeros(lead))
+
+    with pytest.raises(ValueError, match=r"stats_per_layer: .*'b'"):
+        summarize({"a": stats(3), "b": stats(4)})
+
+
+# ----------------------------------------------------------------------------- bench
+
+def test_bench_with_nothing_to_run_is_an_error():
+    r = cli("bench", "--shapes", "", "--no-steps", "--no-ensembles")
+    one_line_error(r, "nothing to run")
