@@ -17,6 +17,7 @@ whose trainer raises is recorded ``failed`` with its error; the sweep goes on.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import math
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .config import ARCHS, RunConfig
-from .store import Store
+from .store import Lease, Store
 from .tasks import available_memory, check_task
 
 REGIMES = ("grok", "memorization", "collapse", "anti-grok", "diverged")
@@ -225,7 +226,7 @@ def plan_local(configs: Sequence[RunConfig], workers: int | None = None, cores: 
                                                        for c in configs}.values())
             workers = max(1, min(workers, int(0.8 * memory) // per_run))
     if workers < 1:
-        raise ValueError(f"--workers: must be >= 1, got {workers}")
+        raise ValueError(f"workers: must be >= 1, got {workers}")
     threads = max(1, cores // workers)
     return workers, threads
 
@@ -251,6 +252,7 @@ def plan_packs(configs: Sequence[RunConfig], n_packs: int, workers: int | None =
 
 
 EPOCH_REPORT_S = 2.0   # how often a run in flight tells the driver its epoch
+HELD_RETRY_S = 5.0     # how often runs another sweep held are looked at again
 
 
 def _epoch_reporter(report: Callable[[str, int, int], None], run_id: str, epochs: int) -> Callable[[dict], None]:
@@ -312,10 +314,7 @@ def _die_with_parent() -> None:
             os._exit(1)
 
 
-def _init_worker(threads: int, gpu_counter=None, started_queue=None, finished_queue=None) -> None:
-    global _STARTED, _FINISHED
-    _STARTED = started_queue
-    _FINISHED = finished_queue
+def _init_worker(threads: int, gpu_index: int | None = None) -> None:
     _die_with_parent()
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
@@ -326,11 +325,8 @@ def _init_worker(threads: int, gpu_counter=None, started_queue=None, finished_qu
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass
-    if gpu_counter is not None and torch.cuda.is_available():
-        with gpu_counter.get_lock():
-            index = gpu_counter.value
-            gpu_counter.value += 1
-        torch.cuda.set_device(index % torch.cuda.device_count())
+    if gpu_index is not None and torch.cuda.is_available():
+        torch.cuda.set_device(gpu_index % torch.cuda.device_count())
 
 
 @dataclass
@@ -341,6 +337,7 @@ class SweepSummary:
     failed: int = 0                # failed in this invocation (after retries)
     regimes: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)   # (run_id, error)
+    elsewhere: int = 0             # unfinished, held by another live sweep on the same store
     wall_seconds: float = 0.0
 
 
@@ -458,11 +455,16 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
     ``ensemble`` > 1 trains compatible runs (same everything but seed and λ, an architecture that
     vectorises) as vectorised ensembles of up to that many members (`fastdiag.ensemble`; None: the
     size `default_ensemble_size` picks per group); the others, and the members of an ensemble whose
-    worker died, run one by one as usual."""
+    worker died, run one by one as usual.
+
+    Each run is claimed in the store (`Lease`) right before it starts, so sweeps running at the same
+    time on one store share the grid; runs a live sweep holds are left to it (``summary.elsewhere``).
+    An interrupt (KeyboardInterrupt, SystemExit) stops the workers, keeps every finished run and
+    frees the claims of the unfinished ones, then propagates."""
     if backend not in BACKENDS:
-        raise ValueError(f"--backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     if max_retries < 0:
-        raise ValueError(f"--max-retries: must be >= 0, got {max_retries}")
+        raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
     started = time.time()
     by_id = {c.run_id(): c for c in configs}
     store.add_runs([c.to_dict() for c in by_id.values()])
@@ -497,24 +499,26 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
             summary.failures.append((rid, out["error"]))
             bar.update(failed=True, run_id=rid)
 
-    try:
-        if todo and ensemble != 1 and train_fn is None:
-            from fastdiag.ensemble import describe_packs, pack_runs
+    with Lease(store) as lease:
+        try:
+            tasks = [[c] for c in todo]
+            if todo and ensemble != 1 and train_fn is None:
+                from fastdiag.ensemble import describe_packs, pack_runs
 
-            packs = pack_runs(todo, ensemble)
-            for line in describe_packs(packs):
-                bar.note(line)
-            todo = _run_packs(packs, store, finish, backend=backend, workers=workers,
-                              threads=threads, address=address, max_retries=max_retries, report=bar.epoch)
-        if todo:
+                tasks = pack_runs(todo, ensemble)
+                for line in describe_packs(tasks):
+                    bar.note(line)
             if backend == "ray":
-                _run_ray(todo, store, finish, address=address, max_retries=max_retries, train_fn=train_fn)
+                _run_ray(tasks, lease, finish, redo=redo, address=address, max_retries=max_retries,
+                         train_fn=train_fn)
             else:
-                _run_local(todo, store, finish, workers=workers, threads=threads,
+                _run_local(tasks, lease, finish, redo=redo, workers=workers, threads=threads,
                            max_retries=max_retries, train_fn=train_fn, report=bar.epoch)
-    finally:
-        bar.show(force=True)
-        bar.close()
+            unfinished = [rid for rid, st in store.status_of(by_id).items() if st in redo]
+            summary.elsewhere = len(lease.held_elsewhere(unfinished))
+        finally:
+            bar.show(force=True)
+            bar.close()
     summary.wall_seconds = time.time() - started
     return summary
 
@@ -531,120 +535,248 @@ def _uses_cuda(cfg: RunConfig) -> bool:
     return False
 
 
-def _run_local(todo: list[RunConfig], store: Store, finish, *, workers, threads, max_retries, train_fn,
+def _died(attempts: int) -> dict:
+    return {"ok": False, "error": f"worker process died (killed, crashed or out of memory) on each of "
+                                  f"{attempts} attempts"}
+
+
+def _run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, threads, max_retries, train_fn,
                report=None) -> None:
-    cuda = any(_uses_cuda(c) for c in todo)
-    n_workers, n_threads = plan_local(todo, _default_workers(todo, workers))
-    if threads is not None:
-        n_threads = threads
-    n_workers = min(n_workers, len(todo))
+    """Run ``tasks`` (one config: a run; more: an ensemble) in this process (one worker) or on a
+    `_WorkerPool`. Every task is claimed right before it starts; tasks a live concurrent sweep holds
+    are tried once more when everything else is done, and otherwise left to it."""
+    cfgs = [c for task in tasks for c in task]
+    if not cfgs:
+        return
+    n_workers, n_threads = plan_packs(cfgs, len(tasks), workers, threads)
+    queue: collections.deque = collections.deque(tasks)
+    held: list[list[RunConfig]] = []          # claimed by another sweep when we came to them
+    last_look = [-math.inf]
+    deaths: collections.Counter = collections.Counter()
+
+    def claim(task: list[RunConfig]) -> tuple[list[RunConfig], list[RunConfig]]:
+        """(members claimed now, members another sweep holds)."""
+        claimed = set(lease.claim([c.run_id() for c in task], statuses=redo))
+        return [c for c in task if c.run_id() in claimed], [c for c in task if c.run_id() not in claimed]
+
+    def next_task() -> list[RunConfig] | None:
+        """The claimed members of the next task that has any (None: nothing to claim now)."""
+        while queue:
+            members, others = claim(queue.popleft())
+            if others:
+                held.append(others)
+            if members:
+                return members
+        # Our own tasks are all out: look again (not too often) at those other sweeps held, which
+        # are free once their sweep died or stopped renewing its claims.
+        if held and time.monotonic() - last_look[0] >= HELD_RETRY_S:
+            last_look[0] = time.monotonic()
+            again, held[:] = list(held), []
+            for task in again:
+                members, others = claim(task)
+                if others:
+                    held.append(others)
+                if members:
+                    queue.append(members)
+            return next_task() if queue else None
+        return None
+
     if n_workers == 1:
-        # In this process: no pool, the simplest and most debuggable path.
+        # In this process: no pool, the simplest and most debuggable path; an interrupt simply raises.
         import torch
         previous = torch.get_num_threads()
         torch.set_num_threads(n_threads)
         try:
-            for cfg in todo:
-                store.mark_running([cfg.run_id()])
-                finish(cfg, _execute(cfg.to_dict(), train_fn, report))
+            while (task := next_task()) is not None:
+                if len(task) == 1:
+                    finish(task[0], _execute(task[0].to_dict(), train_fn, report))
+                    continue
+                stored: set[int] = set()
+
+                def on_member(index: int, out: dict, task=task, stored=stored) -> None:
+                    finish(task[index], out)
+                    stored.add(index)
+                outs = _execute_pack([c.to_dict() for c in task], report, on_member)
+                for index, (cfg, out) in enumerate(zip(task, outs)):
+                    if index not in stored:
+                        finish(cfg, out)
         finally:
             torch.set_num_threads(previous)
         return
 
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-    from concurrent.futures.process import BrokenProcessPool
+    pool = _WorkerPool(n_workers, n_threads, cuda=any(_uses_cuda(c) for c in cfgs))
 
-    ctx = multiprocessing.get_context("spawn")
-    started_q = ctx.SimpleQueue()        # workers say which run they start (synchronously), and its epochs
-    attempts = {c.run_id(): 0 for c in todo}
-
-    def make_pool(n: int) -> ProcessPoolExecutor:
-        gpu_counter = ctx.Value("i", 0) if cuda else None
-        return ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker,
-                                   initargs=(n_threads, gpu_counter, started_q))
-
-    def started_ids() -> set:
-        ids = set()
-        while not started_q.empty():
-            kind, *msg = started_q.get()
-            if kind == "start":
-                ids.add(msg[0])
-            elif report is not None:
+    def handle(worker: "_Worker", message: tuple) -> None:
+        kind, *msg = message
+        task = worker.task
+        if kind == "epoch":
+            if report is not None:
                 report(*msg)
-        return ids
+        elif kind == "member":               # an ensemble member finished before the others
+            index, out = msg
+            finish(task[index], out)
+            worker.stored.add(index)
+        elif kind == "result":
+            outs = [msg[0]] if len(task) == 1 else msg[0]
+            for index, (cfg, out) in enumerate(zip(task, outs)):
+                if index not in worker.stored:
+                    finish(cfg, out)
+        elif kind == "died":                  # only the task on that worker; the others go on
+            if len(task) > 1:                 # which member killed it is unknown: the rest one by one
+                queue.extend([cfg] for index, cfg in enumerate(task) if index not in worker.stored)
+                return
+            rid = task[0].run_id()
+            deaths[rid] += 1
+            if deaths[rid] > max_retries:
+                finish(task[0], _died(deaths[rid]))
+            else:
+                queue.appendleft(task)
 
-    def give_up(cfg: RunConfig) -> None:
-        finish(cfg, {"ok": False, "error": f"worker process died (killed, crashed or out of memory) on each "
-                                           f"of {attempts[cfg.run_id()]} attempts"})
+    try:
+        while True:
+            while pool.idle and (task := next_task()) is not None:
+                pool.submit(pool.idle[0], task, train_fn)
+            if not pool.busy:
+                break
+            for worker, message in pool.events(timeout=1.0):
+                handle(worker, message)
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM, an error storing a run): keep what finished and is waiting in
+        # the pipes, then stop the workers (finally). Their runs stay unfinished and unclaimed.
+        with contextlib.suppress(Exception):
+            for worker, message in pool.events(timeout=0, results_only=True):
+                handle(worker, message)
+        raise
+    finally:
+        pool.close()
 
-    def collect(fut, cfg, broken: list) -> None:
-        try:
-            out = fut.result()
-        except BrokenProcessPool:
-            broken.append(cfg)
+
+class _Worker:
+    """One spawned worker process, its pipe, and the task it holds (None: idle)."""
+
+    def __init__(self, ctx, slot: int, threads: int, cuda: bool) -> None:
+        self.slot = slot
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child, threads, slot if cuda else None),
+                                   name=f"fastdiag-worker-{slot}")
+        self.process.start()
+        child.close()
+        self.task: list[RunConfig] | None = None
+        self.stored: set[int] = set()     # members of its ensemble already finished
+
+
+class _WorkerPool:
+    """``size`` spawned worker processes, each with its own pipe and one task at a time.
+
+    Unlike a ProcessPoolExecutor, which breaks as a whole when one worker dies, the driver knows
+    which task each worker holds: a dead worker costs only its own task (retried or failed), a fresh
+    worker takes its slot, and the others keep training. The driver reads every pipe continuously,
+    so a worker never blocks on a result nobody reads."""
+
+    def __init__(self, size: int, threads: int, cuda: bool) -> None:
+        import multiprocessing
+
+        self.ctx = multiprocessing.get_context("spawn")
+        self.threads, self.cuda = threads, cuda
+        self.workers = [_Worker(self.ctx, slot, threads, cuda) for slot in range(size)]
+
+    @property
+    def idle(self) -> list[_Worker]:
+        return [w for w in self.workers if w.task is None]
+
+    @property
+    def busy(self) -> list[_Worker]:
+        return [w for w in self.workers if w.task is not None]
+
+    def submit(self, worker: _Worker, task: list[RunConfig], train_fn: Callable | None) -> None:
+        worker.task, worker.stored = task, set()
+        dicts = [c.to_dict() for c in task]
+        worker.conn.send(("run", dicts[0], train_fn) if len(task) == 1 else ("pack", dicts, None))
+
+    def events(self, timeout: float, results_only: bool = False):
+        """Yield ``(worker, message)`` for what busy workers sent (``("epoch", …)``, ``("member", i,
+        out)``, ``("result", out)``) and ``(worker, ("died", exitcode))`` for a worker that died, which
+        is then replaced. A worker is idle again once its result or death has been handled."""
+        from multiprocessing.connection import wait
+
+        busy = self.busy
+        if not busy:
             return
-        except Exception as exc:  # noqa: BLE001 - e.g. the result did not pickle
-            out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        finish(cfg, out)
-
-    queue, suspects = list(todo), []
-    while queue or suspects:
-        if queue:
-            # All queued runs in a pool of n_workers. If a worker dies the pool breaks: the runs that had
-            # started then are suspects (retried one at a time, so the blame is exact); the others go
-            # back to the queue without an attempt counted against them.
-            started_ids()                          # drain anything stale
-            pool = make_pool(n_workers)
-            broken: list[RunConfig] = []
-            began: set = set()
-            try:
-                pending = {pool.submit(_execute_tracked, cfg.to_dict(), train_fn): cfg for cfg in queue}
-                store.mark_running([c.run_id() for c in queue])
-                while pending:
-                    finished, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
-                    began |= started_ids()
-                    for fut in finished:
-                        collect(fut, pending.pop(fut), broken)
-            except BaseException:
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
-            pool.shutdown(wait=True)
-            began |= started_ids()
-            hit = [c for c in broken if c.run_id() in began] or broken
-            for cfg in hit:
-                attempts[cfg.run_id()] += 1
-            suspects += hit
-            queue = [c for c in broken if c not in hit]
-        solo = None                            # a one-worker pool, replaced only after it breaks
-        try:
-            while suspects:
-                cfg = suspects.pop(0)
-                if attempts[cfg.run_id()] > max_retries:
-                    give_up(cfg)
+        wait([w.conn for w in busy] + [w.process.sentinel for w in busy], timeout)
+        for w in busy:
+            while w.task is not None:
+                try:
+                    if not w.conn.poll():
+                        break
+                    message = w.conn.recv()
+                except (EOFError, OSError):   # the worker died mid-message
+                    break
+                if results_only and message[0] == "epoch":
                     continue
-                attempts[cfg.run_id()] += 1
-                solo = solo or make_pool(1)
-                broken = []
-                store.mark_running([cfg.run_id()])
-                collect(solo.submit(_execute_tracked, cfg.to_dict(), train_fn), cfg, broken)
-                started_ids()
-                if broken:
-                    solo.shutdown(wait=True)
-                    solo = None
-                    if attempts[cfg.run_id()] > max_retries:
-                        give_up(cfg)
-                    else:
-                        suspects.insert(0, cfg)
-        finally:
-            if solo is not None:
-                solo.shutdown(wait=True, cancel_futures=True)
+                yield w, message
+                if message[0] == "result":
+                    w.task = None
+            if w.task is not None and not w.process.is_alive() and not results_only:
+                yield w, ("died", w.process.exitcode)
+                self._replace(w)
+
+    def _replace(self, dead: _Worker) -> None:
+        dead.conn.close()
+        dead.process.join(timeout=5)
+        self.workers[self.workers.index(dead)] = _Worker(self.ctx, dead.slot, self.threads, self.cuda)
+
+    def close(self) -> None:
+        """Idle workers exit; workers still training (an interrupt) are terminated."""
+        for w in self.workers:
+            with contextlib.suppress(OSError, ValueError):
+                if w.task is None:
+                    w.conn.send(None)
+                else:
+                    w.process.terminate()
+        for w in self.workers:
+            w.process.join(timeout=10)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join()
+            w.conn.close()
 
 
-def _execute_pack(cfg_dicts: list[dict], pack_id: int | None = None) -> list[dict]:
-    """Train runs as one vectorised ensemble; like `_execute`, failures come back as data. In a local
-    worker each member's output is also sent to the driver the moment it is done, so it is stored
-    at once instead of when the whole pack ends."""
+def _worker_main(conn, threads: int, gpu_index: int | None) -> None:
+    """A pool worker: trains the tasks the driver sends, one at a time, sending back epochs, ensemble
+    members as they finish, and results. It ignores SIGINT: a Ctrl-C in a terminal reaches the whole
+    process group, and the driver alone decides what it means (store what finished, stop the workers)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(threads, gpu_index)
+
+    def report(*msg) -> None:
+        conn.send(("epoch", *msg))
+
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:                     # the driver is gone
+            return
+        if task is None:
+            return
+        kind, payload, train_fn = task
+        if kind == "run":
+            out = _execute(payload, train_fn, report)
+        else:
+            out = _execute_pack(payload, report, lambda index, member: conn.send(("member", index, member)))
+        try:
+            conn.send(("result", out))
+        except Exception as exc:  # noqa: BLE001 - e.g. a result that does not pickle: a failed run
+            error = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            conn.send(("result", error if kind == "run" else [error] * len(payload)))
+
+
+def _execute_pack(cfg_dicts: list[dict], report: Callable[[str, int, int], None] | None = None,
+                  on_member: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """Train runs as one vectorised ensemble; like `_execute`, failures come back as data.
+    ``on_member(index, output)`` gets each member's output the moment it is done, so the driver
+    stores it at once instead of when the whole pack ends; ``report`` gets members' epochs."""
     from fastdiag.ensemble import train_ensemble
 
     started = time.time()
@@ -655,14 +787,13 @@ def _execute_pack(cfg_dicts: list[dict], pack_id: int | None = None) -> list[dic
                 "finished": time.time(), "worker": worker}
 
     def on_finish(index, outcome) -> None:
-        if _FINISHED is not None and pack_id is not None:
-            _FINISHED.put(("done", pack_id, index, output(outcome)))
+        if on_member is not None:
+            on_member(index, output(outcome))
 
     cfgs = [RunConfig.from_dict(d) for d in cfg_dicts]
     progress = None
-    if _FINISHED is not None:
-        reporters = [_epoch_reporter(lambda *msg: _FINISHED.put(("epoch", *msg)), c.run_id(), c.epochs)
-                     for c in cfgs]
+    if report is not None:
+        reporters = [_epoch_reporter(report, c.run_id(), c.epochs) for c in cfgs]
 
         def progress(index, row) -> None:
             reporters[index](row)
@@ -675,86 +806,9 @@ def _execute_pack(cfg_dicts: list[dict], pack_id: int | None = None) -> list[dic
     return [output(o) for o in outcomes]
 
 
-def _run_packs(packs: list[list[RunConfig]], store: Store, finish, *, backend, workers, threads,
-               address, max_retries, report=None) -> list[RunConfig]:
-    """Run the packs of more than one run as ensembles; return the runs left to run one by one."""
-    todo = [c for p in packs for c in p]
-    left = [p[0] for p in packs if len(p) == 1]
-    packs = [p for p in packs if len(p) > 1]
-    if not packs:
-        return left
-    if backend == "ray":
-        with _ray_session(address) as ray:
-            task = ray.remote(_ray_execute_pack).options(max_retries=max_retries, retry_exceptions=False,
-                                                         num_cpus=1)
-            refs = {task.remote([c.to_dict() for c in pack]): pack for pack in packs}
-            store.mark_running([c.run_id() for pack in packs for c in pack], worker="ray")
-            for pack, outs, error in _ray_completed(ray, refs):
-                if error is not None:   # lost after retries: its runs go one by one
-                    left += pack
-                    continue
-                for cfg, out in zip(pack, outs):
-                    finish(cfg, out)
-        return left
-
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-    from concurrent.futures.process import BrokenProcessPool
-
-    n_workers, n_threads = plan_packs(todo, len(packs), workers, threads)
-    ctx = multiprocessing.get_context("spawn")
-    finished_q = ctx.SimpleQueue()      # inherited by the workers: members' epochs, and members as they finish
-    stored: set[str] = set()
-
-    def drain() -> None:
-        while not finished_q.empty():
-            kind, *msg = finished_q.get()
-            if kind == "epoch":
-                if report is not None:
-                    report(*msg)
-                continue
-            pack_id, index, out = msg
-            cfg = packs[pack_id][index]
-            finish(cfg, out)
-            stored.add(cfg.run_id())
-
-    gpu_counter = ctx.Value("i", 0) if any(_uses_cuda(c) for c in todo) else None
-    with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(n_threads, gpu_counter, None, finished_q)) as pool:
-        futures = {pool.submit(_execute_pack, [c.to_dict() for c in pack], i): pack for i, pack in enumerate(packs)}
-        store.mark_running([c.run_id() for pack in packs for c in pack])
-        while futures:
-            done, _ = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
-            drain()
-            for fut in done:
-                pack = futures.pop(fut)
-                try:
-                    outs = fut.result()
-                except BrokenProcessPool:   # a worker died: its unfinished runs go one by one
-                    left += [c for c in pack if c.run_id() not in stored]
-                    continue
-                for cfg, out in zip(pack, outs):
-                    if cfg.run_id() not in stored:
-                        finish(cfg, out)
-                        stored.add(cfg.run_id())
-        drain()
-    return left
-
-
 def _ray_execute_pack(cfg_dicts: list[dict]) -> list[dict]:
     _init_worker(1)
     return _execute_pack(cfg_dicts)
-
-
-_STARTED = None
-_FINISHED = None   # ("done", pack id, member index, output) of ensemble members as they finish; ("epoch", …)
-
-
-def _execute_tracked(cfg_dict: dict, train_fn: Callable | None = None) -> dict:
-    if _STARTED is None:
-        return _execute(cfg_dict, train_fn)
-    _STARTED.put(("start", RunConfig.from_dict(cfg_dict).run_id()))
-    return _execute(cfg_dict, train_fn, lambda *msg: _STARTED.put(("epoch", *msg)))
 
 
 @contextlib.contextmanager
@@ -763,13 +817,13 @@ def _ray_session(address: str | None):
     try:
         import ray
     except ImportError:
-        raise ValueError("--backend ray: the ray package is not installed (pip install 'ray[default]')") from None
+        raise ValueError("backend: ray: the ray package is not installed (pip install 'ray[default]')") from None
     started_here = False
     if not ray.is_initialized():
         try:
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         except (ConnectionError, ValueError, RuntimeError) as exc:
-            raise ValueError(f"--backend ray: cannot connect to the Ray cluster "
+            raise ValueError(f"backend: ray: cannot connect to the Ray cluster "
                              f"{address or '(local)'}: {' '.join(str(exc).split())}") from None
         started_here = True
     try:
@@ -780,7 +834,8 @@ def _ray_session(address: str | None):
 
 
 def _ray_completed(ray, refs: dict):
-    """Yield ``(key, result, None)`` or ``(key, None, exception)`` for each Ray task as it completes."""
+    """Yield ``(key, result, None)`` or ``(key, None, exception)`` for each Ray task as it completes
+    (tasks added to ``refs`` meanwhile included)."""
     while refs:
         ready, _ = ray.wait(list(refs), num_returns=1)
         for ref in ready:
@@ -792,28 +847,41 @@ def _ray_completed(ray, refs: dict):
             yield key, result, error
 
 
-def _run_ray(todo: list[RunConfig], store: Store, finish, *, address, max_retries, train_fn) -> None:
+def _run_ray(tasks: list[list[RunConfig]], lease, finish, *, redo, address, max_retries, train_fn) -> None:
+    """Every task a Ray task (``max_retries`` for lost workers); an ensemble lost after its retries
+    runs its members one by one. Ray schedules everything at once, so everything is claimed at once."""
+    claimed = set(lease.claim([c.run_id() for task in tasks for c in task], statuses=redo, worker="ray"))
+    tasks = [t for t in ([c for c in task if c.run_id() in claimed] for task in tasks) if t]
+    if not tasks:
+        return
     with _ray_session(address) as ray:
         gpus = ray.cluster_resources().get("GPU", 0)
+        run_task = ray.remote(_ray_execute)
+        pack_task = ray.remote(_ray_execute_pack).options(max_retries=max_retries, retry_exceptions=False,
+                                                          num_cpus=1)
 
-        def remote_for(cfg: RunConfig):
+        def submit_run(cfg: RunConfig):
             want_gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and gpus > 0)
             opts = {"num_gpus": 1, "num_cpus": 1} if want_gpu else {"num_cpus": 1}
-            return _ray_task.options(max_retries=max_retries, retry_exceptions=False, **opts)
+            return run_task.options(max_retries=max_retries, retry_exceptions=False, **opts).remote(
+                cfg.to_dict(), train_fn)
 
-        _ray_task = ray.remote(_ray_execute)
-        refs = {}
-        for cfg in todo:
-            refs[remote_for(cfg).remote(cfg.to_dict(), train_fn)] = cfg
-        store.mark_running([c.run_id() for c in todo], worker="ray")
-        for cfg, out, exc in _ray_completed(ray, refs):
-            if exc is not None:   # lost worker after retries, task error, ...
+        refs = {(pack_task.remote([c.to_dict() for c in t]) if len(t) > 1 else submit_run(t[0])): t for t in tasks}
+        for task, out, exc in _ray_completed(ray, refs):
+            if len(task) > 1:
+                if exc is not None:           # lost after retries: its runs go one by one
+                    refs.update({submit_run(c): [c] for c in task})
+                    continue
+                for cfg, member in zip(task, out):
+                    finish(cfg, member)
+                continue
+            if exc is not None:               # lost worker after retries, task error, ...
                 msg = " ".join(str(exc).split())
                 if len(msg) > 500:
                     msg = msg[:500] + "..."
                 out = {"ok": False, "error": f"ray task failed after {max_retries} retries: "
                                              f"{type(exc).__name__}: {msg}"}
-            finish(cfg, out)
+            finish(task[0], out)
 
 
 def _ray_execute(cfg_dict: dict, train_fn=None) -> dict:

@@ -1,0 +1,230 @@
+"""Sweeps under faults (issue 16): signals to the driver only, dead pool workers, attempts, and
+concurrent sweeps sharing one store. Real processes, real signals, real SQLite; the trainers are
+small fakes in a module the spawned workers import, so each test takes seconds."""
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from fastdiag.config import RunConfig
+from fastdiag.store import Lease, Store
+
+TINY = ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "32", "--d-ff", "64", "--p", "11"]
+
+_FAKES = textwrap.dedent('''
+    import os
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    from fastdiag import sweep as sw
+    from fastdiag.store import Store
+
+    GRID = dict(arch="transformer", preset="custom", n_layers=1, n_heads=2, d_model=32, d_ff=64, p=11, epochs=2)
+
+
+    def slow(cfg):
+        """Logs "run_id pid start end" and sleeps; seed 1 at λ = 1 kills its worker process when FD_DIE is set."""
+        start = time.time()
+        if os.environ.get("FD_DIE") and cfg.seed == 1 and cfg.weight_decay == 1.0:
+            time.sleep(0.3)
+            os._exit(9)
+        time.sleep(float(os.environ.get("FD_SLEEP", "1")))
+        with open(os.environ["FD_LOG"], "a") as fh:
+            fh.write(f"{cfg.run_id()} {os.getpid()} {start} {time.time()}\\n")
+        return SimpleNamespace(config=cfg, result={"regime": "grok", "t_grok_epoch": 1.0, "n_params": 1},
+                               trace=[{"epoch": 1, "step": 1, "test_acc": 1.0}])
+
+
+    if __name__ == "__main__":
+        store, workers, n_seeds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+        grid = sw.build_grid(GRID, [0.1, 1.0], range(n_seeds))
+        with Store(store) as st:
+            s = sw.run_sweep(grid, st, workers=workers, threads=1, train_fn=slow, progress=False, ensemble=1)
+        print(f"done {s.done} elsewhere {getattr(s, 'elsewhere', None)}", flush=True)
+''')
+
+
+@pytest.fixture
+def fakes(tmp_path, monkeypatch):
+    (tmp_path / "fd_hostile_fakes.py").write_text(_FAKES)
+    monkeypatch.syspath_prepend(str(tmp_path))          # the spawned workers get this sys.path too
+    monkeypatch.setenv("FD_LOG", str(tmp_path / "log.txt"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    import importlib
+
+    import fd_hostile_fakes
+    return importlib.reload(fd_hostile_fakes)
+
+
+def log_rows(tmp_path):
+    path = tmp_path / "log.txt"
+    if not path.exists():
+        return []
+    return [(rid, int(pid), float(a), float(b)) for rid, pid, a, b in
+            (line.split() for line in path.read_text().splitlines())]
+
+
+def rows(store, sql):
+    if not os.path.exists(store):
+        return []
+    conn = sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=30)
+    try:
+        return conn.execute(sql).fetchall()
+    except sqlite3.OperationalError:            # not created yet
+        return []
+    finally:
+        conn.close()
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_dead_worker_blames_only_its_run_and_keeps_parallelism(tmp_path, fakes, monkeypatch):
+    from fastdiag import sweep as sw
+
+    monkeypatch.setenv("FD_DIE", "1")
+    monkeypatch.setenv("FD_SLEEP", "2.5")                    # longer than a replacement worker takes to start
+    grid = sw.build_grid(fakes.GRID, [0.1, 1.0], range(3))
+    culprit = next(c.run_id() for c in grid if c.seed == 1 and c.weight_decay == 1.0)
+    with Store(tmp_path / "s.sqlite") as st:
+        summary = sw.run_sweep(grid, st, workers=2, threads=1, train_fn=fakes.slow, progress=False,
+                               max_retries=0, ensemble=1)
+        failed = st.runs("failed")
+        assert [r["run_id"] for r in failed] == [culprit], [r["error"] for r in failed]
+        assert "worker process died" in failed[0]["error"]
+        done = st.runs("done")
+        assert len(done) == 5 and summary.done == 5
+        assert all(r["attempts"] == 1 for r in done)         # no innocent run was charged or rerun
+    spans = sorted((a, b) for _, _, a, b in log_rows(tmp_path))
+    assert len(spans) == 5                                   # each innocent run trained exactly once
+    overlapping = sum(1 for (a1, b1), (a2, _) in zip(spans, spans[1:]) if a2 < b1)
+    assert overlapping >= 2                                  # still two at a time, not one by one
+
+
+_DRIVER_ENV = {"FD_SLEEP": "1.5"}
+
+
+def _driver(tmp_path, store, workers, n_seeds, **popen):
+    env = {**os.environ, **_DRIVER_ENV, "PYTHONPATH": str(tmp_path)}
+    return subprocess.Popen([sys.executable, str(tmp_path / "fd_hostile_fakes.py"), str(store), str(workers),
+                             str(n_seeds)], env=env, **popen)
+
+
+def test_attempts_count_only_runs_that_started(tmp_path, fakes):
+    store = tmp_path / "a.sqlite"
+    proc = _driver(tmp_path, store, 2, 5, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: rows(store, "SELECT 1 FROM runs WHERE status = 'done'"), 120, "a finished run")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    attempts = dict(rows(store, "SELECT run_id, attempts FROM runs"))
+    started = {rid for rid, *_ in log_rows(tmp_path)} | set(
+        rid for (rid,) in rows(store, "SELECT run_id FROM runs WHERE started_at IS NOT NULL"))
+    assert len(attempts) == 10 and sum(attempts.values()) <= 4, attempts   # 2 workers: at most 2 runs started twice
+    assert sum(1 for n in attempts.values() if n == 0) >= 6
+    assert all(attempts[rid] == 1 for rid in started), (attempts, started)
+
+
+def test_concurrent_sweeps_share_the_grid(tmp_path, fakes):
+    store = tmp_path / "c.sqlite"
+    Store(store).close()
+    procs = [_driver(tmp_path, store, 1, 4, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    trained = [(rid, pid) for rid, pid, *_ in log_rows(tmp_path)]
+    assert len(trained) == 8 and len({rid for rid, _ in trained}) == 8       # every run once, none twice
+    assert len({pid for _, pid in trained}) == 2                              # and both sweeps worked
+    assert rows(store, "SELECT status, COUNT(*) FROM runs GROUP BY status") == [("done", 8)]
+    assert rows(store, "SELECT COUNT(*) FROM claims") == [(0,)]
+
+
+def test_claims_of_dead_or_silent_sweeps_are_taken_over(tmp_path):
+    cfgs = [RunConfig(weight_decay=w, seed=0, epochs=2, p=11) for w in (0.1, 1.0, 3.0)]
+    ids = [c.run_id() for c in cfgs]
+    with Store(tmp_path / "s.sqlite") as st:
+        st.add_runs([c.to_dict() for c in cfgs])
+        with Lease(st) as first, Lease(st) as second:
+            assert first.claim(ids[:1]) == ids[:1]
+            assert second.claim(ids) == ids[1:]                # a live claim is respected
+            assert second.held_elsewhere(ids) == {ids[0]: first.owner}
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        with st.transaction() as conn:                          # a sweep on this host that was killed -9
+            conn.execute("INSERT OR REPLACE INTO claims VALUES (?, 'x:1:dead', ?, ?, ?)",
+                         (ids[0], os.uname().nodename, gone.pid, time.time() + 3600))
+            conn.execute("INSERT OR REPLACE INTO claims VALUES (?, 'far:1:quiet', 'far-away-host', 1, ?)",
+                         (ids[1], time.time() - 1))             # another host's sweep that stopped renewing
+            conn.execute("INSERT OR REPLACE INTO claims VALUES (?, 'far:2:live', 'far-away-host', 2, ?)",
+                         (ids[2], time.time() + 3600))
+        with Lease(st) as third:
+            assert third.claim(ids) == ids[:2]
+        assert st.get(ids[0])["attempts"] == 2                 # claimed twice: two starts
+
+
+def test_sigint_to_the_driver_only_ends_an_ensemble_sweep(tmp_path):
+    """`kill -INT <driver>` (Jupyter, timeout -s INT): the workers see nothing; the driver stores what
+    finished, stops the workers and exits 130 promptly."""
+    store = tmp_path / "e.sqlite"
+    groks = ["--preset", "custom", "--layers", "2", "--heads", "4", "--d-model", "64", "--d-ff", "256",
+             "--p", "31", "--train-frac", "0.7", "--lr", "3e-3", "--batch", "128", "--eval-every", "10"]
+    proc = subprocess.Popen([sys.executable, "-m", "fastdiag.cli", "sweep", "--wd", "0,1", "--seeds", "2", *groks,
+                             "--epochs", "3000", "--ensemble", "2", "--workers", "2", "--threads", "1",
+                             "--store", str(store), "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)       # no terminal: only the driver gets it
+    try:
+        wait_for(lambda: rows(store, "SELECT 1 FROM runs WHERE status = 'done'"), 240, "a finished member")
+        before = rows(store, "SELECT run_id FROM runs WHERE status = 'done'")
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "fastdiag: error: interrupted"
+    after = rows(store, "SELECT run_id FROM runs WHERE status = 'done'")
+    assert set(before) <= set(after) and len(after) < 4
+    assert rows(store, "SELECT COUNT(*) FROM claims") == [(0,)]
+    def session_gone():
+        return subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode == 1
+    try:
+        wait_for(session_gone, 10, "the worker processes to end")
+    except AssertionError:
+        ps = subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(proc.pid)], capture_output=True, text=True)
+        raise AssertionError(f"worker processes outlived the sweep:\n{ps.stdout}") from None
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_ends_a_pool_sweep_keeping_what_finished(tmp_path, sig, code):
+    store = tmp_path / "p.sqlite"
+    proc = subprocess.Popen([sys.executable, "-m", "fastdiag.cli", "sweep", "--wd", "0.1,0.3,1,3", "--seeds", "2",
+                             *TINY, "--epochs", "150", "--no-stop-at-grok", "--ensemble", "1", "--workers", "2",
+                             "--threads", "1", "--store", str(store), "--quiet"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: rows(store, "SELECT 1 FROM runs WHERE status = 'done'"), 240, "a finished run")
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, err
+    done = rows(store, "SELECT COUNT(*) FROM runs WHERE status = 'done'")[0][0]
+    assert 1 <= done < 8
+    assert rows(store, "SELECT COUNT(*) FROM trace")[0][0] == done * 150
+    assert rows(store, "SELECT COUNT(*) FROM claims") == [(0,)]
