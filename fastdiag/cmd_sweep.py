@@ -125,6 +125,9 @@ def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, 
     click.echo(f"sweep: {summary.total} runs in {store_path}: {summary.skipped} already done, "
                f"{summary.done} finished now ({regimes}), {summary.failed} failed, "
                f"{summary.wall_seconds:.1f} s", err=True)
+    if summary.elsewhere:
+        click.echo(f"sweep: {summary.elsewhere} run(s) left to another sweep running on {store_path} "
+                   "(rerun this command after it ends to pick up any it did not finish)", err=True)
     if summary.failures:
         for rid, error in summary.failures[:10]:
             click.echo(f"sweep: failed run {rid}: {' '.join(str(error).split())}", err=True)

@@ -298,15 +298,6 @@ class Store:
                 rows)
             return conn.total_changes - before
 
-    def mark_running(self, run_ids: Iterable[str], worker: str | None = None) -> None:
-        now = time.time()
-        worker = worker or socket.gethostname()
-        with self.transaction() as conn:
-            conn.executemany(
-                "UPDATE runs SET status = 'running', started_at = ?, attempts = attempts + 1, worker = ?, "
-                "error = NULL WHERE run_id = ? AND status != 'done'",
-                [(now, worker, rid) for rid in run_ids])
-
     def record_done(self, run_id: str, result: dict, trace: list[dict], started_at: float | None = None,
                     finished_at: float | None = None, worker: str | None = None) -> None:
         """Write a finished run's result and trace in one transaction (replacing any partial trace)."""

@@ -4,14 +4,18 @@
 ``shard`` splits a grid deterministically (by run_id) for Slurm job arrays; ``run_sweep`` registers
 the grid in a ``Store``, skips finished runs and executes the rest on a backend:
 
-* ``local``: a spawn-context process pool, ``workers`` processes with ``threads`` torch threads each
-  (workers × threads ≤ cores); ``workers = 1`` runs in the calling process.
+* ``local``: ``workers`` spawned processes (`_WorkerPool`) with ``threads`` torch threads each
+  (workers × threads ≤ cores); ``workers = 1`` runs in the calling process. A worker that dies costs
+  only the run it held (retried up to ``max_retries`` times); the others go on.
 * ``ray``: each run a Ray task (``num_gpus=1`` for CUDA runs, else ``num_cpus=1``) with ``max_retries``
   so a run on a lost worker is retried; results are written by the driver as tasks finish.
 
-Either way only the driver writes the store; a finished run's result and trace land in one
-transaction, so rerunning after a crash redoes only unfinished runs and never duplicates one. A run
-whose trainer raises is recorded ``failed`` with its error; the sweep goes on.
+Either way only driver processes write the store; a finished run's result and trace land in one
+transaction, so rerunning after a crash redoes only unfinished runs and never duplicates one. Each
+run is claimed in the store right before it starts (`fastdiag.store.Lease`), so concurrent sweeps on
+one store share the grid. A run whose trainer raises is recorded ``failed`` with its error; the
+sweep goes on. An interrupt of the driver (SIGINT, SIGTERM) stores what finished, stops the workers
+and propagates.
 
 ``load_groups`` / ``analyze_group`` read a store back for ``fastdiag analyze`` and ``fastdiag plot``.
 """
@@ -691,7 +695,10 @@ class _WorkerPool:
     def submit(self, worker: _Worker, task: list[RunConfig], train_fn: Callable | None) -> None:
         worker.task, worker.stored = task, set()
         dicts = [c.to_dict() for c in task]
-        worker.conn.send(("run", dicts[0], train_fn) if len(task) == 1 else ("pack", dicts, None))
+        try:
+            worker.conn.send(("run", dicts[0], train_fn) if len(task) == 1 else ("pack", dicts, None))
+        except OSError:                       # it died while idle: `events` reports it with this task
+            pass
 
     def events(self, timeout: float, results_only: bool = False):
         """Yield ``(worker, message)`` for what busy workers sent (``("epoch", …)``, ``("member", i,

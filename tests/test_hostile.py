@@ -322,3 +322,16 @@ def test_summarize_mismatched_layers_is_a_named_value_error():
 def test_bench_with_nothing_to_run_is_an_error():
     r = cli("bench", "--shapes", "", "--no-steps", "--no-ensembles")
     one_line_error(r, "nothing to run")
+
+
+def test_sweep_disk_full_is_one_line_and_keeps_whole_runs(tmp_path):
+    with tmpfs(tmp_path / "full", "160k") as full:
+        store = full / "s.sqlite"
+        r = cli("sweep", "--wd", "0.1,0.3,1,3", "--seeds", "2", "--preset", "custom", "--layers", "1", "--heads", "2",
+                "--d-model", "16", "--d-ff", "32", "--p", "11", "--epochs", "150", "--no-stop-at-grok",
+                "--ensemble", "1", "--workers", "1", "--threads", "1", "--quiet", "--store", store, timeout=300)
+        one_line_error(r, "disk is full")
+        assert str(store) in r.stderr and "rollback" not in r.stderr
+        with open_existing(store) as st:
+            done = st.runs("done")
+            assert len(done) < 8 and all(len(st.trace(run["run_id"])) == 150 for run in done)

@@ -4,7 +4,7 @@ import sqlite3
 import pytest
 
 from fastdiag.config import RunConfig
-from fastdiag.store import APPLICATION_ID, SCHEMA_VERSION, Store, StoreError, open_existing
+from fastdiag.store import APPLICATION_ID, SCHEMA_VERSION, Lease, Store, StoreError, open_existing
 
 
 def _cfgs(n=3):
@@ -28,7 +28,8 @@ def test_done_run_roundtrip_and_nan_cleaned(tmp_path):
     cfg = _cfgs(1)[0]
     with Store(tmp_path / "s.sqlite") as st:
         st.add_runs([cfg.to_dict()])
-        st.mark_running([cfg.run_id()])
+        with Lease(st) as lease:
+            assert lease.claim([cfg.run_id()]) == [cfg.run_id()]
         trace = [{"epoch": 1, "step": 1, "test_loss": float("nan"), "s_bar": 0.9},
                  {"epoch": 2, "step": 2, "test_loss": 1.0, "s_bar": None}]
         st.record_done(cfg.run_id(), {"regime": "grok", "x": float("inf")}, trace)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from fastdiag import sweep as sw
-from fastdiag.store import Store
+from fastdiag.store import Lease, Store
 
 TINY = dict(preset="custom", n_layers=1, n_heads=2, d_model=32, d_ff=64, p=11, epochs=3)
 
@@ -123,7 +123,8 @@ def test_resume_skips_done_and_redoes_unfinished(tmp_path):
         assert (s1.total, s1.done, s1.skipped) == (4, 4, 0)
         # A crash mid-way leaves a run 'running': it is redone, the finished ones are not.
         st.add_runs([grid[4].to_dict()])
-        st.mark_running([grid[4].run_id()])
+        with Lease(st) as lease:                 # its sweep died: status running, claim freed
+            lease.claim([grid[4].run_id()])
         before = {r["run_id"]: r["finished_at"] for r in st.runs("done")}
         calls.clear()
         s2 = sw.run_sweep(grid, st, workers=1, train_fn=counting, progress=False)
