@@ -205,7 +205,7 @@ def _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scal
             out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, None, True, dropout_p, is_causal, scale=scale)[:2]
             return out, lse[..., :query.shape[-2]]   # Tq may be padded to a multiple of 32
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                          enable_gqa=enable_gqa)
     return out, None
 
