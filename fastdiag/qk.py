@@ -26,6 +26,7 @@ from fastdiag.kernels.qk_stats_ref import masked_threshold, qk_stats_ref
 from fastdiag.stats import HeadStats
 
 CHUNK_BYTES = 64 * 2**20   # scores formed at a time by the torch backend (fp32)
+CPU_CHUNK_BYTES = 2**20    # on CPU, chunks also stay this small: every pass over them hits the cache
 BACKENDS = ("auto", "reference", "torch", "triton")
 MASKED_SCORE = -1e30       # finite: 0 · MASKED_SCORE is 0, where 0 · -inf would be NaN
 MASS_TOLERANCE = 1e-3      # a caller's LSE must make every valid row's probabilities sum to 1 ± this
@@ -137,6 +138,14 @@ def qk_head_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | No
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
+    return _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
+                          check_lse=True)
+
+
+def _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
+                   check_lse: bool) -> HeadStats:
+    """`qk_head_stats`; ``check_lse=False`` when the LSE comes from the attention op of the same
+    call (it cannot disagree with these scores; the torch backend then saves a pass)."""
     q4, k4, mask4, qm, lse3 = _as_batched_heads(q, k, attn_mask, query_mask, lse)
     b, h, tq, d = q4.shape
     scale = d ** -0.5 if scale is None else float(scale)
@@ -147,7 +156,10 @@ def qk_head_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | No
     # None: every row is valid (no mask and no query_mask: with is_causal each row sees key 0)
     rows_ok = None if mask4 is None and qm is None else valid_rows(mask4, is_causal, (b, h, tq, k4.shape[2]), qm)
     if backend == "torch":
-        return HeadStats(*_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse3, chunk_bytes))
+        if q4.device.type == "cpu":
+            chunk_bytes = min(chunk_bytes, CPU_CHUNK_BYTES)
+        return HeadStats(*_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse3, chunk_bytes,
+                                       check_lse and lse3 is not None))
     return HeadStats(*_stats_triton(q4, k4, mask4, is_causal, scale, rows_ok, lse3))
 
 
@@ -167,8 +179,10 @@ def sdpa_with_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out, lse = _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if backend == "reference":
         lse = None
-    stats = qk_head_stats(query, key, attn_mask, is_causal, scale, backend=backend,
-                          chunk_bytes=chunk_bytes, query_mask=query_mask, lse=lse)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    stats = _qk_head_stats(query, key, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
+                           check_lse=False)
     return out, stats
 
 
@@ -212,7 +226,7 @@ def _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scal
 
 # ---- the torch backend: chunks of query rows ---------------------------------------------------
 
-def _stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, chunk_bytes):
+def _stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, chunk_bytes, check_lse):
     """Scores a chunk of rows at a time (keys sliced to the causal bound); p = exp(s − lse)."""
     b, h, tq, d = q4.shape
     hk, tk = k4.shape[1], k4.shape[2]
@@ -226,7 +240,9 @@ def _stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, chunk_bytes):
     invalid = torch.zeros((), dtype=torch.float64, device=q4.device)
     if mask4 is not None and mask4.dtype != torch.bool:
         mask4 = mask4.to(acc).clamp_min(MASKED_SCORE)                   # masked keys: a finite score
-    rows = max(1, chunk_bytes // max(1, b * h * tk * 4))
+    rows = min(tq, max(1, chunk_bytes // max(1, b * h * tk * 4)))
+    if is_causal:   # the diagonal block of every chunk: key j is in row i's future iff j > i
+        future = torch.ones(rows, rows, dtype=torch.bool, device=q4.device).triu_(1)
     for r0 in range(0, tq, rows):
         r1 = min(tq, r0 + rows)
         n, kb = r1 - r0, (min(tk, r1) if is_causal else tk)
@@ -237,9 +253,9 @@ def _stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, chunk_bytes):
                 s = s.masked_fill_(~m, MASKED_SCORE)
             else:
                 s = s.add_(m)
-        if is_causal and r0 < kb:
-            future = torch.ones(n, kb, dtype=torch.bool, device=s.device).triu_(r0 + 1)
-            s = s.masked_fill_(future, MASKED_SCORE)
+        if is_causal and r0 + 1 < kb:
+            # only keys r0 + 1 .. r1 - 1 can lie in a row's future: mask that diagonal block alone
+            s[..., r0:].masked_fill_(future[:n, :kb - r0], MASKED_SCORE)
         row_lse = torch.logsumexp(s, -1) if lse is None else lse[..., r0:r1].to(acc)
         ok = None if rows_ok is None else rows_ok[:, None, r0:r1]    # [B, 1, rows]
         if ok is not None:
@@ -250,7 +266,7 @@ def _stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, chunk_bytes):
         if ok is not None:
             p = p.masked_fill_(~ok[..., None], 0.0)
         entropy -= torch.linalg.vecdot(p, x).sum((0, 2), dtype=torch.float64)
-        if lse is not None:
+        if check_lse:
             off = ~((p.sum(-1) - 1).abs() <= MASS_TOLERANCE)           # NaN counts as off
             invalid += (off if ok is None else off & ok).sum(dtype=torch.float64)
         flat = p.view(b, h, n * kb)
