@@ -272,7 +272,7 @@ def _stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, chunk_bytes, che
         flat = p.view(b, h, n * kb)
         gram += (flat @ flat.transpose(-1, -2)).sum(0, dtype=torch.float64)
     invalid += (~torch.isfinite(gram)).any().double() + (~torch.isfinite(entropy)).any().double()
-    rows_total = (torch.tensor(float(b * tq), dtype=torch.float64, device=q4.device) if rows_ok is None
+    rows_total = (torch.full((), float(b * tq), dtype=torch.float64, device=q4.device) if rows_ok is None
                   else rows_ok.sum(dtype=torch.float64))
     return gram, entropy, rows_total, invalid
 

@@ -337,7 +337,10 @@ def _launch(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, lse_only=False):
     if lse_only:
         return lse
     pairs = [(i, i) for i in range(blocks)] + [(i, j) for i in range(blocks) for j in range(i + 1, blocks)]
-    block_ids = torch.tensor(pairs, dtype=torch.int32, device=device).T.contiguous()
+    # built on the device (no host-to-device copy, so no sync): diagonal blocks, then i < j pairs
+    diagonal = torch.arange(blocks, dtype=torch.int32, device=device)
+    off = torch.triu_indices(blocks, blocks, 1, dtype=torch.int32, device=device)
+    block_ids = torch.stack([torch.cat([diagonal, off[0]]), torch.cat([diagonal, off[1]])])
     bh = cfg["BLOCK_HK"] * cfg["BLOCK_G"]
     programs = b * row_tiles
     gram_part = torch.empty(programs, blocks, bh, bh, dtype=torch.float32, device=device)
@@ -369,7 +372,7 @@ def _launch(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, lse_only=False):
     entropy = entropy_part.sum(0, dtype=torch.float64).reshape(-1)[pos]
     invalid = invalid_part.sum(dtype=torch.float64)
     invalid = invalid + (~torch.isfinite(gram)).any() + (~torch.isfinite(entropy)).any()
-    rows = (torch.tensor(float(b * tq), dtype=torch.float64, device=device) if rows_ok is None
+    rows = (torch.full((), float(b * tq), dtype=torch.float64, device=device) if rows_ok is None
             else rows_ok.sum(dtype=torch.float64))
     return gram, entropy, rows, invalid.to(torch.float64)
 

@@ -4,6 +4,7 @@ The Triton kernels run in the interpreter here (TRITON_INTERPRET=1) and on a GPU
 Inputs live inside buffers padded with +inf, so an out-of-bounds read turns into inf/NaN and fails.
 """
 import itertools
+import os
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ BACKENDS = ["torch", "triton"]
 
 
 def _check_backend(backend):
-    if backend == "triton" and not triton_available():
-        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    if backend == "triton" and not (triton_available() and os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1 (CUDA: tests/test_qk_gpu.py)")
 
 
 def _rel_err(a, b):
@@ -266,3 +267,18 @@ def test_bad_inputs_raise_naming_the_argument():
         qk_head_stats(q, q, backend="cuda")
     with pytest.raises(ValueError, match="lse"):
         qk_head_stats(q, q, lse=torch.zeros(3))
+
+
+@pytest.mark.parametrize("h,hk", [(32, 32), (48, 24)])
+def test_heads_split_into_blocks(h, hk):
+    """More heads than one program holds: diagonal and off-diagonal Gram blocks, padded heads."""
+    _check_backend("triton")
+    from fastdiag.kernels.qk_stats_triton import tile_config
+
+    assert hk > tile_config(h, hk, 16)["BLOCK_HK"]            # really split
+    gen = torch.Generator().manual_seed(h)
+    q, k = _qk(1, h, hk, 5, 6, 16, torch.float32, gen)
+    mask, _ = _mask("bool-per-head", 1, h, 5, 6, gen)
+    ref = qk_head_stats(q, k, mask, True, backend="reference")
+    got = qk_head_stats(q, k, mask, True, backend="triton")
+    _assert_close(got, ref, TOLERANCE[torch.float32])
