@@ -243,12 +243,15 @@ class _SdpaWithStats(torch.overrides.TorchFunctionMode):
 
 
 def hf_gpt2_sdpa_workload(device: torch.device, layers: int = 4, width: int = 256, heads: int = 8,
-                          seq: int = 256, batch: int = 4, vocab: int = 512):
-    """A Hugging Face GPT-2 (issue 15: 4 layers, d 256, 8 heads, T 256, batch 4) and one batch."""
+                          seq: int = 256, batch: int = 4, vocab: int = 512, attn_dropout: float = 0.0):
+    """A Hugging Face GPT-2 (issue 15: 4 layers, d 256, 8 heads, T 256, batch 4) and one batch.
+
+    Attention dropout is off by default: with it, eager ``output_attentions`` returns the dropped-out
+    weights (not probabilities) and SDPA runs its dropout kernel (no LSE to reuse)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=seq, vocab_size=vocab,
-                     bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+                     bos_token_id=0, eos_token_id=0, attn_pdrop=attn_dropout, attn_implementation="sdpa")
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg).to(device)
     g = torch.Generator().manual_seed(0)
@@ -256,7 +259,7 @@ def hf_gpt2_sdpa_workload(device: torch.device, layers: int = 4, width: int = 25
     return model, batch_ids
 
 
-def bench_sdpa_step(device: torch.device, rounds: int = 9, block_steps: int = 5,
+def bench_sdpa_step(device: torch.device, rounds: int = 9, block_steps: int = 5, attn_dropout: float = 0.0,
                     progress: Callable[[str], None] = print) -> SdpaStepResult:
     """Blocks of training steps of one HF GPT-2 model and optimizer, in rotating order per round:
     bare (sdpa), every SDPA call through `sdpa_with_stats` (statistics of every layer, every step),
@@ -265,7 +268,7 @@ def bench_sdpa_step(device: torch.device, rounds: int = 9, block_steps: int = 5,
     from fastdiag.diagnostics import head_stats
     from fastdiag.stats import summarize
 
-    model, ids = hf_gpt2_sdpa_workload(device)
+    model, ids = hf_gpt2_sdpa_workload(device, attn_dropout=attn_dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(eager: bool):
@@ -306,7 +309,8 @@ def bench_sdpa_step(device: torch.device, rounds: int = 9, block_steps: int = 5,
     model.set_attn_implementation("sdpa")
     med = {v: statistics.median(x) for v, x in samples.items()}
     ratio = {v: statistics.median(a / b for a, b in zip(samples[v], samples["base"])) for v in variants}
-    return SdpaStepResult(device.type, "hf-gpt2 4x256x8 T256 B4", med["base"], med["with_stats"], med["eager"],
+    workload = "hf-gpt2 4x256x8 T256 B4" + (f" attn-drop {attn_dropout:g}" if attn_dropout else "")
+    return SdpaStepResult(device.type, workload, med["base"], med["with_stats"], med["eager"],
                           ratio["with_stats"], ratio["eager"], rounds, block_steps)
 
 
@@ -316,11 +320,11 @@ def _sync(device: torch.device) -> None:
 
 
 def format_sdpa_step_table(rows: list[dict]) -> str:
-    head = (f"{'device':<7} {'workload':<24} {'base ms':>8} {'sdpa+stats':>10} {'eager+attn':>10} "
+    head = (f"{'device':<7} {'workload':<36} {'base ms':>8} {'sdpa+stats':>10} {'eager+attn':>10} "
             f"{'x stats':>8} {'x eager':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['device']:<7} {r['workload']:<24} {r['base_ms']:>8.1f} {r['with_stats_ms']:>10.1f} "
+        lines.append(f"{r['device']:<7} {r['workload']:<36} {r['base_ms']:>8.1f} {r['with_stats_ms']:>10.1f} "
                      f"{r['eager_ms']:>10.1f} {r['with_stats_ratio']:>8.3f} {r['eager_ratio']:>8.3f}")
     return "\n".join(lines)
 

@@ -117,6 +117,14 @@ def _scores(q, q_ptr, k_ptr, mask_ptr, batch, kv_head, head, row, real, key0, Hk
 
 
 @triton.jit
+def _key_end(Tk, row0, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Keys past this are in the future of every row of the tile (causal tiles are skipped)."""
+    if IS_CAUSAL:
+        return tl.minimum(Tk, row0 + BLOCK_M)
+    return Tk
+
+
+@triton.jit
 def _qk_lse_kernel(
     lse_ptr,                                             # output: [B, H, Tq] fp32, natural log
     q_ptr, k_ptr, mask_ptr,
@@ -140,10 +148,7 @@ def _qk_lse_kernel(
     # above MASKED: a row whose keys are all masked adds exp2(MASKED - m_i) = 0 and keeps sum 0
     m_i = tl.full((BLOCK_HK, BLOCK_G * BLOCK_M), -1e29, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
-    key_end = Tk
-    if IS_CAUSAL:
-        key_end = tl.minimum(Tk, row0 + BLOCK_M)
-    for key0 in range(0, key_end, BLOCK_N):
+    for key0 in range(0, _key_end(Tk, row0, IS_CAUSAL, BLOCK_M), BLOCK_N):
         s = _scores(q, q_ptr, k_ptr, mask_ptr, batch, kv_head, head, row, real, key0, Hk, Tk, D, qk_scale,
                     mask_threshold, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
                     stride_kd, stride_mb, stride_mh, stride_mm, stride_mn,
@@ -217,10 +222,7 @@ def _qk_stats_kernel(
     gram = tl.zeros((BLOCK_HK * BLOCK_G, BLOCK_HK * BLOCK_G), dtype=tl.float32)
     plogp = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
     mass = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
-    key_end = Tk
-    if IS_CAUSAL:
-        key_end = tl.minimum(Tk, row0 + BLOCK_M)
-    for key0 in range(0, key_end, BLOCK_N):
+    for key0 in range(0, _key_end(Tk, row0, IS_CAUSAL, BLOCK_M), BLOCK_N):
         s_i = _scores(q_i, q_ptr, k_ptr, mask_ptr, batch, kv_i, head_i, row, real_i, key0, Hk, Tk, D, qk_scale,
                       mask_threshold, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
                       stride_kd, stride_mb, stride_mh, stride_mm, stride_mn,

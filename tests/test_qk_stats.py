@@ -282,3 +282,31 @@ def test_heads_split_into_blocks(h, hk):
     ref = qk_head_stats(q, k, mask, True, backend="reference")
     got = qk_head_stats(q, k, mask, True, backend="triton")
     _assert_close(got, ref, TOLERANCE[torch.float32])
+
+
+# ---- the sm_90 compile report ------------------------------------------------------------------
+
+SM90_SHARED_LIMIT = 227 * 1024
+
+
+def _require_ptxas():
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        get_ptxas(90).path
+    except Exception as err:   # noqa: BLE001 - any failure here means: no CUDA tools to compile with
+        pytest.skip(f"sm_90 compile report needs the CUDA tools of the triton wheel (ptxas): {err}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["gpt2-small", "llama-3-8b"])
+def test_sm90_compile_has_no_spills_and_fits_shared_memory(shape):
+    from fastdiag.kernels.qk_stats_triton import REPORT_SHAPES, compile_for_sm90, ptxas_usage
+
+    _require_ptxas()
+    h, hk, d, _ = REPORT_SHAPES[shape]
+    compiled = compile_for_sm90(h, hk, d)
+    compiled.pop("config")
+    for name, kernel in compiled.items():
+        assert ptxas_usage(kernel)["n_spills"] == 0, name
+        assert kernel.metadata.shared <= SM90_SHARED_LIMIT, name
