@@ -198,7 +198,9 @@ def _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scal
     """The attention output exactly as F.sdpa computes it, and the op's natural-log LSE or None."""
     dense_4d = all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.layout == torch.strided
                    and not t.is_nested for t in (query, key, value))
-    if dense_4d and dropout_p == 0.0:
+    # Under torch.compile the call stays F.sdpa (what the compiled model itself would run; dynamo
+    # cannot trace the backend choice), and pass 1 is ours.
+    if dense_4d and dropout_p == 0.0 and not torch.compiler.is_compiling():
         choice = SDPBackend(torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal,
                                                     scale=scale, enable_gqa=enable_gqa))
         if query.device.type == "cpu" and choice == SDPBackend.FLASH_ATTENTION:

@@ -117,14 +117,6 @@ def _scores(q, q_ptr, k_ptr, mask_ptr, batch, kv_head, head, row, real, key0, Hk
 
 
 @triton.jit
-def _key_end(Tk, row0, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Keys past this are in the future of every row of the tile (causal tiles are skipped)."""
-    if IS_CAUSAL:
-        return tl.minimum(Tk, row0 + BLOCK_M)
-    return Tk
-
-
-@triton.jit
 def _qk_lse_kernel(
     lse_ptr,                                             # output: [B, H, Tq] fp32, natural log
     q_ptr, k_ptr, mask_ptr,
@@ -148,7 +140,10 @@ def _qk_lse_kernel(
     # above MASKED: a row whose keys are all masked adds exp2(MASKED - m_i) = 0 and keeps sum 0
     m_i = tl.full((BLOCK_HK, BLOCK_G * BLOCK_M), -1e29, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
-    for key0 in range(0, _key_end(Tk, row0, IS_CAUSAL, BLOCK_M), BLOCK_N):
+    key_end = Tk
+    if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
+        key_end = tl.minimum(Tk, row0 + BLOCK_M)
+    for key0 in range(0, key_end, BLOCK_N):
         s = _scores(q, q_ptr, k_ptr, mask_ptr, batch, kv_head, head, row, real, key0, Hk, Tk, D, qk_scale,
                     mask_threshold, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
                     stride_kd, stride_mb, stride_mh, stride_mm, stride_mn,
@@ -222,7 +217,10 @@ def _qk_stats_kernel(
     gram = tl.zeros((BLOCK_HK * BLOCK_G, BLOCK_HK * BLOCK_G), dtype=tl.float32)
     plogp = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
     mass = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
-    for key0 in range(0, _key_end(Tk, row0, IS_CAUSAL, BLOCK_M), BLOCK_N):
+    key_end = Tk
+    if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
+        key_end = tl.minimum(Tk, row0 + BLOCK_M)
+    for key0 in range(0, key_end, BLOCK_N):
         s_i = _scores(q_i, q_ptr, k_ptr, mask_ptr, batch, kv_i, head_i, row, real_i, key0, Hk, Tk, D, qk_scale,
                       mask_threshold, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
                       stride_kd, stride_mb, stride_mh, stride_mm, stride_mn,
@@ -447,6 +445,8 @@ def compile_for_sm90(h: int, hk: int, d: int, dtype: torch.dtype = torch.bfloat1
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if INTERPRETING:
+        raise ValueError("compile_for_sm90: kernels cannot be compiled under TRITON_INTERPRET=1; unset it")
     cfg = cfg or tile_config(h, hk, d)
     blocks = triton.cdiv(hk, cfg["BLOCK_HK"])
     elem = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
