@@ -30,6 +30,10 @@ CPU_CHUNK_BYTES = 2**20    # on CPU, chunks also stay this small: every pass ove
 BACKENDS = ("auto", "reference", "torch", "triton")
 MASKED_SCORE = -1e30       # finite: 0 · MASKED_SCORE is 0, where 0 · -inf would be NaN
 MASS_TOLERANCE = 1e-3      # a caller's LSE must make every valid row's probabilities sum to 1 ± this
+# torch backend: log p is floored here. p < e^-40 = 4e-18 then reads 4e-18, which moves no statistic by
+# more than ~1e-13 relative, and keeps every p, p·log p and p_i·p_j a normal float: on x86, exp of
+# -1e30 and products that underflow run 3-8x slower (measured, 1 thread).
+LOG_P_FLOOR = -40.0
 
 
 # ---- inputs ----------------------------------------------------------------------------------
@@ -263,7 +267,7 @@ def _stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, chunk_bytes, che
         if ok is not None:
             # an invalid row's LSE may be inf or garbage: 0 keeps its exponent finite, p is zeroed below
             row_lse = torch.where(ok, row_lse, torch.zeros((), dtype=acc, device=s.device))
-        x = s.sub_(row_lse[..., None])                                 # log p
+        x = s.sub_(row_lse[..., None]).clamp_min_(LOG_P_FLOOR)         # log p
         p = torch.exp(x)
         if ok is not None:
             p = p.masked_fill_(~ok[..., None], 0.0)
