@@ -316,6 +316,8 @@ def _head_index(h: int, hk: int, cfg: dict, device) -> torch.Tensor:
 
 
 def _launch(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, lse_only=False):
+    if q4.dtype != k4.dtype or q4.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        q4, k4 = q4.float(), k4.float()    # one dot input type (before the strides are read)
     b, h, tq, d = q4.shape
     hk, tk = k4.shape[1], k4.shape[2]
     device = q4.device
@@ -323,14 +325,12 @@ def _launch(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, lse_only=False):
     row_tiles = triton.cdiv(tq, cfg["BLOCK_M"])
     mask, mask_strides, mask_kind, threshold = _mask_args(mask4, (b, h, tq, tk))
     common = dict(IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind,
-                  FP32_DOT=q4.dtype == torch.float32 or k4.dtype == torch.float32, num_warps=NUM_WARPS,
+                  FP32_DOT=q4.dtype == torch.float32, num_warps=NUM_WARPS,
                   num_stages=NUM_STAGES, **cfg)
     args = (h // hk, hk, tq, tk, d, row_tiles, scale * LOG2E, threshold,
             *q4.stride(), *k4.stride(), *mask_strides)
     if mask is None:
         mask = q4   # never read
-    if q4.dtype != k4.dtype:
-        q4, k4 = q4.float(), k4.float()
     if lse is None:
         lse = torch.empty(b, h, tq, dtype=torch.float32, device=device)
         _qk_lse_kernel[(b * row_tiles, blocks)](lse, q4, k4, mask, *args, *lse.stride(), **common)

@@ -328,3 +328,14 @@ def test_sm90_compile_has_no_spills_and_fits_shared_memory(shape):
     for r in rows:
         assert r["n_spills"] == 0, r
         assert r["shared_bytes"] <= SM90_SHARED_LIMIT, r
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_and_double_dtypes(backend):
+    _check_backend(backend)
+    gen = torch.Generator().manual_seed(9)
+    q, k = _qk(1, 2, 2, 7, 7, 16, torch.float32, gen)
+    ref = qk_head_stats(q, k, is_causal=True, backend="reference")
+    _assert_close(qk_head_stats(q.double(), k.double(), is_causal=True, backend=backend), ref, 1e-5)
+    ref16 = qk_head_stats(q, k.half(), is_causal=True, backend="reference")
+    _assert_close(qk_head_stats(q, k.half(), is_causal=True, backend=backend), ref16, 1e-5)
