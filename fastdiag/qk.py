@@ -138,10 +138,6 @@ def qk_head_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | No
     row whose probabilities then do not sum to 1 is counted in ``invalid``).
     Rows that may attend to no key in some head are left out. Nothing of size Tq × Tk is held whole.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
-    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
     return _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
                           check_lse=True)
 
@@ -150,6 +146,10 @@ def _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, quer
                    check_lse: bool) -> HeadStats:
     """`qk_head_stats`; ``check_lse=False`` when the LSE comes from the attention op of the same
     call (it cannot disagree with these scores; the torch backend then saves a pass)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
     q4, k4, mask4, qm, lse3 = _as_batched_heads(q, k, attn_mask, query_mask, lse)
     b, h, tq, d = q4.shape
     scale = d ** -0.5 if scale is None else float(scale)
@@ -183,8 +183,6 @@ def sdpa_with_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out, lse = _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if backend == "reference":
         lse = None
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     stats = _qk_head_stats(query, key, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
                            check_lse=False)
     return out, stats
