@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .qk_stats_ref import qk_stats_ref
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 LOG2E = 1.4426950408889634
@@ -409,8 +411,7 @@ def _with_fallback(*args, **kwargs):
 def qk_stats_op(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, scale: float,
                 rows_ok: torch.Tensor | None, lse: torch.Tensor | None) -> tuple[
                     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from fastdiag.kernels.qk_stats_ref import qk_stats_ref   # off-CUDA: the float64 reference
-
+    # off CUDA: the float64 reference (row validity as given; the LSE is not needed)
     gram, entropy, rows, invalid = qk_stats_ref(q, k, mask, is_causal, scale, rows_ok)
     return gram, entropy, rows, invalid
 
