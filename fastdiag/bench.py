@@ -208,6 +208,127 @@ def bench_step(name: str, factory, device: torch.device, blocks: int = 15, block
                       100 * (ratio10 - 1), 100 * (ratio1 - 1), blocks)
 
 
+# ---- step level: the SDPA path, against what a user would do instead ---------------------------
+
+@dataclass
+class SdpaStepResult:
+    device: str
+    workload: str
+    base_ms: float            # bare training step (attention through F.scaled_dot_product_attention)
+    with_stats_ms: float      # every SDPA call through `fastdiag.qk.sdpa_with_stats`
+    eager_ms: float           # eager attention + output_attentions + head_stats of the probabilities
+    with_stats_ratio: float   # median over rounds of with_stats / base
+    eager_ratio: float        # median over rounds of eager / base
+    rounds: int
+    block_steps: int
+
+
+class _SdpaWithStats(torch.overrides.TorchFunctionMode):
+    """Routes every F.scaled_dot_product_attention call through `sdpa_with_stats` (what attach does
+    on a measured step) and keeps the statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.stats: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            from fastdiag.qk import sdpa_with_stats
+
+            out, stats = sdpa_with_stats(*args, **kwargs)
+            self.stats.append(stats)
+            return out
+        return func(*args, **kwargs)
+
+
+def hf_gpt2_sdpa_workload(device: torch.device, layers: int = 4, width: int = 256, heads: int = 8,
+                          seq: int = 256, batch: int = 4, vocab: int = 512, attn_dropout: float = 0.0):
+    """A Hugging Face GPT-2 (issue 15: 4 layers, d 256, 8 heads, T 256, batch 4) and one batch.
+
+    Attention dropout is off by default: with it, eager ``output_attentions`` returns the dropped-out
+    weights (not probabilities) and SDPA runs its dropout kernel (no LSE to reuse)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=seq, vocab_size=vocab,
+                     bos_token_id=0, eos_token_id=0, attn_pdrop=attn_dropout, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).to(device)
+    g = torch.Generator().manual_seed(0)
+    batch_ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+    return model, batch_ids
+
+
+def bench_sdpa_step(device: torch.device, rounds: int = 9, block_steps: int = 5, attn_dropout: float = 0.0,
+                    progress: Callable[[str], None] = print) -> SdpaStepResult:
+    """Blocks of training steps of one HF GPT-2 model and optimizer, in rotating order per round:
+    bare (sdpa), every SDPA call through `sdpa_with_stats` (statistics of every layer, every step),
+    and the alternative a user has without fastdiag's Q/K path: eager attention with
+    ``output_attentions=True`` and `head_stats` of the returned probabilities."""
+    from fastdiag.diagnostics import head_stats
+    from fastdiag.stats import summarize
+
+    model, ids = hf_gpt2_sdpa_workload(device, attn_dropout=attn_dropout)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(eager: bool):
+        opt.zero_grad(set_to_none=True)
+        out = model(ids, labels=ids, output_attentions=eager)
+        out.loss.backward()
+        opt.step()
+        if eager:
+            return [head_stats(a.detach()) for a in out.attentions]
+        return None
+
+    def run_block(variant: str) -> float:
+        model.set_attn_implementation("eager" if variant == "eager" else "sdpa")
+        mode = _SdpaWithStats() if variant == "with_stats" else None
+        _sync(device)
+        t0 = time.perf_counter()
+        collected = []
+        for _ in range(block_steps):
+            if mode is not None:
+                with mode:
+                    step(False)
+            else:
+                collected.extend(step(variant == "eager") or [])
+        stats = mode.stats if mode is not None else collected
+        if stats:
+            summarize(stats[-len(model.transformer.h):]).s_bar.item()   # the statistics are really read
+        _sync(device)
+        return (time.perf_counter() - t0) * 1e3 / block_steps
+
+    variants = ["base", "with_stats", "eager"]
+    for v in variants:   # warm-up
+        run_block(v)
+    samples = {v: [] for v in variants}
+    for i in range(rounds):
+        progress(f"sdpa step round {i + 1}/{rounds}")
+        for v in variants[i % 3:] + variants[:i % 3]:
+            samples[v].append(run_block(v))
+    model.set_attn_implementation("sdpa")
+    med = {v: statistics.median(x) for v, x in samples.items()}
+    ratio = {v: statistics.median(a / b for a, b in zip(samples[v], samples["base"])) for v in variants}
+    workload = "hf-gpt2 4x256x8 T256 B4" + (f" attn-drop {attn_dropout:g}" if attn_dropout else "")
+    return SdpaStepResult(device.type, workload, med["base"], med["with_stats"], med["eager"],
+                          ratio["with_stats"], ratio["eager"], rounds, block_steps)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def format_sdpa_step_table(rows: list[dict]) -> str:
+    head = (f"{'device':<7} {'workload':<36} {'base ms':>8} {'sdpa+stats':>10} {'eager+attn':>10} "
+            f"{'x stats':>8} {'x eager':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['device']:<7} {r['workload']:<36} {r['base_ms']:>8.1f} {r['with_stats_ms']:>10.1f} "
+                     f"{r['eager_ms']:>10.1f} {r['with_stats_ratio']:>8.3f} {r['eager_ratio']:>8.3f}")
+    return "\n".join(lines)
+
+
 def format_kernel_table(rows: list[dict]) -> str:
     head = f"{'shape':<13} {'dtype':<9} {'eager ms':>9} {'compiled':>9} {'fastdiag':>9} {'x eager':>8} {'x comp':>7} {'GB/s':>7} {'%copy':>6}"
     lines = [head, "-" * len(head)]

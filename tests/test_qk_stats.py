@@ -1,0 +1,341 @@
+"""Head statistics straight from Q and K (fastdiag/qk.py) against the float64 reference.
+
+The Triton kernels run in the interpreter here (TRITON_INTERPRET=1) and on a GPU in test_gpu.py.
+Inputs live inside buffers padded with +inf, so an out-of-bounds read turns into inf/NaN and fails.
+"""
+import itertools
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastdiag.diagnostics import triton_available
+from fastdiag.kernels.qk_stats_ref import qk_stats_ref
+from fastdiag.qk import qk_head_stats, sdpa_with_stats, valid_rows
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3}
+BACKENDS = ["torch", "triton"]
+
+
+def _check_backend(backend):
+    if backend == "triton" and not (triton_available() and os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1 (CUDA: tests/test_qk_gpu.py)")
+
+
+def _rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _in_inf_padding(x: torch.Tensor) -> torch.Tensor:
+    """x as a strided view inside a larger buffer full of +inf (last two dimensions padded)."""
+    buf = torch.full((*x.shape[:-2], x.shape[-2] + 3, x.shape[-1] + 5), float("inf"), dtype=x.dtype)
+    buf[..., 1:-2, 2:-3] = x
+    return buf[..., 1:-2, 2:-3]
+
+
+def _mask(kind, b, h, tq, tk, gen):
+    """(attn_mask, is_causal) for a mask kind; every kind has fully masked rows except causal/none."""
+    if kind == "none":
+        return None, False
+    if kind == "causal":
+        return None, True
+    if kind == "bool-padding":                 # [B, 1, 1, Tk] key padding, one batch entry all padded
+        m = torch.rand(b, 1, 1, tk, generator=gen) > 0.3
+        m[0] = False
+        return m, False
+    if kind == "bool-per-head":
+        m = torch.rand(b, h, tq, tk, generator=gen) > 0.4
+        m[:, 1, 2] = False                     # row 2 sees nothing in head 1: left out in every head
+        return m, False
+    if kind == "additive-finfo-min":          # HF eager style: finfo.min, also summed to -inf
+        m = torch.randn(b, 1, tq, tk, generator=gen)
+        m = m.masked_fill(torch.rand(b, 1, tq, tk, generator=gen) > 0.6, torch.finfo(torch.float32).min)
+        m[-1, :, 1] = torch.finfo(torch.float32).min
+        m[0, :, 0, 0] = float("-inf")
+        return _in_inf_padding(m), False
+    if kind == "additive-causal":
+        m = torch.randn(1, h, tq, tk, generator=gen)
+        m[..., -1, :] = float("-inf")
+        return _in_inf_padding(m), True
+    raise AssertionError(kind)
+
+
+MASKS = ["none", "causal", "bool-padding", "bool-per-head", "additive-finfo-min", "additive-causal"]
+HEADS = [(4, 4), (4, 2), (4, 1)]            # MHA, GQA, MQA
+SHAPES = [(2, 9, 9, 24), (1, 7, 12, 64), (2, 12, 5, 128)]   # (B, Tq, Tk, D)
+CASES = list(itertools.product(MASKS, HEADS, SHAPES))
+
+
+def _qk(b, h, hk, tq, tk, d, dtype, gen):
+    q = torch.randn(b, h, tq, d, generator=gen).to(dtype)
+    k = torch.randn(b, hk, tk, d, generator=gen).to(dtype)
+    return _in_inf_padding(q), _in_inf_padding(k)
+
+
+def _assert_close(got, ref, tol):
+    assert _rel_err(got.gram, ref.gram) <= tol
+    assert _rel_err(got.entropy_sum, ref.entropy_sum) <= tol
+    assert torch.equal(got.rows.double(), ref.rows.double())
+    assert got.invalid.item() == 0
+    if ref.rows.item() > 0:
+        assert _rel_err(got.sync(), ref.sync()) <= tol
+        assert abs(got.entropy_spread().item() - ref.entropy_spread().item()) <= tol * max(
+            1.0, ref.head_entropy().abs().max().item())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,heads,shape", CASES,
+                         ids=[f"{m}-H{h}Hk{hk}-B{b}Tq{tq}Tk{tk}D{d}" for m, (h, hk), (b, tq, tk, d) in CASES])
+def test_matches_float64_reference(backend, kind, heads, shape):
+    _check_backend(backend)
+    (h, hk), (b, tq, tk, d) = heads, shape
+    gen = torch.Generator().manual_seed(hash((kind, heads, shape)) % 10_000)
+    q, k = _qk(b, h, hk, tq, tk, d, torch.float32, gen)
+    mask, causal = _mask(kind, b, h, tq, tk, gen)
+    scale = 0.7 / d ** 0.5
+    ref = qk_head_stats(q, k, mask, causal, scale, backend="reference")
+    got = qk_head_stats(q, k, mask, causal, scale, backend=backend)
+    _assert_close(got, ref, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_dtype_query_mask_and_default_scale(backend, dtype):
+    _check_backend(backend)
+    gen = torch.Generator().manual_seed(5)
+    q, k = _qk(3, 4, 2, 10, 10, 32, dtype, gen)
+    mask, _ = _mask("bool-padding", 3, 4, 10, 10, gen)
+    query_mask = torch.rand(3, 10, generator=gen) > 0.3
+    ref = qk_head_stats(q, k, mask, True, backend="reference", query_mask=query_mask)
+    got = qk_head_stats(q, k, mask, True, backend=backend, query_mask=query_mask)
+    assert ref.rows.item() == (valid_rows(mask, True, (3, 4, 10, 10), query_mask)).sum().item()
+    _assert_close(got, ref, TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["none", "causal", "bool-per-head", "additive-finfo-min"])
+def test_lse_from_torch_attention_op(backend, kind):
+    """The LSE of aten's CPU flash op (0 on fully masked rows) gives the reference statistics."""
+    _check_backend(backend)
+    gen = torch.Generator().manual_seed(11)
+    b, h, tq, tk, d = 2, 4, 9, 9, 16
+    q, k = _qk(b, h, h, tq, tk, d, torch.float32, gen)
+    v = torch.randn(b, h, tk, d, generator=gen)
+    mask, causal = _mask(kind, b, h, tq, tk, gen)
+    float_mask = None if mask is None else (
+        torch.zeros(mask.shape).masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else mask)
+    _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.contiguous(), k.contiguous(), v, 0.0, causal, attn_mask=float_mask)
+    ref = qk_head_stats(q, k, mask, causal, backend="reference")
+    got = qk_head_stats(q, k, mask, causal, backend=backend, lse=lse)
+    _assert_close(got, ref, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_wrong_lse_is_counted_invalid(backend):
+    _check_backend(backend)
+    gen = torch.Generator().manual_seed(2)
+    q, k = _qk(1, 2, 2, 6, 6, 16, torch.float32, gen)
+    lse = torch.logsumexp((q @ k.transpose(-1, -2)) * 16 ** -0.5, -1)
+    assert qk_head_stats(q, k, backend=backend, lse=lse).invalid.item() == 0
+    assert qk_head_stats(q, k, backend=backend, lse=lse + 0.5).invalid.item() > 0
+
+
+def test_pass1_lse_matches_float64_logsumexp():
+    _check_backend("triton")
+    from fastdiag.kernels.qk_stats_triton import row_lse_triton
+
+    gen = torch.Generator().manual_seed(4)
+    q, k = _qk(2, 4, 2, 9, 13, 24, torch.float32, gen)
+    mask, _ = _mask("bool-per-head", 2, 4, 9, 13, gen)
+    lse = row_lse_triton(q, k, mask, True, 0.3)
+    scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) * 0.3
+    scores = scores.masked_fill(~(mask & torch.ones(9, 13, dtype=torch.bool).tril()), float("-inf"))
+    want = torch.logsumexp(scores, -1)
+    seen = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(lse), seen)           # -inf exactly where a row sees nothing
+    torch.testing.assert_close(lse[seen].double(), want[seen], rtol=1e-6, atol=1e-5)
+
+
+def test_torch_backend_chunks_and_leading_dims():
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 3, 4, 20, 16, generator=gen)           # [..., H, Tq, D] with two leading dims
+    k = torch.randn(2, 3, 2, 20, 16, generator=gen)
+    mask = torch.rand(2, 1, 1, 20, 20, generator=gen) > 0.2
+    ref = qk_head_stats(q, k, mask, True, backend="reference")
+    got = qk_head_stats(q, k, mask, True, backend="torch", chunk_bytes=2000)   # many row chunks
+    _assert_close(got, ref, TOLERANCE[torch.float32])
+
+
+def test_reference_is_what_the_probabilities_give():
+    """qk_stats_ref against head_stats of the probabilities F.sdpa's math defines (bool mask)."""
+    import fastdiag
+
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 3, 5, 8, generator=gen).double(), torch.randn(2, 3, 7, 8, generator=gen).double()
+    mask = torch.rand(2, 3, 5, 7, generator=gen) > 0.3
+    mask[..., 0] = True
+    probs = ((q @ k.transpose(-1, -2)) * 8 ** -0.5).masked_fill(~mask, float("-inf")).softmax(-1)
+    want = fastdiag.head_stats(probs, backend="reference")
+    got = qk_stats_ref(q, k, mask)
+    torch.testing.assert_close(got[0], want.gram)
+    torch.testing.assert_close(got[1], want.entropy_sum)
+
+
+# ---- sdpa_with_stats ---------------------------------------------------------------------------
+
+SDPA_CASES = {
+    "plain": dict(),
+    "causal": dict(is_causal=True),
+    "bool-mask": dict(mask="bool"),
+    "float-mask": dict(mask="float"),
+    "scale": dict(scale=0.2),
+    "gqa": dict(hk=2, enable_gqa=True),
+    "causal-tq-ne-tk": dict(is_causal=True, tk=13),
+}
+
+
+def _sdpa_inputs(case, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(21)
+    b, h, tq, d = 2, 4, 9, 16
+    hk, tk = case.get("hk", h), case.get("tk", tq)
+    q = torch.randn(b, h, tq, d, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(b, hk, tk, d, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(b, hk, tk, d, generator=gen).to(dtype).requires_grad_()
+    mask = None
+    if case.get("mask") == "bool":
+        mask = torch.rand(b, 1, tq, tk, generator=gen) > 0.3
+        mask[0, 0, 3] = False                               # a fully masked row
+    elif case.get("mask") == "float":
+        mask = torch.randn(b, h, tq, tk, generator=gen).to(dtype)
+        mask[1, :, 2] = torch.finfo(dtype).min
+    kwargs = dict(attn_mask=mask, is_causal=case.get("is_causal", False), scale=case.get("scale"),
+                  enable_gqa=case.get("enable_gqa", False))
+    return q, k, v, kwargs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", list(SDPA_CASES))
+def test_sdpa_with_stats_is_bit_identical_to_sdpa(name, dtype):
+    q, k, v, kwargs = _sdpa_inputs(SDPA_CASES[name], dtype)
+    want = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+    got, stats = sdpa_with_stats(q, k, v, **kwargs)
+    got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    assert torch.equal(got, want) or (torch.isnan(want).any() and torch.equal(got.isnan(), want.isnan()))
+    for g, w in zip(got_grads, want_grads):
+        assert torch.equal(g, w)
+    ref = qk_head_stats(q, k, kwargs["attn_mask"], kwargs["is_causal"], kwargs["scale"], backend="reference")
+    _assert_close(stats, ref, TOLERANCE[dtype])
+
+
+def test_sdpa_with_stats_falls_back_for_dropout_and_3d():
+    q, k, v, kwargs = _sdpa_inputs(SDPA_CASES["causal"])
+    torch.manual_seed(0)
+    want = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, **kwargs)
+    torch.manual_seed(0)
+    got, stats = sdpa_with_stats(q, k, v, dropout_p=0.3, **kwargs)
+    assert torch.equal(got, want)
+    ref = qk_head_stats(q, k, None, True, backend="reference")      # statistics without dropout
+    _assert_close(stats, ref, TOLERANCE[torch.float32])
+    q3, k3, v3 = q[:, 0], k[:, 0], v[:, 0]                         # [B, T, D]
+    got3, stats3 = sdpa_with_stats(q3, k3, v3, is_causal=True)
+    assert torch.equal(got3, F.scaled_dot_product_attention(q3, k3, v3, is_causal=True))
+    assert stats3.num_heads == 1
+
+
+def test_sdpa_with_stats_query_mask_and_reference_backend():
+    q, k, v, kwargs = _sdpa_inputs(SDPA_CASES["bool-mask"])
+    query_mask = torch.ones(2, 9, dtype=torch.bool)
+    query_mask[1, 4:] = False
+    _, stats = sdpa_with_stats(q, k, v, **kwargs, query_mask=query_mask)
+    _, ref = sdpa_with_stats(q, k, v, **kwargs, query_mask=query_mask, backend="reference")
+    _assert_close(stats, ref, TOLERANCE[torch.float32])
+
+
+def test_sdpa_with_stats_under_compile_fullgraph():
+    """Traced by dynamo without a graph break (attach compiles models that call it)."""
+    q, k, v, kwargs = _sdpa_inputs(SDPA_CASES["bool-mask"])
+    q, k, v = q.detach(), k.detach(), v.detach()
+    fn = torch.compile(lambda a, b, c, m: sdpa_with_stats(a, b, c, m), fullgraph=True)
+    out, stats = fn(q, k, v, kwargs["attn_mask"])
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, kwargs["attn_mask"]))
+    _assert_close(stats, qk_head_stats(q, k, kwargs["attn_mask"], backend="reference"), TOLERANCE[torch.float32])
+
+
+def test_bad_inputs_raise_naming_the_argument():
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 3, 5, 8)
+    with pytest.raises(ValueError, match="k:"):
+        qk_head_stats(q, k)
+    with pytest.raises(TypeError, match="query_mask"):
+        qk_head_stats(q, q, query_mask=torch.ones(1, 5))
+    with pytest.raises(ValueError, match="attn_mask"):
+        qk_head_stats(q, q, torch.ones(2, 5, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="backend"):
+        qk_head_stats(q, q, backend="cuda")
+    with pytest.raises(ValueError, match="lse"):
+        qk_head_stats(q, q, lse=torch.zeros(3))
+
+
+@pytest.mark.parametrize("h,hk", [(32, 32), (48, 24)])
+def test_heads_split_into_blocks(h, hk):
+    """More heads than one program holds: diagonal and off-diagonal Gram blocks, padded heads."""
+    _check_backend("triton")
+    from fastdiag.kernels.qk_stats_triton import tile_config
+
+    assert hk > tile_config(h, hk, 16)["BLOCK_HK"]            # really split
+    gen = torch.Generator().manual_seed(h)
+    q, k = _qk(1, h, hk, 5, 6, 16, torch.float32, gen)
+    mask, _ = _mask("bool-per-head", 1, h, 5, 6, gen)
+    ref = qk_head_stats(q, k, mask, True, backend="reference")
+    got = qk_head_stats(q, k, mask, True, backend="triton")
+    _assert_close(got, ref, TOLERANCE[torch.float32])
+
+
+# ---- the sm_90 compile report ------------------------------------------------------------------
+
+SM90_SHARED_LIMIT = 227 * 1024
+
+
+def _require_ptxas():
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        get_ptxas(90).path
+    except Exception as err:   # noqa: BLE001 - any failure here means: no CUDA tools to compile with
+        pytest.skip(f"sm_90 compile report needs the CUDA tools of the triton wheel (ptxas): {err}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["gpt2-small", "llama-3-8b"])
+def test_sm90_compile_has_no_spills_and_fits_shared_memory(shape):
+    """Compiled for sm_90 in a subprocess: under TRITON_INTERPRET=1 kernels cannot be compiled."""
+    import json
+    import subprocess
+    import sys
+
+    _require_ptxas()
+    code = ("import json; from fastdiag.kernels.qk_stats_triton import REPORT_SHAPES, kernel_report; "
+            f"print(json.dumps(kernel_report({{{shape!r}: REPORT_SHAPES[{shape!r}]}})))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {r["kernel"] for r in rows} >= {"qk_lse", "qk_stats_diagonal"}
+    for r in rows:
+        assert r["n_spills"] == 0, r
+        assert r["shared_bytes"] <= SM90_SHARED_LIMIT, r
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_and_double_dtypes(backend):
+    _check_backend(backend)
+    gen = torch.Generator().manual_seed(9)
+    q, k = _qk(1, 2, 2, 7, 7, 16, torch.float32, gen)
+    ref = qk_head_stats(q, k, is_causal=True, backend="reference")
+    _assert_close(qk_head_stats(q.double(), k.double(), is_causal=True, backend=backend), ref, 1e-5)
+    ref16 = qk_head_stats(q, k.half(), is_causal=True, backend="reference")
+    _assert_close(qk_head_stats(q, k.half(), is_causal=True, backend=backend), ref16, 1e-5)
