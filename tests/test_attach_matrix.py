@@ -29,10 +29,6 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
 DROPOUT0 = dict(attention_dropout=0.0, hidden_dropout=0.0)
 
 
-def _decoder(config_cls, model_cls, **kw):
-    return lambda: (config_cls(**kw), getattr(transformers, model_cls))
-
-
 ARCHS = {
     # name: (config, model class, kind)   kind: "causal" (decoder-only), "encoder", "seq2seq", "vision"
     "gpt2": (lambda: transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, n_positions=64,
