@@ -237,17 +237,24 @@ def measure(arch: str, impl: str, padded: bool):
     return row, problems
 
 
+NO_SDPA = ["gemma2 (softcap 5, window 4)", "bloom (alibi)"]  # transformers has no sdpa path for them
 CASES = [(arch, impl, padded) for arch in ARCHS for impl in ("eager", "sdpa") for padded in (False, True)
-         if not (padded and ARCHS[arch][2] == "vision")]
+         if not (padded and ARCHS[arch][2] == "vision") and not (impl == "sdpa" and arch in NO_SDPA)]
 
 
 @pytest.mark.parametrize("arch,impl,padded", CASES,
                          ids=[f"{a.split()[0]}-{i}-{'padded' if p else 'full'}" for a, i, p in CASES])
 def test_matrix(arch, impl, padded):
     row, problems = measure(arch, impl, padded)
-    if row is None and problems and "not available" in problems[0]:
-        pytest.skip(problems[0])  # the architecture has no such implementation in this transformers
     assert not problems, problems
+
+
+@pytest.mark.parametrize("arch", NO_SDPA)
+def test_architectures_without_sdpa_are_refused_by_transformers(arch):
+    """Their sdpa rows are left out of the matrix because transformers cannot build them; once it
+    can, this fails and the rows belong in the matrix."""
+    row, problems = measure(arch, "sdpa", padded=False)
+    assert row is None and "not available" in problems[0]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama (GQA)", "bert", "bart"])
@@ -269,7 +276,8 @@ def test_eager_and_sdpa_agree_on_a_padded_batch(arch):
 def table() -> str:
     lines = ["| model | impl | padded | how measured | layers | σ_H | rel. err s̄ | rel. err σ_H | max rel. err per layer | verdict |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for arch, impl, padded in CASES:
+    for arch, impl, padded in sorted(CASES + [(a, "sdpa", p) for a in NO_SDPA for p in (False, True)],
+                                     key=lambda case: (list(ARCHS).index(case[0]), case[1], case[2])):
         row, problems = measure(arch, impl, padded)
         if row is None:
             lines.append(f"| {arch} | {impl} | {'yes' if padded else 'no'} | — | | | | | | {'; '.join(problems)} |")
