@@ -3,7 +3,7 @@
     monitor = fastdiag.attach(model, every=10)   # before or after torch.compile / DDP wrapping
     ...train as usual...
     monitor.latest()     # {"step": 40, "mode": "train", "s_bar": ..., "sigma_h": ..., "sync/<layer>": ...}
-    monitor.detach()     # hooks and patches removed, the model is as it was
+    monitor.detach()     # hooks removed, the model is as it was
 
 Steps are the model's training-mode forward passes. On every `every`-th one (steps 0, every,
 2·every, ...) each attention layer's `HeadStats` is computed on the device from that same forward
@@ -443,7 +443,8 @@ class Monitor:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def detach(self) -> None:
-        """Remove every hook and patch and restore the attributes set on the model. Idempotent."""
+        """Remove every hook, leave the mode if inside a pass and restore the attributes set on the
+        model. Idempotent."""
         if self._id not in _MONITORS:
             return
         try:

@@ -273,6 +273,25 @@ def test_eager_and_sdpa_agree_on_a_padded_batch(arch):
             assert _rel(results["sdpa"][key], value) <= TOL, key
 
 
+def test_attention_that_cannot_be_seen_is_named_not_silent():
+    """HF flex_attention computes attention in a fused kernel (no probabilities, no SDPA call): each
+    layer is named in a warning on the first measured pass, and strict raises."""
+    config = transformers.LlamaConfig(**SMALL, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="flex_attention")
+    batch = inputs("llama (GQA)", padded=False)
+    names = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    with fastdiag.attach(model, every=1) as monitor, torch.no_grad():  # flex has no CPU backward
+        with pytest.warns(RuntimeWarning) as caught:
+            model(**batch)
+    assert [n for n in names if any(repr(n) in str(w.message) for w in caught)] == names
+    assert monitor.latest() is None
+    assert monitor.coverage() == {"found": names, "measured": {}, "missing": monitor.coverage()["missing"]}
+    assert list(monitor.coverage()["missing"]) == names
+    with fastdiag.attach(model, every=1, strict=True), torch.no_grad():
+        with pytest.raises(RuntimeError, match="model.layers.0.self_attn"):
+            model(**batch)
+
+
 def table() -> str:
     lines = ["| model | impl | padded | how measured | layers | σ_H | rel. err s̄ | rel. err σ_H | max rel. err per layer | verdict |",
              "|---|---|---|---|---|---|---|---|---|---|"]
