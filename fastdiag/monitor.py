@@ -26,6 +26,7 @@ graphs, measured and not, and the unmeasured one is the model's own.
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -244,7 +245,8 @@ class Monitor:
 
             @_eager
             def end(mod, args, output):
-                self._end(mod.training)
+                # always_call: also runs when the forward raised (output None, inside torch's except)
+                self._end(mod.training, raised=output is None and sys.exc_info()[0] is not None)
 
             self._handles.append(module.register_forward_pre_hook(begin, with_kwargs=True, prepend=True))
             self._handles.append(module.register_forward_hook(end, always_call=True))
@@ -258,13 +260,13 @@ class Monitor:
             self._mode.__enter__()
             self._mode_entered = True
 
-    def _end(self, training: bool) -> None:
+    def _end(self, training: bool, raised: bool = False) -> None:
         if self._mode_entered:
             self._mode_entered = False
             self._mode.__exit__(None, None, None)
         measured, self._measuring = self._measuring, False
         self._padding = None
-        self._finish(training, measured)
+        self._finish(training, measured and not raised)
 
     def _add(self, name: str, stats: HeadStats, how: str) -> None:
         key, i = name or "<root>", 1
@@ -322,13 +324,13 @@ class Monitor:
 
     # ---- end of a pass: eager, outside any compiled graph ---------------------------------------
 
-    def _finish(self, training: bool, measured: bool) -> None:
+    def _finish(self, training: bool, check_coverage: bool) -> None:
         pending, self._pending = self._pending, {}
         step = self.step
         if training:
             self.step += 1
             self._due = self.step % self.every == 0
-        if measured:
+        if check_coverage:  # not after a pass that raised: what it did not reach is not missing
             self._check_coverage(step)
         if pending:
             self._record(step, "train" if training else "eval", pending)

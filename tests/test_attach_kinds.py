@@ -300,3 +300,18 @@ def test_another_threads_attention_is_not_recorded():
     assert list(monitor.latest_stats()) == ["h.0.attn", "h.1.attn"]
     assert_stats_close(monitor.latest_stats()["h.1.attn"],
                        fastdiag.head_stats(model.h[1].attn.probs(), backend="reference"))
+
+
+def test_a_forward_that_raises_is_not_a_coverage_verdict():
+    """An exception before the attention ran (an OOM, a bad batch) says nothing about coverage: no
+    'found no attention' error on top of it, no warning, the monitor stays attached."""
+    torch.manual_seed(0)
+    model = NanoModel(flash=True)
+    monitor = fastdiag.attach(model, every=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(IndexError):
+            model(torch.full((2, 8), 99))        # out of the embedding's range: raises before attention
+    model(torch.randint(0, 32, (2, 8)))
+    assert monitor.coverage()["missing"] == {} and list(monitor.latest_stats())[-2:] == ["h.0.attn", "h.1.attn"]
+    monitor.detach()
