@@ -1,30 +1,35 @@
-"""How `fastdiag.attach` finds attention in a model and turns one call into `HeadStats`.
+"""How `fastdiag.attach` sees attention in a model and turns one call into `HeadStats`.
 
-Four kinds of attention, one adapter each:
+During a measured forward pass the monitor enters `AttentionMode`, a `torch.overrides.TorchFunctionMode`
+(thread-local: other threads' attention is not seen). It sees every torch call the model makes,
+however the function was reached (``F.scaled_dot_product_attention``, the same function imported
+by name, ``torch.softmax``, ``Tensor.softmax``), and hands two kinds to the monitor:
 
-- **zoo** (`fastdiag.models`): modules whose class sets ``records_head_stats = True``. The monitor
-  sets ``module.record = True`` for a measured pass and reads ``module.stats`` afterwards; the
-  module itself computes its probabilities (no extra work).
-- **MHA** (`torch.nn.MultiheadAttention`, and so `nn.Transformer*Layer`): a forward pre-hook
-  re-projects Q and K from the call's inputs with the module's own weights and reproduces its masks
-  (`attn_mask`, `key_padding_mask`, `bias_k`, `add_zero_attn`), whatever `need_weights` says.
-- **HF** (`transformers` ``*Attention`` modules): their modeling file's ``eager_attention_forward``
-  is wrapped (it receives Q, K, the additive mask and the scaling); the "sdpa" implementation ends
-  in `F.scaled_dot_product_attention` and is caught by the next adapter.
-- **SDPA**: `torch.nn.functional.scaled_dot_product_attention` is replaced by a wrapper that calls
-  the original unchanged and, while an attached model is in a measured pass, computes the
-  statistics from Q, K, the mask, `is_causal` and `scale` as eager attention would.
+- **probabilities**: a softmax over the last dimension of a ``[B, H, Tq, Tk]`` tensor. Its output
+  is what the model multiplies V by (Hugging Face eager attention with every bias, softcap, ALiBi
+  or mask it added; nanoGPT's manual path; any hand-written attention): `head_stats` of that very
+  tensor. Nothing is re-derived, so whatever produced the scores is measured exactly.
+- **SDPA**: ``scaled_dot_product_attention`` never forms the probabilities, so `sdpa_with_stats`
+  runs the original op unchanged and re-derives them from Q, K, the mask, ``is_causal`` and
+  ``scale`` (`qk_head_stats`, chunk by chunk over query rows).
 
-Q/K adapters go through `qk_head_stats`, which builds the probabilities a chunk of query rows at a
-time, so the full ``[B, H, Tq, Tk]`` tensor is never held; HeadStats of the chunks add exactly.
+Two structural kinds keep their own adapters: fastdiag's models (class attribute
+``records_head_stats``: the module computes its statistics itself) and `torch.nn.MultiheadAttention`
+(a pre-hook re-projects Q and K with the module's weights, whatever path torch takes inside).
+
+**Masks and padding rows (SPEC §3).** A key is masked where a bool mask is False or an additive
+mask (or a score) is −inf or ≤ finfo(dtype).min / 2 (HF masks with finfo.min; two such terms
+added may overflow to −inf). A query row counts when it sees an unmasked key in every head, and,
+in self-attention, when its own position is not a padding key (a key no query of that sequence
+may see). Both paths apply the same rule, so eager and SDPA give the same statistics.
 """
 from __future__ import annotations
 
-import inspect
 import sys
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from fastdiag.diagnostics import head_stats
 from fastdiag.stats import HeadStats
@@ -32,17 +37,52 @@ from fastdiag.stats import HeadStats
 CHUNK_BYTES = 64 * 2**20  # probabilities built at a time per attention call (the scores, in fp32)
 
 
+# ---- masks and valid query rows -----------------------------------------------------------------
+
+def masked(mask: torch.Tensor) -> torch.Tensor:
+    """True where a bool (True = may attend) or additive mask, or a score tensor, masks the entry."""
+    if mask.dtype == torch.bool:
+        return ~mask
+    return mask <= torch.finfo(mask.dtype).min / 2  # −inf included
+
+
+def sees_a_key(hidden: torch.Tensor) -> torch.Tensor:
+    """Bool ``[B, Tq]``: the rows that see an unmasked key in every head; ``hidden`` (True = masked)
+    is ``[B, H, Tq, Tk]``, B and H possibly broadcast (size 1)."""
+    return (~hidden).any(-1).all(1)
+
+
+def real_positions(hidden: torch.Tensor) -> torch.Tensor:
+    """Bool ``[B, T]`` for self-attention (Tq = Tk = T): False at a padding position, a key that no
+    query row of its sequence may see in any head (SPEC §3: its own query row is padding too)."""
+    return ~hidden.all(-2).all(1)
+
+
+def as_bhqk(mask: torch.Tensor, lead: tuple, h: int, tq: int, tk: int) -> torch.Tensor:
+    """A mask broadcastable to ``[*lead, H, Tq, Tk]`` as a 4-D view ``[B or 1, H or 1, Tq, Tk]``,
+    copied only when ``lead`` has more than one dimension."""
+    mask = mask.detach()
+    while mask.dim() < len(lead) + 3:
+        mask = mask.unsqueeze(0)
+    if len(lead) != 1:
+        return mask.expand(*lead, h, tq, tk).reshape(-1, h, tq, tk)
+    return mask.expand(*mask.shape[:2], tq, tk)
+
+
 # ---- the shared Q/K path ------------------------------------------------------------------------
 
 def qk_head_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None,
                   is_causal: bool = False, scale: float | None = None, backend: str = "auto",
-                  chunk_bytes: int = CHUNK_BYTES) -> HeadStats:
+                  chunk_bytes: int = CHUNK_BYTES, query_mask: torch.Tensor | None = None,
+                  lse: torch.Tensor | None = None) -> HeadStats:
     """HeadStats of ``softmax(q kᵀ · scale + mask)``, as `F.scaled_dot_product_attention` defines it.
 
     q: ``[..., H, Tq, D]``; k: ``[..., Hk, Tk, D]`` with Hk dividing H (grouped-query attention:
     query head h reads key head ``h // (H / Hk)``). attn_mask: broadcastable to ``[..., H, Tq, Tk]``,
-    bool (True = may attend) or additive float. is_causal: the top-left aligned causal mask.
-    Query rows that may attend to no key at all are left out (their softmax is undefined).
+    bool (True = may attend) or additive float (−inf or ≤ finfo.min / 2 = masked). is_causal: the
+    top-left aligned causal mask. query_mask: bool ``[B, Tq]``, True = valid row (padding rows
+    False); rows that see no key in some head are left out too. lse: accepted for the contract's
+    fast version (`fastdiag.qk`), which reuses the op's log-sum-exp; this version recomputes it.
     The probabilities are formed ``chunk_bytes`` at a time over query rows and never held whole.
     """
     q, k = q.detach(), k.detach()
@@ -58,33 +98,47 @@ def qk_head_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | No
     k = k.expand(*lead, hk, tk, d).reshape(-1, hk, 1, tk, d).to(acc).transpose(-1, -2)
     b = q.shape[0]
     scale = d ** -0.5 if scale is None else scale
-    mask = None
+    additive = hidden = None
     if attn_mask is not None:
-        mask = attn_mask.detach().expand(*lead, h, tq, tk)
+        attn_mask = as_bhqk(attn_mask, lead, h, tq, tk)
+        hidden = masked(attn_mask)
+        if attn_mask.dtype != torch.bool:
+            additive = attn_mask
+    if query_mask is not None:
+        query_mask = query_mask.expand(b, tq)
     rows = max(1, chunk_bytes // max(1, b * h * tk * torch.finfo(acc).bits // 8))
     total = None
     for r0 in range(0, tq, rows):
         r1 = min(tq, r0 + rows)
         scores = torch.matmul(q[..., r0:r1, :], k).reshape(b, h, r1 - r0, tk) * scale
+        if additive is not None:
+            scores = scores + additive[..., r0:r1, :].to(acc)
+        chunk_hidden = None if hidden is None else hidden[..., r0:r1, :]
         if is_causal:
             future = (torch.arange(r0, r1, device=q.device)[:, None]
                       < torch.arange(tk, device=q.device)[None, :])
-            scores = scores.masked_fill(future, float("-inf"))
-        query_mask = None
-        if mask is not None:
-            m = mask[..., r0:r1, :].reshape(b, h, r1 - r0, tk)
-            if m.dtype == torch.bool:
-                visible = m
-                scores = scores.masked_fill(~m, float("-inf"))
-            else:
-                visible = m != float("-inf")
-                scores = scores + m.to(acc)
-            if is_causal:
-                visible = visible & ~future
-            query_mask = visible.any(-1).all(1)  # [B, rows]: the row sees some key in every head
-        chunk = head_stats(scores.softmax(-1), query_mask, backend=backend)
+            chunk_hidden = future if chunk_hidden is None else chunk_hidden | future
+        chunk_rows = None if query_mask is None else query_mask[:, r0:r1]
+        if chunk_hidden is not None:
+            scores = scores.masked_fill(chunk_hidden, float("-inf"))
+            if chunk_hidden.dim() == 2:
+                chunk_hidden = chunk_hidden[None, None]
+            seen = sees_a_key(chunk_hidden).expand(b, r1 - r0)
+            chunk_rows = seen if chunk_rows is None else chunk_rows & seen
+        chunk = head_stats(scores.softmax(-1), chunk_rows, backend=backend)
         total = chunk if total is None else total + chunk
     return total
+
+
+def sdpa_with_stats(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False, *, query_mask=None, backend="auto", chunk_bytes=CHUNK_BYTES):
+    """``F.scaled_dot_product_attention`` unchanged (same output, same gradients) and the HeadStats of
+    its (pre-dropout) probabilities, re-derived from Q and K by `qk_head_stats`."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                         enable_gqa=enable_gqa)
+    stats = qk_head_stats(query, key, attn_mask, is_causal, scale, backend, chunk_bytes,
+                          query_mask=query_mask)
+    return out, stats
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -101,10 +155,17 @@ _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_
 
 
 def mha_head_stats(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict,
-                   backend: str = "auto", chunk_bytes: int = CHUNK_BYTES) -> HeadStats:
-    """The statistics `module(*args, **kwargs)` computes in its softmax, from Q and K re-projected."""
+                   backend: str = "auto", chunk_bytes: int = CHUNK_BYTES,
+                   padding: torch.Tensor | None = None) -> HeadStats:
+    """The statistics `module(*args, **kwargs)` computes in its softmax, from Q and K re-projected.
+
+    Self-attention (``query is key``): a query row whose position is a padded key
+    (``key_padding_mask``) is left out, and so is one ``padding`` (bool ``[N, T]``, True = real
+    token) marks.
+    """
     call = dict(zip(_MHA_ARGS, args), **kwargs)
     query, key = call["query"].detach(), call["key"].detach()
+    self_attention = call["query"] is call["key"]
     kpm, attn_mask, is_causal = call.get("key_padding_mask"), call.get("attn_mask"), call.get("is_causal", False)
     if query.dim() == 2:  # unbatched [T, E]
         query, key = query.unsqueeze(1), key.unsqueeze(1)
@@ -140,77 +201,73 @@ def mha_head_stats(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dic
     if kpm is not None:
         kpm = kpm.reshape(n, 1, 1, -1)
         mask = kpm if mask is None else mask + kpm
+    query_mask = None
+    if self_attention:
+        if kpm is not None:
+            query_mask = ~masked(kpm.reshape(n, -1))
+        if padding is not None and padding.shape == (n, tq):
+            query_mask = padding if query_mask is None else query_mask & padding
     if mask is not None and extra:
         mask = F.pad(mask, (0, extra))
-    return qk_head_stats(q, k, mask, backend=backend, chunk_bytes=chunk_bytes)
+    return qk_head_stats(q, k, mask, backend=backend, chunk_bytes=chunk_bytes, query_mask=query_mask)
 
 
-# ---- patched functions: F.scaled_dot_product_attention and HF eager attention ------------------
+# ---- the torch function mode ------------------------------------------------------------------
 
-class _Patch:
-    """Replace ``owner.<name>`` by ``make(original)`` while at least one monitor needs it."""
-
-    def __init__(self, owner, name: str, make):
-        self.owner, self.name, self.make = owner, name, make
-        self.users: list = []   # monitors; the wrappers read this list
-        self.original = None
-
-    def add(self, monitor) -> None:
-        if not self.users:
-            self.original = getattr(self.owner, self.name)
-            setattr(self.owner, self.name, self.make(self.original, self.users))
-        self.users.append(monitor)
-
-    def remove(self, monitor) -> None:
-        self.users.remove(monitor)
-        if not self.users:
-            setattr(self.owner, self.name, self.original)
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA = F.scaled_dot_product_attention
+_SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax}
 
 
-def _make_sdpa(original, users):
-    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                     is_causal=False, scale=None, enable_gqa=False):
-        out = original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                       is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        for monitor in users:
-            if monitor._measuring:
-                monitor._on_qk(query, key, attn_mask, is_causal, scale)
-        return out
-
-    scaled_dot_product_attention.__doc__ = original.__doc__
-    scaled_dot_product_attention.__wrapped__ = original
-    return scaled_dot_product_attention
+def softmax_dim(args: tuple, kwargs: dict) -> int | None:
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    return dim if isinstance(dim, int) else None
 
 
-def _make_hf_eager(original, users):
-    def eager_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
-        out = original(module, query, key, value, attention_mask, *args, **kwargs)
-        scaling = kwargs.get("scaling", args[0] if args else None)
-        for monitor in users:
-            if monitor._measuring:
-                mask = None if attention_mask is None else attention_mask[..., :key.shape[-2]]
-                monitor._on_qk(query, key, mask, False, scaling)
-        return out
-
-    eager_attention_forward.__wrapped__ = original
-    return eager_attention_forward
-
-
-SDPA_PATCH = _Patch(F, "scaled_dot_product_attention", _make_sdpa)
-_HF_PATCHES: dict[str, _Patch] = {}
+def _in_compiled_graph() -> bool:
+    """Whether the call comes from a torch.compile graph run by Python (backends "eager", "aot_eager",
+    custom ones returning ``gm.forward``). The mode was traced into that graph already: its
+    statistics are in the graph, so the graph's own ops must not be measured a second time."""
+    if torch.compiler.is_compiling():
+        return False
+    frame = sys._getframe(2)
+    for _ in range(3):  # the graph's code, or F.softmax and handle_torch_function called by it
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.startswith("<eval_with_key>"):
+            return True
+        frame = frame.f_back
+    return False
 
 
-def hf_eager_patch(module_name: str) -> _Patch | None:
-    """The patch for ``eager_attention_forward`` of a transformers modeling file, if it has one."""
-    namespace = sys.modules.get(module_name)
-    if namespace is None or not callable(getattr(namespace, "eager_attention_forward", None)):
-        return None
-    if module_name not in _HF_PATCHES:
-        _HF_PATCHES[module_name] = _Patch(namespace, "eager_attention_forward", _make_hf_eager)
-    return _HF_PATCHES[module_name]
+class AttentionMode(TorchFunctionMode):
+    """Entered around a measured forward pass: passes SDPA calls and softmaxes over ``[B, H, Tq, Tk]``
+    scores to ``monitor`` (``on_sdpa(call) -> out``, ``on_probs(scores, probs)``); every other call
+    runs as it would."""
+
+    def __init__(self, monitor):
+        super().__init__()
+        self.monitor = monitor
+        self.busy = False  # measuring: the statistics' own softmax is not the model's attention
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.busy or (func is not _SDPA and func not in _SOFTMAXES) or _in_compiled_graph():
+            return func(*args, **kwargs)
+        self.busy = True
+        try:
+            if func is _SDPA:
+                return self.monitor.on_sdpa(dict(zip(SDPA_ARGS, args), **kwargs))
+            out = func(*args, **kwargs)
+            if func in _SOFTMAXES and isinstance(out, torch.Tensor) and out.dim() == 4 \
+                    and softmax_dim(args, kwargs) in (-1, 3):
+                self.monitor.on_probs(args[0], out)
+            return out
+        finally:
+            self.busy = False
 
 
-# ---- detection --------------------------------------------------------------------------------
+# ---- structural detection ---------------------------------------------------------------------
 
 def is_zoo(module) -> bool:
     return bool(getattr(type(module), "records_head_stats", False))
@@ -220,25 +277,14 @@ def is_mha(module) -> bool:
     return isinstance(module, torch.nn.MultiheadAttention)
 
 
-def is_hf_attention(module) -> bool:
-    cls = type(module)
-    return cls.__module__.startswith("transformers.") and cls.__name__.endswith("Attention")
-
-
 def is_torch_builtin(module) -> bool:
     return type(module).__module__.startswith("torch.nn.modules")
 
 
-_SOURCE_MENTIONS: dict[str, bool] = {}
+def named_attention(module) -> bool:
+    """A class named like attention (``LlamaAttention``, ``CausalSelfAttention``, ``Attention``)."""
+    return "attention" in type(module).__name__.lower() and not is_torch_builtin(module)
 
 
-def source_calls_sdpa(module) -> bool:
-    """Whether the file defining the module's class mentions ``scaled_dot_product_attention``."""
-    name = type(module).__module__
-    if name not in _SOURCE_MENTIONS:
-        try:
-            text = inspect.getsource(sys.modules[name])
-        except (KeyError, OSError, TypeError):
-            text = ""
-        _SOURCE_MENTIONS[name] = "scaled_dot_product_attention" in text
-    return _SOURCE_MENTIONS[name]
+# keyword arguments that make an attention call cross-attention (HF: BART, T5, Whisper, BERT decoders)
+CROSS_ATTENTION_KWARGS = ("key_value_states", "encoder_hidden_states")

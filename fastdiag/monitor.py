@@ -3,32 +3,52 @@
     monitor = fastdiag.attach(model, every=10)   # before or after torch.compile / DDP wrapping
     ...train as usual...
     monitor.latest()     # {"step": 40, "mode": "train", "s_bar": ..., "sigma_h": ..., "sync/<layer>": ...}
-    monitor.detach()     # hooks and patches removed, the model is as it was
+    monitor.detach()     # hooks removed, the model is as it was
 
 Steps are the model's training-mode forward passes. On every `every`-th one (steps 0, every,
 2·every, ...) each attention layer's `HeadStats` is computed on the device from that same forward
-pass (see `fastdiag.adapters` for how each kind of attention is found and measured) and kept there;
+pass (see `fastdiag.adapters` for how each kind of attention is seen and measured) and kept there;
 the host sees the values only when they are read (`latest`, `history`) or a logger is flushed.
+
+Attention is found by what modules do on a measured pass: the innermost running module that calls
+SDPA or takes a softmax over ``[B, H, Tq, Tk]`` scores is an attention layer, reported by its name.
+At attach time the monitor also expects attention where the structure says so (fastdiag's models,
+`torch.nn.MultiheadAttention`, the innermost modules whose class is named like attention); after
+each measured pass any expected module without statistics is warned about once (``strict=True``:
+raised), and a model in which nothing at all was found is an error.
 
 torch.compile: `torch.compile(model)` and `model.compile()` call the root module's hooks outside
 the traced frame. The root's begin/end hooks are `torch.compiler.disable`d, so the step counter
-lives in plain Python; everything inside the forward (submodule hooks, the SDPA wrapper) reads a
-single Python bool, "is this pass measured", so a compiled model has two graphs, measured and not.
+lives in plain Python, and the `AttentionMode` is entered only for a measured pass; everything inside
+the forward (submodule hooks, the mode) depends on that one fact, so a compiled model has two
+graphs, measured and not, and the unmeasured one is the model's own.
 """
 from __future__ import annotations
 
 import itertools
+import sys
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from fastdiag import adapters
 from fastdiag.adapters import CHUNK_BYTES
-from fastdiag.diagnostics import BACKENDS
+from fastdiag.diagnostics import BACKENDS, head_stats
 from fastdiag.stats import HeadStats, Summary, summarize
 
 __all__ = ["Monitor", "attach"]
+
+HOW = {"zoo": "the module's own probabilities (records_head_stats)",
+       "mha": "Q and K re-projected with the MultiheadAttention weights",
+       "probabilities": "the softmax output the model used",
+       "sdpa": "re-derived from the SDPA call's Q, K, mask and scale"}
+_LOOKED_FOR = ("looked for fastdiag.models attention (class attribute records_head_stats), "
+               "torch.nn.MultiheadAttention, modules whose class is named like attention, and, on a "
+               "measured forward pass, modules that call scaled_dot_product_attention or take a "
+               "softmax over [B, H, Tq, Tk] scores")
 
 _MONITORS: dict[int, "Monitor"] = {}
 _IDS = itertools.count()
@@ -77,7 +97,8 @@ class Monitor:
 
     def __init__(self, model: torch.nn.Module, every: int = 10, layers=None, backend: str = "auto",
                  log=None, measure_eval: bool = False, all_reduce: bool = False, group=None,
-                 flush_every: int = 10, steps: str = "forward", chunk_bytes: int = CHUNK_BYTES):
+                 flush_every: int = 10, steps: str = "forward", chunk_bytes: int = CHUNK_BYTES,
+                 strict: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -88,66 +109,56 @@ class Monitor:
             raise ValueError(f"flush_every: expected a positive integer, got {flush_every!r}")
         if steps not in ("forward", "manual"):
             raise ValueError(f"steps: expected 'forward' or 'manual', got {steps!r}")
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict: expected a bool, got {type(strict).__name__}")
         model = _unwrap_compiled(model)
         if model in _ATTACHED:
             raise ValueError("model: already attached; detach the other monitor first")
         self.model, self.every, self.backend = model, every, backend
         self.measure_eval, self.all_reduce, self.group = measure_eval, all_reduce, group
-        self.flush_every, self.chunk_bytes = flush_every, chunk_bytes
+        self.flush_every, self.chunk_bytes, self.strict = flush_every, chunk_bytes, strict
         self._log = _logger_from(log)
         self._auto = steps == "forward"
         self.step = 0              # training passes seen; the next one has this index
         self._due = True           # the next training pass is measured (step % every == 0)
         self._measuring = False    # inside a measured pass: the one flag compiled code reads
         self._training = True
-        self._stack: list[str] = []                  # names of the hooked modules now running
+        self._mode = adapters.AttentionMode(self)
+        self._mode_entered = False
+        self._padding: torch.Tensor | None = None    # this step's real-token mask [B, T], if handed in
+        self._stack: list[tuple[str, bool]] = []     # (name, cross-attention call) of the hooked modules running
         self._pending: dict[str, HeadStats] = {}     # this pass's statistics
+        self._pass_how: dict[str, str] = {}          # this pass's measured modules and how
+        self._how: dict[str, str] = {}               # every module measured so far and how
+        self._missing: dict[str, str] = {}           # expected modules never measured, and why
         self._records: list[_Record] = []
         self._unlogged = 0
         self._latest: dict[str, HeadStats] | None = None
         self._latest_summary: Summary | None = None
         self._handles: list = []
-        self._patches: list = []
         self._saved: list = []                       # (module, attribute, value) to restore
         self._id = next(_IDS)
 
         modules = dict(model.named_modules())
         self._selected = self._select(layers, modules)
-        found = {"zoo": [], "mha": [], "hf": [], "sdpa": []}
-        for name, m in modules.items():
-            if adapters.is_zoo(m):
-                found["zoo"].append(name)
-            elif adapters.is_mha(m):
-                found["mha"].append(name)
-            elif adapters.is_hf_attention(m):
-                found["hf"].append(name)
-            elif not adapters.is_torch_builtin(m) and adapters.source_calls_sdpa(m):
-                found["sdpa"].append(name)
-        self._covered = set(found["zoo"]) | set(found["mha"])  # their own SDPA calls: not again
-        if not any(found.values()):
-            files = sorted({type(m).__module__ for m in modules.values() if not adapters.is_torch_builtin(m)})
-            raise ValueError(
-                f"attach: found no attention in {type(model).__name__} ({len(modules)} modules searched): "
-                "no fastdiag.models attention module (class attribute records_head_stats), no "
-                "torch.nn.MultiheadAttention, no Hugging Face transformers *Attention module, and no "
-                "call of torch.nn.functional.scaled_dot_product_attention in the source of "
-                f"{', '.join(files) or 'any non-torch module'}")
-        self.found = found
+        self._kind = {name: "zoo" if adapters.is_zoo(m) else "mha"
+                      for name, m in modules.items() if adapters.is_zoo(m) or adapters.is_mha(m)}
+        named = {name for name, m in modules.items() if adapters.named_attention(m)}
+        innermost = {n for n in named if not any(o.startswith(n + ".") for o in named if o != n)}
+        self._expected = [n for n in modules if (n in self._kind or n in innermost) and n in self._selected]
+        if not self._expected and all(adapters.is_torch_builtin(m) for m in modules.values()):
+            raise ValueError(f"attach: found no attention in {type(model).__name__}: {_LOOKED_FOR}; "
+                             "it is made of torch.nn modules only, none of them attention")
 
         _MONITORS[self._id] = self
         _ATTACHED[model] = self
         try:
             for name, m in modules.items():
-                kind = "zoo" if name in found["zoo"] else "mha" if name in found["mha"] else None
-                if m is model or kind or not adapters.is_torch_builtin(m):
-                    self._hook(name, m, kind, root=m is model)
-            patches = {adapters.hf_eager_patch(type(modules[n]).__module__) for n in found["hf"]}
-            if found["hf"] or found["sdpa"]:
-                patches.add(adapters.SDPA_PATCH)
-            for patch in patches - {None}:
-                patch.add(self)
-                self._patches.append(patch)
-            for name in found["zoo"]:
+                if m is model or name in self._kind or not adapters.is_torch_builtin(m):
+                    self._hook(name, m, self._kind.get(name), root=m is model)
+            for name, kind in self._kind.items():
+                if kind != "zoo":
+                    continue
                 m = modules[name]
                 for attr in ("record", "stats", "diag_backend"):
                     if hasattr(m, attr):
@@ -173,6 +184,28 @@ class Monitor:
         # a listed module selects the attention inside it too (a block selects its attention)
         return {n for n in modules if any(n == l or not l or n.startswith(l + ".") for l in layers)}
 
+    # ---- padding ---------------------------------------------------------------------------------
+
+    def set_padding(self, mask: torch.Tensor | None) -> None:
+        """Mark this step's padding: ``mask`` ``[B, T]``, True / 1 = real token, False / 0 = padding
+        (a Hugging Face ``attention_mask``). In every self-attention call of the step with batch B and
+        T query rows, the padding rows are left out (SPEC §3), on top of what the attention masks
+        themselves say. It holds until the step ends (the forward pass, or `end_step`); None clears."""
+        if mask is None:
+            self._padding = None
+            return
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            raise ValueError(f"mask: expected a [batch, seq] tensor (True or 1 = real token), got "
+                             f"{type(mask).__name__ if not isinstance(mask, torch.Tensor) else tuple(mask.shape)}")
+        self._padding = mask.detach() if mask.dtype == torch.bool else mask.detach() != 0
+
+    def _with_padding(self, rows: torch.Tensor | None, b: int, t: int) -> torch.Tensor | None:
+        padding = self._padding
+        if padding is None or padding.shape != (b, t):
+            return rows
+        padding = padding.to(device=rows.device if rows is not None else padding.device)
+        return padding if rows is None else rows & padding
+
     # ---- hooks (these run inside a compiled region: they read bools and names only) -----------
 
     def _hook(self, name: str, module: torch.nn.Module, kind: str | None, root: bool) -> None:
@@ -180,19 +213,24 @@ class Monitor:
         record_at_attach = getattr(module, "record", False)
 
         def pre(mod, args, kwargs):
-            self._stack.append(name)
-            if self._measuring and selected:
-                if kind == "zoo":
-                    mod.record = True
-                elif kind == "mha":
-                    self._add(name, adapters.mha_head_stats(mod, args, kwargs, self.backend, self.chunk_bytes))
+            if not self._measuring:
+                return
+            cross = any(kwargs.get(k) is not None for k in adapters.CROSS_ATTENTION_KWARGS)
+            self._stack.append((name, cross))
+            if selected and kind == "zoo":
+                mod.record = True
+            elif selected and kind == "mha":
+                self._add(name, adapters.mha_head_stats(mod, args, kwargs, self.backend, self.chunk_bytes,
+                                                        self._padding), "mha")
 
         def post(mod, args, output):
+            if not self._measuring:
+                return
             if self._stack:
                 self._stack.pop()
-            if kind == "zoo" and self._measuring and selected:
+            if kind == "zoo" and selected:
                 if mod.stats is not None:
-                    self._add(name, mod.stats)
+                    self._add(name, mod.stats, "zoo")
                 mod.record = record_at_attach
 
         self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
@@ -207,7 +245,8 @@ class Monitor:
 
             @_eager
             def end(mod, args, output):
-                self._end(mod.training)
+                # always_call: also runs when the forward raised (output None, inside torch's except)
+                self._end(mod.training, raised=output is None and sys.exc_info()[0] is not None)
 
             self._handles.append(module.register_forward_pre_hook(begin, with_kwargs=True, prepend=True))
             self._handles.append(module.register_forward_hook(end, always_call=True))
@@ -216,37 +255,118 @@ class Monitor:
         self._training = training
         self._measuring = self._due if training else self.measure_eval
         self._stack = []
-        self._pending = {}
+        self._pending, self._pass_how = {}, {}
+        if self._measuring and not self._mode_entered:
+            self._mode.__enter__()
+            self._mode_entered = True
 
-    def _end(self, training: bool) -> None:
-        self._measuring = False
-        self._finish(training)
+    def _end(self, training: bool, raised: bool = False) -> None:
+        if self._mode_entered:
+            self._mode_entered = False
+            self._mode.__exit__(None, None, None)
+        measured, self._measuring = self._measuring, False
+        self._padding = None
+        self._finish(training, measured and not raised)
 
-    def _add(self, name: str, stats: HeadStats) -> None:
+    def _add(self, name: str, stats: HeadStats, how: str) -> None:
         key, i = name or "<root>", 1
         while key in self._pending:  # a module called twice in one pass: "name#1", "name#2", ...
             key = f"{name}#{i}"
             i += 1
         self._pending[key] = stats
+        self._pass_how[name] = how
 
-    def _on_qk(self, query, key, attn_mask, is_causal, scale) -> None:
-        """An SDPA / HF eager call while this model is in a measured pass."""
-        name = self._stack[-1] if self._stack else ""
-        if name in self._covered or name not in self._selected:
+    def _attention_call(self) -> tuple[str, bool] | None:
+        """(name, cross-attention) of the module running an attention op now, if it is to be measured
+        here (not a structural kind measuring itself, not outside the model, selected)."""
+        if not self._stack:
+            return None
+        name, cross = self._stack[-1]
+        if name in self._kind or name not in self._selected:
+            return None
+        return name, cross
+
+    # ---- called by adapters.AttentionMode during a measured pass --------------------------------
+
+    def on_sdpa(self, call: dict):
+        """An SDPA call: the original op, and its statistics re-derived from Q and K."""
+        where = self._attention_call()
+        if where is None:
+            return F.scaled_dot_product_attention(**call)
+        name, cross = where
+        query, key, attn_mask = call["query"], call["key"], call.get("attn_mask")
+        rows = None
+        if query.dim() == 4:
+            b, h, tq, _ = query.shape
+            tk = key.shape[-2]
+            if not cross and tq == tk:
+                if attn_mask is not None:
+                    hidden = adapters.masked(adapters.as_bhqk(attn_mask, (b,), h, tq, tk))
+                    rows = adapters.real_positions(hidden).expand(b, tq)
+                rows = self._with_padding(rows, b, tq)
+        out, stats = adapters.sdpa_with_stats(**call, query_mask=rows, backend=self.backend,
+                                              chunk_bytes=self.chunk_bytes)
+        self._add(name, stats, "sdpa")
+        return out
+
+    def on_probs(self, scores: torch.Tensor, probs: torch.Tensor) -> None:
+        """A softmax over ``[B, H, Tq, Tk]`` scores: the probabilities the model uses, measured as they are."""
+        where = self._attention_call()
+        if where is None:
             return
-        self._add(name, adapters.qk_head_stats(query, key, attn_mask, is_causal, scale,
-                                               self.backend, self.chunk_bytes))
+        name, cross = where
+        b, _, tq, tk = probs.shape
+        hidden = adapters.masked(scores.detach())
+        rows = adapters.sees_a_key(hidden)
+        if not cross and tq == tk:
+            rows = self._with_padding(rows & adapters.real_positions(hidden), b, tq)
+        self._add(name, head_stats(probs.detach(), rows, backend=self.backend), "probabilities")
 
     # ---- end of a pass: eager, outside any compiled graph ---------------------------------------
 
-    def _finish(self, training: bool) -> None:
+    def _finish(self, training: bool, check_coverage: bool) -> None:
         pending, self._pending = self._pending, {}
         step = self.step
         if training:
             self.step += 1
             self._due = self.step % self.every == 0
+        if check_coverage:  # not after a pass that raised: what it did not reach is not missing
+            self._check_coverage(step)
         if pending:
             self._record(step, "train" if training else "eval", pending)
+
+    def _check_coverage(self, step: int) -> None:
+        """After a measured pass: nothing found is an error; an expected module without statistics
+        is warned about once (raised with strict)."""
+        self._how.update(self._pass_how)
+        if not self._expected and not self._how:
+            self.detach()
+            raise ValueError(
+                f"attach: found no attention in {type(self.model).__name__} on its measured pass (step "
+                f"{step}): {_LOOKED_FOR}")
+        measured = list(self._pass_how)
+        for name in self._expected:
+            if name in self._missing or any(m == name or m.startswith(name + ".") or not name for m in measured):
+                continue
+            reason = (f"no statistics on the measured pass of step {step}: no "
+                      "scaled_dot_product_attention call and no softmax over [B, H, Tq, Tk] scores ran "
+                      "inside it (attention it computes some other way — flash-attn, xformers, a "
+                      "fused or 3-D kernel, flex attention — or not run on that pass, cannot be measured)")
+            self._missing[name] = reason
+            message = f"fastdiag.attach: attention module {name!r} ({type(self.model.get_submodule(name)).__name__}): {reason}"
+            if self.strict:
+                self.detach()
+                raise RuntimeError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def coverage(self) -> dict:
+        """What attach found and measured so far: ``found`` (module names, expected at attach time or
+        seen doing attention on a measured pass), ``measured`` (name → how) and ``missing``
+        (name → why it has no statistics)."""
+        found = list(self._expected) + [n for n in self._how if n not in self._expected]
+        measured = {name: HOW[how] for name, how in self._how.items()}
+        missing = {name: reason for name, reason in self._missing.items() if name not in self._how}
+        return {"found": found, "measured": measured, "missing": missing}
 
     def _record(self, step: int, mode: str, stats: dict[str, HeadStats]) -> None:
         if self.all_reduce:
@@ -325,7 +445,8 @@ class Monitor:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def detach(self) -> None:
-        """Remove every hook and patch and restore the attributes set on the model. Idempotent."""
+        """Remove every hook, leave the mode if inside a pass and restore the attributes set on the
+        model. Idempotent."""
         if self._id not in _MONITORS:
             return
         try:
@@ -334,11 +455,12 @@ class Monitor:
         finally:
             for handle in self._handles:
                 handle.remove()
-            for patch in self._patches:
-                patch.remove(self)
+            if self._mode_entered:  # detached inside a measured pass
+                self._mode_entered = False
+                self._mode.__exit__(None, None, None)
             for module, attr, value in self._saved:
                 setattr(module, attr, value)
-            self._handles, self._patches, self._saved = [], [], []
+            self._handles, self._saved = [], []
             self._measuring = False
             _MONITORS.pop(self._id, None)
             if _ATTACHED.get(self.model) is self:
@@ -351,14 +473,15 @@ class Monitor:
         self.detach()
 
     def __repr__(self) -> str:
-        kinds = ", ".join(f"{k}: {len(v)}" for k, v in self.found.items() if v)
+        coverage = self.coverage()
         state = "attached" if self._id in _MONITORS else "detached"
-        return f"Monitor({type(self.model).__name__}, every={self.every}, {kinds}, step={self.step}, {state})"
+        return (f"Monitor({type(self.model).__name__}, every={self.every}, found={len(coverage['found'])}, "
+                f"measured={len(coverage['measured'])}, step={self.step}, {state})")
 
 
 def attach(model: torch.nn.Module, every: int = 10, layers=None, backend: str = "auto", log=None,
            measure_eval: bool = False, all_reduce: bool = False, group=None, *, flush_every: int = 10,
-           steps: str = "forward", chunk_bytes: int = CHUNK_BYTES) -> Monitor:
+           steps: str = "forward", chunk_bytes: int = CHUNK_BYTES, strict: bool = False) -> Monitor:
     """Measure the attention heads of ``model`` from its own training forward passes.
 
     every: measure training passes 0, every, 2·every, ... (eval passes are not counted).
@@ -374,10 +497,15 @@ def attach(model: torch.nn.Module, every: int = 10, layers=None, backend: str = 
     steps: "forward" (a step is one training forward of ``model``) or "manual" (call
         `Monitor.begin_step` / `Monitor.end_step`, as the Lightning callback does).
     chunk_bytes: the most score memory built at once per attention call for Q/K adapters.
+    strict: raise (RuntimeError) instead of warning when an attention module found has no
+        statistics after a measured pass.
+
+    Padding: `Monitor.set_padding` hands in a step's real-token mask; the attention masks themselves
+    are read too (SPEC §3). `Monitor.coverage` says what was found and how each layer is measured.
 
     Returns a `Monitor`, also a context manager; `Monitor.detach` undoes everything.
     """
     return Monitor(model, every=every, layers=layers, backend=backend, log=log,
                    measure_eval=measure_eval, all_reduce=all_reduce, group=group,
-                   flush_every=flush_every, steps=steps, chunk_bytes=chunk_bytes)
+                   flush_every=flush_every, steps=steps, chunk_bytes=chunk_bytes, strict=strict)
 

@@ -61,7 +61,10 @@ def eager_probs(q, k, attn_mask=None, is_causal=False, scale=None):
             scores = scores + attn_mask.double()
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = scores.softmax(-1)
-    rows = visible.expand(scores.shape).any(-1).all(-2)  # [B, Tq]
+    visible = visible.expand(scores.shape)
+    rows = visible.any(-1).all(-2)  # [B, Tq]: sees a key in every head
+    if tq == tk and attn_mask is not None:  # self-attention: a key nobody may see is padding, so is its row
+        rows = rows & visible.any(-2).any(-2)
     return torch.nan_to_num(probs, nan=0.0), rows
 
 
@@ -245,11 +248,11 @@ def test_detach_restores_the_model_exactly():
     before = {name: (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m.__dict__))
               for name, m in model.named_modules()}
     monitor = fastdiag.attach(model, every=1)
-    assert F.scaled_dot_product_attention is not ORIGINAL_SDPA
     model(x)
     monitor.detach()
     monitor.detach()  # idempotent
-    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA  # never replaced: a mode sees the calls
+    assert torch.overrides._get_current_function_mode_stack() == []
     after = {name: (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m.__dict__))
              for name, m in model.named_modules()}
     assert after.keys() == before.keys()
@@ -271,7 +274,8 @@ def test_attach_twice_or_to_a_model_without_attention_is_refused():
     mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     with pytest.raises(ValueError) as err:
         fastdiag.attach(mlp)
-    for searched in ("records_head_stats", "MultiheadAttention", "Hugging Face", "scaled_dot_product_attention"):
+    for searched in ("records_head_stats", "MultiheadAttention", "named like attention",
+                     "scaled_dot_product_attention", "softmax over [B, H, Tq, Tk]"):
         assert searched in str(err.value)
     for bad in (dict(every=0), dict(backend="cuda"), dict(flush_every=0)):
         with pytest.raises(ValueError):
@@ -414,7 +418,7 @@ def test_zoo_transformer_is_measured_through_its_record_flag():
         out = model(x)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     stats = monitor.latest_stats()
-    assert list(stats) == names and monitor.found["zoo"] == names
+    assert list(stats) == names and list(monitor.coverage()["measured"]) == names
     for name in names:
         assert_stats_close(stats[name], reference[name])
     assert all(m.record is False and m.stats is None for m in models.attention_modules(model).values())
@@ -422,8 +426,9 @@ def test_zoo_transformer_is_measured_through_its_record_flag():
 
 # ---- torch.nn.MultiheadAttention and the nn.Transformer layers ------------------------------
 
-def _mha_reference(mha, query, key, **kw):
-    """Per-head probabilities from MHA itself (need_weights, no averaging), eval, float64 stats."""
+def _mha_reference(mha, query, key, padding=None, **kw):
+    """Per-head probabilities from MHA itself (need_weights, no averaging), eval, float64 stats;
+    padding: bool [N, T], True = real position (self-attention rows left out per SPEC §3)."""
     mha.eval()
     with torch.no_grad():
         _, probs = mha(query, key, key, need_weights=True, average_attn_weights=False, **kw)
@@ -431,6 +436,8 @@ def _mha_reference(mha, query, key, **kw):
     if probs.dim() == 3:
         probs = probs.unsqueeze(0)
     rows = torch.isfinite(probs).all(-1).all(1)
+    if padding is not None:
+        rows = rows & padding
     return fastdiag.head_stats(torch.nan_to_num(probs, nan=0.0), rows, backend="reference")
 
 
@@ -496,7 +503,8 @@ def test_transformer_encoder_layers(batch_first):
     stats = monitor.latest_stats()
     assert list(stats) == ["layers.0.self_attn", "layers.1.self_attn"]
     # layer 0 sees x itself (post-norm): its attention from MHA's own per-head weights
-    ref = _mha_reference(encoder.layers[0].self_attn, x, x, attn_mask=causal, key_padding_mask=kpm)
+    ref = _mha_reference(encoder.layers[0].self_attn, x, x, padding=kpm == 0, attn_mask=causal,
+                         key_padding_mask=kpm)
     assert_stats_close(stats["layers.0.self_attn"], ref)
 
 

@@ -52,3 +52,32 @@ def test_lightning_callback_logs_measured_steps(tmp_path):
     csv = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
     assert "fastdiag/s_bar" in csv.splitlines()[0]
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())  # detached
+
+
+class PaddedLM(pl.LightningModule):
+    """Dict batches with an attention_mask its model never sees (nanoGPT takes no mask)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = NanoGPT(vocab=32, d_model=16, n_heads=4, n_layers=2, seq_len=8)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch["input_ids"]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_lightning_callback_hands_the_batch_attention_mask_in():
+    ids = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(8, 8, dtype=torch.long)
+    mask[:, 5:] = 0
+    data = [{"input_ids": i, "attention_mask": m} for i, m in zip(ids, mask)]
+    callback = FastdiagCallback(every=1)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, callbacks=[callback],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(PaddedLM(), torch.utils.data.DataLoader(data, batch_size=4))
+    stats = callback.monitor.latest_stats()
+    assert list(stats) == ["net.blocks.0", "net.blocks.1"]
+    assert all(s.rows.item() == 4 * 5 for s in stats.values())  # 3 padded rows per sequence left out

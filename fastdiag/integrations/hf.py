@@ -6,9 +6,12 @@ Trainer logs, the latest measured values are added to its ``logs`` (so callbacks
 after this one, and ``trainer.state.log_history``, see them) as ``fastdiag/s_bar``,
 ``fastdiag/sigma_h``, ``fastdiag/sync/<layer>`` and ``fastdiag/spread/<layer>``. Every record is in
 ``callback.monitor.history()``; pass ``log=SummaryWriter(...)`` to write each one to TensorBoard.
+Each forward's ``attention_mask`` is handed to `Monitor.set_padding`, so padded positions are left
+out of the statistics (SPEC §3) even where the attention itself does not mask them.
 """
 from __future__ import annotations
 
+import torch
 from transformers import TrainerCallback
 
 from fastdiag.monitor import Monitor, attach
@@ -28,6 +31,14 @@ class FastdiagCallback(TrainerCallback):
             raise ValueError("FastdiagCallback: the Trainer passed no model to on_train_begin")
         self.monitor = attach(model, every=self.every, **self.attach_kwargs)
         self._records_seen = 0
+        monitor = self.monitor
+
+        @torch.compiler.disable
+        def hand_in_padding(module, args, kwargs):
+            mask = kwargs.get("attention_mask")
+            monitor.set_padding(mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
+
+        self._padding_hook = self.monitor.model.register_forward_pre_hook(hand_in_padding, with_kwargs=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.monitor is None or logs is None or self.monitor.num_records == self._records_seen:
@@ -43,4 +54,5 @@ class FastdiagCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.monitor is not None:
+            self._padding_hook.remove()
             self.monitor.detach()

@@ -7,7 +7,9 @@ measured batch the model-level and per-layer values are logged with ``pl_module.
 device tensors (Lightning moves them to the host when it writes to its logger), under
 ``fastdiag/s_bar``, ``fastdiag/sigma_h``, ``fastdiag/sync/<layer>`` and ``fastdiag/spread/<layer>``.
 With ``measure_eval=True`` validation batches are measured too and kept in ``callback.monitor``
-(``history(mode="eval")``), not logged.
+(``history(mode="eval")``), not logged. A batch that is a mapping with an ``attention_mask``
+(``[batch, seq]``, 1 = real token) has it handed to `Monitor.set_padding` for its step, so padded
+positions are left out of the statistics (SPEC §3).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback
+
+from collections.abc import Mapping
 
 from fastdiag.monitor import Monitor, attach
 
@@ -35,9 +39,14 @@ class FastdiagCallback(Callback):
         self.monitor = attach(pl_module, every=self.every, steps="manual", **self.attach_kwargs)
         self._records_seen = self.monitor.num_records
 
+    def _begin(self, batch, training: bool) -> None:
+        self.monitor.begin_step(training=training)
+        if isinstance(batch, Mapping) and batch.get("attention_mask") is not None:
+            self.monitor.set_padding(batch["attention_mask"])
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.monitor is not None:
-            self.monitor.begin_step(training=True)
+            self._begin(batch, training=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.monitor is None:
@@ -51,7 +60,7 @@ class FastdiagCallback(Callback):
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         if self.monitor is not None and self.monitor.measure_eval:
-            self.monitor.begin_step(training=False)
+            self._begin(batch, training=False)
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         if self.monitor is not None and self.monitor.measure_eval:

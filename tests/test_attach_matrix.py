@@ -1,0 +1,295 @@
+"""The attach matrix: real Hugging Face architectures from tiny random configs (nothing downloaded),
+eager and sdpa, padded and unpadded, each against float64 statistics of the probabilities the model
+really used (its eager twin's ``output_attentions``, same weights), padding rows left out (SPEC §3).
+Outputs and gradients must be unchanged by attach.
+
+``python tests/test_attach_matrix.py`` prints the table shown in docs/attach.md.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import fastdiag
+
+transformers = pytest.importorskip("transformers")
+
+if __name__ != "__main__":
+    from tests.test_attach import detach_everything  # noqa: F401,E402
+
+VOCAB, T, T_DEC = 64, 10, 7
+TOL = 1e-5          # relative, on s_l, σ_l and the model-level s̄, σ_H
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             vocab_size=VOCAB, max_position_embeddings=64)
+DROPOUT0 = dict(attention_dropout=0.0, hidden_dropout=0.0)
+
+
+ARCHS = {
+    # name: (config, model class, kind)   kind: "causal" (decoder-only), "encoder", "seq2seq", "vision"
+    "gpt2": (lambda: transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, n_positions=64,
+                                             attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+             "GPT2LMHeadModel", "causal"),
+    "llama (GQA)": (lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=2), "LlamaForCausalLM", "causal"),
+    "mistral (sliding window 4)": (lambda: transformers.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=4),
+                                   "MistralForCausalLM", "causal"),
+    "gemma2 (softcap 5, window 4)": (lambda: transformers.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=8,
+                                                                        attn_logit_softcapping=5.0, sliding_window=4,
+                                                                        query_pre_attn_scalar=8),
+                                     "Gemma2ForCausalLM", "causal"),
+    "falcon": (lambda: transformers.FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                                                 vocab_size=VOCAB, alibi=False, **DROPOUT0),
+               "FalconForCausalLM", "causal"),
+    "falcon (alibi)": (lambda: transformers.FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                                                         vocab_size=VOCAB, alibi=True, **DROPOUT0),
+                       "FalconForCausalLM", "causal"),
+    "bloom (alibi)": (lambda: transformers.BloomConfig(hidden_size=32, n_head=4, n_layer=2, vocab_size=VOCAB,
+                                                       **DROPOUT0),
+                      "BloomForCausalLM", "causal"),
+    "qwen2": (lambda: transformers.Qwen2Config(**SMALL, num_key_value_heads=2), "Qwen2ForCausalLM", "causal"),
+    "gpt_neox": (lambda: transformers.GPTNeoXConfig(**SMALL, attention_dropout=0.0, hidden_dropout=0.0),
+                 "GPTNeoXForCausalLM", "causal"),
+    "opt": (lambda: transformers.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                                           vocab_size=VOCAB, max_position_embeddings=64, word_embed_proj_dim=32,
+                                           dropout=0.0, attention_dropout=0.0),
+            "OPTForCausalLM", "causal"),
+    "bert": (lambda: transformers.BertConfig(**SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+             "BertModel", "encoder"),
+    "roberta": (lambda: transformers.RobertaConfig(**SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+                "RobertaModel", "encoder"),
+    "distilbert": (lambda: transformers.DistilBertConfig(dim=32, hidden_dim=64, n_layers=2, n_heads=4,
+                                                         vocab_size=VOCAB, dropout=0.0, attention_dropout=0.0),
+                   "DistilBertModel", "encoder"),
+    "t5 (relative position bias)": (lambda: transformers.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                                  num_heads=4, vocab_size=VOCAB, dropout_rate=0.0,
+                                                                  relative_attention_num_buckets=8),
+                                    "T5Model", "seq2seq"),
+    "bart": (lambda: transformers.BartConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                             vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0,
+                                             attention_dropout=0.0, activation_dropout=0.0),
+             "BartModel", "seq2seq"),
+    "vit": (lambda: transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
+                                           num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
+                                           attention_probs_dropout_prob=0.0),
+            "ViTModel", "vision"),
+}
+
+
+INIT_STD = {"t5 (relative position bias)": 0.25}  # T5 does not scale its scores by 1/√d
+
+
+def build(arch: str, impl: str, seed: int = 0):
+    """The model with sharp attention: weights drawn at std 0.5 (at the default init attention is
+    near-uniform and σ_H ≈ 1e-5, which would hide a wrong term behind float32 rounding), less where
+    the scores would grow so large that float32 rounding of the scores alone moves σ_l by 1e-5."""
+    make_config, cls_name, _ = ARCHS[arch]
+    config = make_config()
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)._from_config(config, attn_implementation=impl)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, INIT_STD.get(arch, 0.5))
+    return model.train()
+
+
+def inputs(arch: str, padded: bool) -> dict:
+    kind = ARCHS[arch][2]
+    g = torch.Generator().manual_seed(3)
+    if kind == "vision":
+        return dict(pixel_values=torch.randn(2, 3, 16, 16, generator=g))
+    ids = torch.randint(2, VOCAB, (2, T), generator=g)
+    mask = torch.ones(2, T, dtype=torch.long)
+    if padded:
+        mask[0, T - 2:] = 0   # right padding: padded rows still see the real keys
+        mask[1, :3] = 0       # left padding: in a causal model these rows see no real key
+    batch = dict(input_ids=ids, attention_mask=mask)
+    if kind == "seq2seq":
+        batch["decoder_input_ids"] = torch.randint(2, VOCAB, (2, T_DEC), generator=g)
+    return batch
+
+
+def _output(out) -> torch.Tensor:
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+class CaptureSDPA(TorchFunctionMode):
+    """Records the inputs of every scaled_dot_product_attention call (the test's own eyes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            self.calls.append({k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                               for k, v in dict(zip(names, args), **kwargs).items()})
+        return func(*args, **kwargs)
+
+
+def sdpa_probs(call: dict) -> torch.Tensor:
+    """The probabilities of one SDPA call in float64, written out from its Q, K, mask and scale."""
+    q, k = call["query"].double(), call["key"].double()
+    k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scale = call.get("scale") or q.shape[-1] ** -0.5
+    scores = q @ k.transpose(-1, -2) * scale
+    tq, tk = scores.shape[-2:]
+    hidden = torch.zeros(tq, tk, dtype=torch.bool)
+    if call.get("is_causal"):
+        hidden = torch.ones(tq, tk, dtype=torch.bool).triu(1)
+    mask = call.get("attn_mask")
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            hidden = hidden | ~mask
+        else:
+            hidden = hidden | (mask <= torch.finfo(mask.dtype).min / 2)
+            scores = scores + mask.double()
+    return torch.nan_to_num(scores.masked_fill(hidden, float("-inf")).softmax(-1), nan=0.0)
+
+
+def reference(arch: str, model, batch: dict) -> list:
+    """Float64 HeadStats, in call order, of the probabilities the model really used: for eager, the
+    model's own ``output_attentions``; for sdpa, written out from the inputs of its SDPA calls.
+    Padding rows out: the batch's padding positions in self-attention, and rows that see no key."""
+    with torch.no_grad():
+        if model.config._attn_implementation == "eager":
+            out = model(**batch, output_attentions=True)
+            if ARCHS[arch][2] != "seq2seq":
+                probs = list(out.attentions)
+            else:
+                probs = list(out.encoder_attentions)
+                for self_attn, cross in zip(out.decoder_attentions, out.cross_attentions):
+                    probs += [self_attn, cross]
+        else:
+            with CaptureSDPA() as capture:
+                model(**batch)
+            probs = [sdpa_probs(call) for call in capture.calls]
+    padded = [True] * len(probs)
+    if ARCHS[arch][2] == "seq2seq":  # encoder layers first, then (self, cross) per decoder layer: not padded
+        encoder_layers = getattr(model.config, "encoder_layers", None) or model.config.num_layers
+        padded = [i < encoder_layers for i in range(len(probs))]
+    layers = list(zip(probs, padded))
+    mask = batch.get("attention_mask")
+    result = []
+    for probs, padded in layers:
+        probs = probs.double()
+        rows = probs.sum(-1).sub(1).abs().lt(1e-6).all(1)       # rows that see some key, every head
+        if padded and mask is not None:
+            rows = rows & mask.bool()
+        result.append(fastdiag.head_stats(probs, rows, backend="reference"))
+    return result
+
+
+def _rel(got: float, want: float) -> float:
+    return abs(got - want) / max(abs(want), 1e-30)
+
+
+def measure(arch: str, impl: str, padded: bool):
+    """Runs one matrix row; returns (row dict for the table, problems list)."""
+    try:
+        model = build(arch, impl)
+    except ValueError as err:  # transformers refuses: "does not support an attention implementation ..."
+        if "does not support" not in str(err):
+            raise
+        model = None
+    if model is None or model.config._attn_implementation != impl:
+        return None, [f"{arch}: attn_implementation {impl!r} not available in transformers {transformers.__version__}"]
+    batch = inputs(arch, padded)
+    want = _output(model(**batch))
+    want.square().mean().backward()
+    want_grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fastdiag.attach(model, every=1) as monitor:
+            out = _output(model(**batch))
+            out.square().mean().backward()
+    problems = [str(w.message) for w in caught if "fastdiag" in str(w.message)]
+    if not torch.equal(out, want):
+        problems.append("output changed")
+    if not all((g is None and p.grad is None) or torch.equal(p.grad, g)
+               for p, g in zip(model.parameters(), want_grads)):
+        problems.append("gradients changed")
+    stats = monitor.latest_stats()
+    ref = reference(arch, model, batch)
+    if stats is None or len(stats) != len(ref):
+        problems.append(f"{0 if stats is None else len(stats)} layers measured, {len(ref)} in the model")
+        return None, problems
+    got_sum, want_sum = fastdiag.summarize(stats), fastdiag.summarize(ref)
+    errors = {"s̄": _rel(got_sum.s_bar.item(), want_sum.s_bar.item()),
+              "σ_H": _rel(got_sum.sigma_h.item(), want_sum.sigma_h.item()),
+              "per layer": max(max(_rel(g.sync().item(), w.sync().item()),
+                               _rel(g.entropy_spread().item(), w.entropy_spread().item()))
+                           for g, w in zip(stats.values(), ref))}
+    if any(not torch.equal(g.rows.double(), w.rows.double()) for g, w in zip(stats.values(), ref)):
+        problems.append("counted query rows differ from the padding convention")
+    short = {text: key for key, text in fastdiag.monitor.HOW.items()}
+    hows = sorted({short[text] for text in monitor.coverage()["measured"].values()})
+    row = dict(arch=arch, impl=impl, padded=padded, how="; ".join(hows), layers=len(ref),
+               sigma_h=want_sum.sigma_h.item(), errors=errors)
+    problems += [f"{k} relative error {v:.2e} > {TOL}" for k, v in errors.items() if v > TOL]
+    return row, problems
+
+
+NO_SDPA = ["gemma2 (softcap 5, window 4)", "bloom (alibi)"]  # transformers has no sdpa path for them
+CASES = [(arch, impl, padded) for arch in ARCHS for impl in ("eager", "sdpa") for padded in (False, True)
+         if not (padded and ARCHS[arch][2] == "vision") and not (impl == "sdpa" and arch in NO_SDPA)]
+
+
+@pytest.mark.parametrize("arch,impl,padded", CASES,
+                         ids=[f"{a.split()[0]}-{i}-{'padded' if p else 'full'}" for a, i, p in CASES])
+def test_matrix(arch, impl, padded):
+    row, problems = measure(arch, impl, padded)
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("arch", NO_SDPA)
+def test_architectures_without_sdpa_are_refused_by_transformers(arch):
+    """Their sdpa rows are left out of the matrix because transformers cannot build them; once it
+    can, this fails and the rows belong in the matrix."""
+    row, problems = measure(arch, "sdpa", padded=False)
+    assert row is None and "not available" in problems[0]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama (GQA)", "bert", "bart"])
+def test_eager_and_sdpa_agree_on_a_padded_batch(arch):
+    """SPEC §3: the same batch gives the same statistics through the eager and the SDPA path
+    (left-padded rows that eager masks with finfo.min included)."""
+    batch = inputs(arch, padded=True)
+    results = {}
+    for impl in ("eager", "sdpa"):
+        model = build(arch, impl)
+        with fastdiag.attach(model, every=1) as monitor:
+            model(**batch)
+        results[impl] = monitor.latest()
+    for key, value in results["eager"].items():
+        if key not in ("step", "mode"):
+            assert _rel(results["sdpa"][key], value) <= TOL, key
+
+
+def table() -> str:
+    lines = ["| model | impl | padded | how measured | layers | σ_H | rel. err s̄ | rel. err σ_H | max rel. err per layer | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for arch, impl, padded in sorted(CASES + [(a, "sdpa", p) for a in NO_SDPA for p in (False, True)],
+                                     key=lambda case: (list(ARCHS).index(case[0]), case[1], case[2])):
+        row, problems = measure(arch, impl, padded)
+        if row is None:
+            lines.append(f"| {arch} | {impl} | {'yes' if padded else 'no'} | — | | | | | | {'; '.join(problems)} |")
+            continue
+        verdict = "ok" if not problems else "; ".join(problems)
+        err = row["errors"]
+        lines.append(f"| {arch} | {impl} | {'yes' if padded else 'no'} | {row['how']} | {row['layers']} | "
+                     f"{row['sigma_h']:.3g} | {err['s̄']:.1e} | {err['σ_H']:.1e} | {err['per layer']:.1e} | {verdict} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ".")
+    print(table())
