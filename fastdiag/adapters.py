@@ -10,8 +10,9 @@ by name, ``torch.softmax``, ``Tensor.softmax``), and hands two kinds to the moni
   or mask it added; nanoGPT's manual path; any hand-written attention): `head_stats` of that very
   tensor. Nothing is re-derived, so whatever produced the scores is measured exactly.
 - **SDPA**: ``scaled_dot_product_attention`` never forms the probabilities, so `sdpa_with_stats`
-  runs the original op unchanged and re-derives them from Q, K, the mask, ``is_causal`` and
-  ``scale`` (`qk_head_stats`, chunk by chunk over query rows).
+  (`fastdiag.qk`) runs the attention op unchanged, keeps its row log-sum-exp where it can, and
+  re-derives the statistics from Q, K, the mask, ``is_causal`` and
+  ``scale`` (`qk_head_stats`: a fused Triton kernel on CUDA, cache-sized chunks on CPU).
 
 Two structural kinds keep their own adapters: fastdiag's models (class attribute
 ``records_head_stats``: the module computes its statistics itself) and `torch.nn.MultiheadAttention`
@@ -32,9 +33,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from fastdiag.diagnostics import head_stats
+from fastdiag.qk import CHUNK_BYTES, qk_head_stats, sdpa_with_stats
 from fastdiag.stats import HeadStats
 
-CHUNK_BYTES = 64 * 2**20  # probabilities built at a time per attention call (the scores, in fp32)
 
 
 # ---- masks and valid query rows -----------------------------------------------------------------
@@ -67,78 +68,6 @@ def as_bhqk(mask: torch.Tensor, lead: tuple, h: int, tq: int, tk: int) -> torch.
     if len(lead) != 1:
         return mask.expand(*lead, h, tq, tk).reshape(-1, h, tq, tk)
     return mask.expand(*mask.shape[:2], tq, tk)
-
-
-# ---- the shared Q/K path ------------------------------------------------------------------------
-
-def qk_head_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                  is_causal: bool = False, scale: float | None = None, backend: str = "auto",
-                  chunk_bytes: int = CHUNK_BYTES, query_mask: torch.Tensor | None = None,
-                  lse: torch.Tensor | None = None) -> HeadStats:
-    """HeadStats of ``softmax(q kᵀ · scale + mask)``, as `F.scaled_dot_product_attention` defines it.
-
-    q: ``[..., H, Tq, D]``; k: ``[..., Hk, Tk, D]`` with Hk dividing H (grouped-query attention:
-    query head h reads key head ``h // (H / Hk)``). attn_mask: broadcastable to ``[..., H, Tq, Tk]``,
-    bool (True = may attend) or additive float (−inf or ≤ finfo.min / 2 = masked). is_causal: the
-    top-left aligned causal mask. query_mask: bool ``[B, Tq]``, True = valid row (padding rows
-    False); rows that see no key in some head are left out too. lse: accepted for the contract's
-    fast version (`fastdiag.qk`), which reuses the op's log-sum-exp; this version recomputes it.
-    The probabilities are formed ``chunk_bytes`` at a time over query rows and never held whole.
-    """
-    q, k = q.detach(), k.detach()
-    if q.dim() == 3:  # [B, T, D]: a single head
-        q, k = q.unsqueeze(-3), k.unsqueeze(-3)
-    *lead_q, h, tq, d = q.shape
-    *lead_k, hk, tk, _ = k.shape
-    if h % hk:
-        raise ValueError(f"attention: {h} query heads is not a multiple of {hk} key heads")
-    lead = torch.broadcast_shapes(tuple(lead_q), tuple(lead_k))
-    acc = torch.promote_types(q.dtype, torch.float32)
-    q = q.expand(*lead, h, tq, d).reshape(-1, hk, h // hk, tq, d).to(acc)
-    k = k.expand(*lead, hk, tk, d).reshape(-1, hk, 1, tk, d).to(acc).transpose(-1, -2)
-    b = q.shape[0]
-    scale = d ** -0.5 if scale is None else scale
-    additive = hidden = None
-    if attn_mask is not None:
-        attn_mask = as_bhqk(attn_mask, lead, h, tq, tk)
-        hidden = masked(attn_mask)
-        if attn_mask.dtype != torch.bool:
-            additive = attn_mask
-    if query_mask is not None:
-        query_mask = query_mask.expand(b, tq)
-    rows = max(1, chunk_bytes // max(1, b * h * tk * torch.finfo(acc).bits // 8))
-    total = None
-    for r0 in range(0, tq, rows):
-        r1 = min(tq, r0 + rows)
-        scores = torch.matmul(q[..., r0:r1, :], k).reshape(b, h, r1 - r0, tk) * scale
-        if additive is not None:
-            scores = scores + additive[..., r0:r1, :].to(acc)
-        chunk_hidden = None if hidden is None else hidden[..., r0:r1, :]
-        if is_causal:
-            future = (torch.arange(r0, r1, device=q.device)[:, None]
-                      < torch.arange(tk, device=q.device)[None, :])
-            chunk_hidden = future if chunk_hidden is None else chunk_hidden | future
-        chunk_rows = None if query_mask is None else query_mask[:, r0:r1]
-        if chunk_hidden is not None:
-            scores = scores.masked_fill(chunk_hidden, float("-inf"))
-            if chunk_hidden.dim() == 2:
-                chunk_hidden = chunk_hidden[None, None]
-            seen = sees_a_key(chunk_hidden).expand(b, r1 - r0)
-            chunk_rows = seen if chunk_rows is None else chunk_rows & seen
-        chunk = head_stats(scores.softmax(-1), chunk_rows, backend=backend)
-        total = chunk if total is None else total + chunk
-    return total
-
-
-def sdpa_with_stats(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                    enable_gqa=False, *, query_mask=None, backend="auto", chunk_bytes=CHUNK_BYTES):
-    """``F.scaled_dot_product_attention`` unchanged (same output, same gradients) and the HeadStats of
-    its (pre-dropout) probabilities, re-derived from Q and K by `qk_head_stats`."""
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                         enable_gqa=enable_gqa)
-    stats = qk_head_stats(query, key, attn_mask, is_causal, scale, backend, chunk_bytes,
-                          query_mask=query_mask)
-    return out, stats
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
