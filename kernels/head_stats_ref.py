@@ -57,31 +57,46 @@ _TINY = 1e-30   # log(n p + tiny): finite at p = 0, where the term is 0 · finit
 
 
 def _chunk_sums(x: torch.Tensor, keep: torch.Tensor | None, xb: torch.Tensor, wb: torch.Tensor):
-    """Sums of one chunk ``x [G, H, R, K]`` (G groups of R rows): Gram (float32), entropy (float64),
-    min and max. ``keep [G, R]``: valid rows; the others are zeroed (they may hold NaN). ``xb``, ``wb``:
-    reusable buffers of at least x's size (fresh large allocations page-fault on every chunk)."""
-    h = x.shape[1]
+    """Sums of one chunk ``x [P, G, H, R, K]`` (P problems, G groups of R rows each): Gram [P, H, H]
+    (float32), entropy [P, H] (float64), min and max [P]. ``keep [P, G, R]``: valid rows; the others
+    are zeroed (they may hold NaN). ``xb``, ``wb``: reusable buffers of at least x's size (fresh large
+    allocations page-fault on every chunk)."""
+    p, _, h = x.shape[:3]
     wb = wb[:x.numel()].view(x.shape)
     if keep is None and x.dtype == xb.dtype:
         xb = x                                                         # read in place
     else:
         xb = xb[:x.numel()].view(x.shape).copy_(x)
         if keep is not None:
-            xb.masked_fill_(~keep[:, None, :, None], 0.0)              # not multiply: padded rows may hold NaN
-    heads = xb.transpose(0, 1).reshape(h, -1)                          # a view when G = 1
-    gram = heads @ heads.T
-    lo, hi = torch.aminmax(xb)                                         # NaN propagates
+            xb.masked_fill_(~keep[:, :, None, :, None], 0.0)           # not multiply: padded rows may hold NaN
+    heads = xb.transpose(1, 2).reshape(p, h, -1)                       # a view when G = 1
+    gram = torch.bmm(heads, heads.transpose(1, 2))
+    lo, hi = torch.aminmax(xb.reshape(p, -1), dim=-1)                  # NaN propagates
     # Per-row reference: n = the row's non-zero keys (masked keys are exact zeros after softmax).
+    ones = torch.ones(x.shape[-1], dtype=xb.dtype, device=xb.device)   # row sums as matvecs: fast for any K
     nonzero = torch.sign(xb, out=wb)
-    keys = nonzero.sum(-1, keepdim=True)                               # [G, H, R, 1]
+    keys = (nonzero @ ones).unsqueeze(-1)                              # [P, G, H, R, 1]
     # Σp − 1 = Σ (p − 1/n) over the non-zero keys: small terms, exact enough in float32
     inv = keys.clamp_min(1).reciprocal()
-    excess = torch.addcmul(xb, nonzero, inv, value=-1, out=wb).sum(-1)
+    excess = torch.addcmul(xb, nonzero, inv, value=-1, out=wb) @ ones
     log_np = torch.mul(xb, keys, out=wb).add_(_TINY).log_()
-    kl = log_np.mul_(xb).sum(-1)                                       # Σ p log(n p), small
+    kl = log_np.mul_(xb) @ ones                                        # Σ p log(n p), small
     c = keys.squeeze(-1).clamp_min(1).double().log()
-    entropy = (c * (1 + excess.double()) - kl.double()).sum((0, 2))    # [H]
+    entropy = (c * (1 + excess.double()) - kl.double()).sum((1, 3))    # [P, H]
     return gram, entropy, lo, hi
+
+
+def _chunks(n: int, b: int, tq: int, chunk_rows: int):
+    """(problems, batch entries, query rows) slices covering ``[N, B, Tq]`` in cache-sized chunks:
+    several whole problems, several whole batch entries of one problem, or rows of one entry."""
+    if chunk_rows >= b * tq:                                            # grokking: T = 3
+        step = chunk_rows // (b * tq)
+        return [(slice(i, i + step), slice(0, b), slice(0, tq)) for i in range(0, n, step)]
+    if chunk_rows >= tq:
+        step = chunk_rows // tq
+        return [(slice(i, i + 1), slice(j, j + step), slice(0, tq)) for i in range(n) for j in range(0, b, step)]
+    return [(slice(i, i + 1), slice(j, j + 1), slice(q0, q0 + chunk_rows))
+            for i in range(n) for j in range(b) for q0 in range(0, tq, chunk_rows)]
 
 
 def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None, causal: bool = False):
@@ -93,37 +108,24 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
     budget = _CHUNK_ELEMENTS.get(device.type, probs.numel())
     chunk_rows = max(1, budget // (h * tk))
     offset = causal_keys(tq, tk)
-    gram, entropy, lo, hi = [], [], [], []
     work_dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
-    work = [torch.empty(min(probs[0].numel(), chunk_rows * h * tk), dtype=work_dtype, device=device)
+    work = [torch.empty(min(probs.numel(), max(chunk_rows, b * tq) * h * tk), dtype=work_dtype, device=device)
             for _ in range(2)]
-    for i in range(n):
-        if chunk_rows >= tq:
-            # Short rows (grokking: T = 3): a chunk is several whole batch entries.
-            step = chunk_rows // tq
-            chunks = [(slice(j, j + step), slice(0, tq)) for j in range(0, b, step)]
-        else:
-            chunks = [(slice(j, j + 1), slice(q0, q0 + chunk_rows))
-                      for j in range(b) for q0 in range(0, tq, chunk_rows)]
-        sums = []
-        for batch, rows in chunks:
-            keys = tk
-            if causal:
-                keys = max(0, min(tk, min(rows.stop, tq) + offset))       # the last row's visible keys
-                if keys == 0:
-                    continue                                            # rows that see no key
-            keep = None if query_mask is None else valid[i, batch, rows]
-            sums.append(_chunk_sums(probs[i, batch, :, rows, :keys], keep, *work))
-        if not sums:                                                    # no row sees a key
-            zero = torch.zeros((), dtype=torch.float64, device=device)
-            sums = [(torch.zeros(h, h, device=device), torch.zeros(h, dtype=torch.float64, device=device),
-                     zero, zero)]
-        g, e, c_lo, c_hi = zip(*sums)
-        gram.append(torch.stack(g).sum(0, dtype=torch.float64))
-        entropy.append(torch.stack(e).sum(0))
-        lo.append(torch.stack(c_lo).min())
-        hi.append(torch.stack(c_hi).max())
-    gram, entropy, lo, hi = (torch.stack(t) for t in (gram, entropy, lo, hi))
+    f64 = dict(dtype=torch.float64, device=device)
+    gram, entropy = torch.zeros(n, h, h, **f64), torch.zeros(n, h, **f64)
+    lo, hi = torch.full((n,), math.inf, **f64), torch.full((n,), -math.inf, **f64)
+    for problems, batch, rows in _chunks(n, b, tq, chunk_rows):
+        keys = tk
+        if causal:
+            keys = max(0, min(tk, min(rows.stop, tq) + offset))           # the last row's visible keys
+            if keys == 0:
+                continue                                                # rows that see no key
+        keep = None if query_mask is None else valid[problems, batch, rows]
+        g, e, c_lo, c_hi = _chunk_sums(probs[problems, batch, :, rows, :keys], keep, *work)
+        gram[problems] += g
+        entropy[problems] += e
+        lo[problems] = torch.minimum(lo[problems], c_lo)
+        hi[problems] = torch.maximum(hi[problems], c_hi)
     invalid = (~((lo >= 0) & (hi <= 1))).to(torch.float32)             # NaN fails both
     rows = valid.sum(dim=(1, 2)).to(torch.float32)
     return gram.float(), entropy, rows, invalid

@@ -10,7 +10,10 @@ A program owns one problem ``n`` and a tile of ``BLOCK_R`` consecutive rows of t
 (batch, query) index, with *all H heads* of that tile in registers. It walks the key axis in
 ``BLOCK_K`` steps; each step loads an ``[H, BLOCK_R * BLOCK_K]`` slab once, feeds it to ``tl.dot``
 against its own transpose (the Gram update) and takes the entropy terms from the same registers,
-so ``P`` is read from memory exactly once. Each program writes its partial sums to a scratch
+so ``P`` is read from memory exactly once. Per element the entropy costs one hardware log2 and a few
+FMAs (relative to the row's key count, see `head_stats_ref`) and the range check one FFMA
+(``x - x²`` is negative exactly outside [0, 1], NaN for NaN and ±inf) and a NaN-propagating min;
+both accumulate in register tiles reduced once per program. Each program writes its partial sums to a scratch
 buffer and torch adds the partials: deterministic, no atomics (which the interpreter covers
 poorly), nothing that depends on the values. Strides are honoured, so transposed or sliced
 inputs are read in place.
@@ -51,7 +54,7 @@ def _head_stats_kernel(
     H, Tq, Tk, rows_per_problem, tiles_per_problem, causal_offset,
     stride_pn, stride_pb, stride_ph, stride_pq, stride_pk,
     stride_mn, stride_mb, stride_mq,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_K: tl.constexpr, DOT_IN_INPUT_DTYPE: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_K: tl.constexpr, GRAM_DOT: tl.constexpr,
     FAST_LOG2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -89,6 +92,7 @@ def _head_stats_kernel(
             + head[:, None] * stride_ph + (b * stride_pb + q * stride_pq)[None, :] + key_offset[None, :] * stride_pk)
 
     gram = tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float32)
+    cross = tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float32)   # hi·loᵀ of the TF32 split
     # Register tiles, reduced once after the loop: no cross-thread reduction per iteration.
     entropy = tl.zeros((BLOCK_H, BLOCK_R * BLOCK_K), dtype=tl.float32)
     lowest = tl.zeros((BLOCK_H, BLOCK_R * BLOCK_K), dtype=tl.float32)
@@ -99,9 +103,16 @@ def _head_stats_kernel(
             ok = slab_ok & (k0 + key_offset < n_keys)[None, :]
         x = tl.load(ptrs + k0 * stride_pk, mask=ok, other=0.0)
         xf = x.to(tl.float32)
-        if DOT_IN_INPUT_DTYPE:
+        if GRAM_DOT == "input":
             # 16-bit products are exact in fp32; the tensor cores accumulate in fp32
             gram += tl.dot(x, tl.trans(x))
+        elif GRAM_DOT == "tf32-split":
+            # fp32 on tensor cores: hi = x with the low 13 mantissa bits cleared (exact in TF32),
+            # lo = x - hi; G = hi·hiᵀ + M + Mᵀ with M = hi·loᵀ (lo·loᵀ, ~2^-22 relative, dropped).
+            hi = (xf.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+            lo = xf - hi
+            gram += tl.dot(hi, tl.trans(hi), input_precision="tf32")
+            cross += tl.dot(hi, tl.trans(lo), input_precision="tf32")
         else:
             gram += tl.dot(xf, tl.trans(xf), input_precision="ieee")
         term = (xf - inv_n) * log2_n - xf * _log2(tl.maximum(xf * n_f, 1e-30), FAST_LOG2)
@@ -112,6 +123,7 @@ def _head_stats_kernel(
         # x - x² < 0 exactly when x is outside [0, 1]; NaN for NaN and ±inf, kept by the NaN-propagating min
         lowest = tl.minimum(lowest, xf - xf * xf, propagate_nan=tl.PropagateNan.ALL)
 
+    gram += cross + tl.trans(cross)
     entropy = tl.sum(tl.where(slab_ok, entropy, 0.0), axis=1)
     lowest = tl.min(tl.min(tl.where(lowest == lowest, lowest, -1.0), axis=1), axis=0)   # NaN -> -1 first
     out_h = tl.arange(0, BLOCK_H)
@@ -166,7 +178,12 @@ def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
     else:
         valid = torch.ones(1, 1, 1, dtype=torch.bool, device=device).expand(n, b, tq)
         mask, mask_strides = probs, (0, 0, 0)   # never read
-    dot_in_input_dtype = probs.dtype in (torch.float16, torch.bfloat16) and not INTERPRETING
+    if probs.dtype in (torch.float16, torch.bfloat16) and not INTERPRETING:
+        gram_dot = "input"
+    elif probs.dtype == torch.float32:
+        gram_dot = "tf32-split"       # under the interpreter too: the split's arithmetic is tested there
+    else:
+        gram_dot = "ieee"
     row_table, row_reference = row_references(tq, tk, causal, device)
     _head_stats_kernel[(programs,)](
         gram_part, entropy_part, lowest_part,
@@ -174,7 +191,7 @@ def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
         h, tq, tk, rows, tiles, causal_keys(tq, tk),
         *probs.stride(), *mask_strides,
         HAS_MASK=query_mask is not None, CAUSAL=causal, EVEN_K=tk % block_k == 0,
-        DOT_IN_INPUT_DTYPE=dot_in_input_dtype, FAST_LOG2=not INTERPRETING,
+        GRAM_DOT=gram_dot, FAST_LOG2=not INTERPRETING,
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_K=block_k,
     )
     gram = gram_part.view(n, tiles, h, h).sum(1, dtype=torch.float64).float()
