@@ -138,10 +138,12 @@ def _head_stats_kernel(
 _SLAB_ELEMENTS = 4096
 
 
-def _block_sizes(h: int, rows: int, tk: int) -> tuple[int, int, int]:
+def _block_sizes(h: int, rows: int, tk: int, element_bytes: int) -> tuple[int, int, int]:
     block_h = max(16, triton.next_power_of_2(h))               # tl.dot needs >= 16
-    block_k = min(256, max(1, triton.next_power_of_2(tk)), _SLAB_ELEMENTS // block_h)
-    slab = max(16, _SLAB_ELEMENTS // block_h)
+    slab = _SLAB_ELEMENTS // block_h
+    if element_bytes == 4 and tk < 64:
+        slab //= 2   # short fp32 rows: per-column row data and the TF32 split's tiles spill at 256 columns
+    block_k = min(256, max(1, triton.next_power_of_2(tk)), slab)
     block_r = max(1, min(slab // block_k, triton.next_power_of_2(rows)))
     block_r = max(block_r, triton.cdiv(16, block_k))           # slab width >= 16 for tl.dot
     return block_h, block_r, block_k
@@ -165,7 +167,7 @@ def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
     ``causal``: keys after the causal diagonal are zero and are not read."""
     n, b, h, tq, tk = probs.shape
     rows = b * tq
-    block_h, block_r, block_k = _block_sizes(h, rows, tk)
+    block_h, block_r, block_k = _block_sizes(h, rows, tk, probs.element_size())
     tiles = triton.cdiv(rows, block_r)
     programs = n * tiles
     device = probs.device

@@ -63,7 +63,7 @@ def _near_uniform_probs(shape, seed, causal=True):
     """Attention at default init: logits ~ 1e-2, so row entropies sit at log(keys) and σ_H ≈ 3e-5."""
     g = torch.Generator().manual_seed(seed)
     *_, h, tq, tk = shape
-    logits = torch.randn(*shape, generator=g, dtype=torch.float64) * 0.02
+    logits = torch.randn(*shape, generator=g, dtype=torch.float64) * 0.01
     logits = logits * torch.linspace(0.5, 1.5, h, dtype=torch.float64).view(h, 1, 1)
     if causal:
         hidden = torch.arange(tk).view(1, tk) > torch.arange(tq).view(tq, 1) + (tk - tq)
@@ -84,7 +84,7 @@ def test_near_uniform_attention_keeps_sigma(backend, shape, causal):
     mask = random_query_mask((shape[0], shape[1], shape[3]), seed=1, device=DEVICE)
     ref = fastdiag.head_stats(probs, mask, backend="reference")
     sigma = ref.entropy_spread()
-    assert 1e-6 < sigma.min().item() and sigma.max().item() < 1e-3, "input is not near uniform"
+    assert 1e-5 < sigma.min().item() and sigma.max().item() < 1e-4, "input is not near uniform (σ ≈ 3e-5)"
     for hint in (False, causal):
         got = fastdiag.head_stats(probs, mask, backend=backend, causal=hint)
         # The kernel's per-row reference is the keys a row may see (Tk, or the causal count with the
