@@ -54,6 +54,7 @@ def head_stats_ref(probs: torch.Tensor, query_mask: torch.Tensor | None = None,
 # GPU (the torch backend there is a fallback) one chunk is the whole problem.
 _CHUNK_ELEMENTS = {"cpu": 1 << 18}
 _TINY = 1e-30   # log(n p + tiny): finite at p = 0, where the term is 0 · finite = 0
+_SHORT_ROW_KEYS = 32
 
 
 def _chunk_sums(x: torch.Tensor, keep: torch.Tensor | None, xb: torch.Tensor, wb: torch.Tensor):
@@ -71,14 +72,19 @@ def _chunk_sums(x: torch.Tensor, keep: torch.Tensor | None, xb: torch.Tensor, wb
             xb.masked_fill_(~keep[:, :, None, :, None], 0.0)           # not multiply: padded rows may hold NaN
     heads = xb.transpose(1, 2).reshape(p, h, -1)                       # a view when G = 1
     gram = torch.bmm(heads, heads.transpose(1, 2))
-    lo, hi = torch.aminmax(xb.reshape(p, -1), dim=-1)                  # NaN propagates
+    lo, hi = torch.stack([torch.stack(torch.aminmax(xb[i])) for i in range(p)]).unbind(1)   # NaN propagates
     # Per-row reference: n = the row's non-zero keys (masked keys are exact zeros after softmax).
+    if x.shape[-1] <= _SHORT_ROW_KEYS:
+        # Short rows (grokking: T = 3): float64 costs little here and needs no per-row reference.
+        x64 = xb.double()
+        plogp = x64.clamp_min(_TINY).log_().mul_(x64)                      # p log p, 0 at p = 0
+        return gram, -plogp.transpose(1, 2).reshape(p, h, -1).sum(-1), lo, hi
     ones = torch.ones(x.shape[-1], dtype=xb.dtype, device=xb.device)   # row sums as matvecs: fast for any K
     nonzero = torch.sign(xb, out=wb)
     keys = (nonzero @ ones).unsqueeze(-1)                              # [P, G, H, R, 1]
     # Σp − 1 = Σ (p − 1/n) over the non-zero keys: small terms, exact enough in float32
     inv = keys.clamp_min(1).reciprocal()
-    excess = torch.addcmul(xb, nonzero, inv, value=-1, out=wb) @ ones
+    excess = torch.sub(xb, nonzero.mul_(inv), out=wb) @ ones              # (broadcast addcmul is slow)
     log_np = torch.mul(xb, keys, out=wb).add_(_TINY).log_()
     kl = log_np.mul_(xb) @ ones                                        # Σ p log(n p), small
     c = keys.squeeze(-1).clamp_min(1).double().log()

@@ -112,7 +112,6 @@ class _TargetDriver:
 @contextlib.contextmanager
 def _capture_compiles(modules):
     """Inside: launches of the modules' kernels compile nothing and run nothing; they are recorded."""
-    import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
@@ -134,7 +133,7 @@ def _capture_compiles(modules):
             fn = getattr(value, "fn", None)
             if not isinstance(value, JITFunction) and type(value).__name__ == "InterpretedFunction":
                 patched.append((module, name, value))
-                setattr(module, name, triton.jit(fn) if callable(fn) else value)
+                setattr(module, name, JITFunction(fn))     # triton.jit would interpret again
     driver.set_active(_TargetDriver(GPUTarget("cuda", GPU["arch"], 32)))
     knobs.runtime.jit_cache_hook = hook
     try:
@@ -260,6 +259,8 @@ def report_case(case: ReportCase) -> KernelReport:
 
 
 def kernel_report(shapes: dict, progress: Callable[[str], None] = lambda _: None) -> list[KernelReport]:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return _report_in_subprocess(shapes)
     missing = tools_missing()
     if missing:
         raise RuntimeError(f"kernel report: CUDA tools not found: {', '.join(missing)} "
@@ -286,3 +287,26 @@ def format_report(rows: list[KernelReport]) -> str:
         f"/ instr/elem ÷ ({g['copy_bandwidth'] / 1e12:.1f} TB/s / bytes per element)) — {g['name']} sm_{g['arch']}, "
         f"issue-bound estimate, not a measurement")
     return "\n".join(lines)
+
+
+def _report_in_subprocess(shapes: dict) -> list[KernelReport]:
+    """Under TRITON_INTERPRET=1 even triton.language's own helpers are interpreted and cannot be
+    compiled: the report runs in a fresh interpreter without it."""
+    import json
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "fastdiag.kernels.report", json.dumps(shapes)],
+                         capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise RuntimeError(f"kernel report subprocess failed: {out.stderr.strip().splitlines()[-1:]}")
+    return [KernelReport(**row) for row in json.loads(out.stdout)]
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    from fastdiag.kernels import report   # the module kernels register with, not this __main__ copy
+
+    print(json.dumps([r.row() for r in report.kernel_report(json.loads(sys.argv[1]))]))
