@@ -74,7 +74,10 @@ def head_stats(probs: torch.Tensor, query_mask: torch.Tensor | None = None, back
     Precision: ``entropy_sum`` is float64 and every backend keeps s̄, σ_H, the per-layer values and the
     head entropies within 1e-5 relative of float64 for fp32 inputs (1e-3 for bf16/fp16, against
     float64 of the same rounded values) whenever σ ≥ 1e-6, near-uniform attention included: each
-    row's entropy is accumulated relative to the log of its key count (see `head_stats_ref`).
+    row's entropy is accumulated relative to the log of its key count (see `head_stats_ref`). The
+    torch path counts each row's non-zero keys; the Triton kernel takes the keys a row may see (all,
+    or the causal ones with ``causal=True``), so on rows with other masked keys (padding masks) and
+    near-uniform attention its σ is within 2e-4 instead.
 
     Gradients do not flow through the statistics (they are diagnostics).
     """
