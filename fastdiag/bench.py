@@ -19,6 +19,7 @@ import torch
 
 from fastdiag.diagnostics import head_stats
 from fastdiag.kernels import head_stats_ref
+from fastdiag.kernels import report as _report
 from fastdiag.testing import random_probs
 
 # (name, [N, B, H, T]) — N stacked problems (layers) in one call.
@@ -100,6 +101,17 @@ def bench_kernel(shape_name: str, dims: tuple, dtype: torch.dtype, device: torch
     if device.type == "cuda":
         result.copy_bandwidth_gbs = _copy_bandwidth_gbs(probs)
     return result
+
+
+# ---- kernel report: compiled for the GPU here, no GPU needed ------------------------------------
+
+REPORT_GPU = _report.GPU
+format_kernel_report = _report.format_report
+
+
+def kernel_report(shape_names: list[str], progress: Callable[[str], None] = print) -> list:
+    """`fastdiag.kernels.report` of every registered Triton kernel at these benchmark shapes."""
+    return _report.kernel_report({name: KERNEL_SHAPES[name] for name in shape_names}, progress=progress)
 
 
 def kernel_dtypes(device: torch.device) -> list[torch.dtype]:

@@ -49,19 +49,28 @@ def _known_names(text: str, known, option: str, what: str) -> list[str]:
 @click.option("--no-compile", is_flag=True, help="Skip the torch.compile'd reference.")
 @click.option("--repeats", type=click.IntRange(3), default=15, show_default=True, help="Timed repeats (CPU).")
 @click.option("--blocks", type=click.IntRange(3), default=21, show_default=True, help="Alternating step blocks.")
+@click.option("--kernel-report", is_flag=True,
+              help="Instead of timing: compile every Triton kernel for sm_90 (H200) at the benchmark shapes, "
+                   "no GPU needed, and print registers, spills, shared memory, hot-loop SASS per element and "
+                   "the issue-bound ceiling as a fraction of copy bandwidth.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write all measurements to this JSON file.")
-def bench_command(device, shapes, steps, ensembles, members, workloads, no_compile, repeats, blocks, json_path):
+def bench_command(device, shapes, steps, ensembles, members, workloads, no_compile, repeats, blocks, kernel_report,
+                  json_path):
     """Measure fastdiag's overhead against a pure-PyTorch reference (kernel) and per training step."""
-    dev = _device(device)
     names = _known_names(shapes, bench.KERNEL_SHAPES, "--shapes", "shape")   # "" = no kernel rows
+
+    def progress(msg: str) -> None:
+        click.echo(f"\r\033[K{msg}", nl=False, err=True)
+
+    if kernel_report:
+        _kernel_report(names, json_path, progress)
+        return
+    dev = _device(device)
     sweep_workloads = _known_names(workloads, bench.ENSEMBLE_WORKLOADS, "--workloads", "workload")
     if not names and not steps and not (ensembles and sweep_workloads):
         raise click.ClickException("nothing to run: --shapes and --workloads are empty or --no-steps and "
                                    "--no-ensembles are given; name at least one kernel shape, step or workload")
-
-    def progress(msg: str) -> None:
-        click.echo(f"\r\033[K{msg}", nl=False, err=True)
 
     kernel_rows = []
     for name in names:
@@ -93,6 +102,23 @@ def bench_command(device, shapes, steps, ensembles, members, workloads, no_compi
                    "python": sys.version.split()[0], "date": datetime.now(timezone.utc).isoformat(),
                    "kernel": kernel_rows, "step": step_rows,
                    "ensemble": ensemble_rows}
+        with open(json_path, "w") as f:
+            json.dump(payload, f, indent=2, default=str)
+        click.echo(f"wrote {json_path}")
+
+
+def _kernel_report(names: list[str], json_path: str | None, progress) -> None:
+    try:
+        rows = bench.kernel_report(names, progress=progress)
+    except (ImportError, RuntimeError) as e:
+        raise click.ClickException(f"--kernel-report: {e}") from None
+    click.echo("\r\033[K", nl=False, err=True)
+    click.echo(f"fastdiag bench --kernel-report — compiled for sm_90 here, no GPU used, "
+               f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+    click.echo(bench.format_kernel_report(rows))
+    if json_path:
+        payload = {"kind": "kernel-report", "date": datetime.now(timezone.utc).isoformat(),
+                   "gpu_model": bench.REPORT_GPU, "kernels": [r.row() for r in rows]}
         with open(json_path, "w") as f:
             json.dump(payload, f, indent=2, default=str)
         click.echo(f"wrote {json_path}")

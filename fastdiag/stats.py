@@ -4,8 +4,12 @@ A layer's diagnostics (SPEC §3) are functions of three sums over valid query ro
 ``gram[i, j] = <v_i, v_j>`` (head patterns flattened over batch, rows and keys), ``entropy_sum[h]``
 (sum of row entropies of head h) and ``rows`` (how many valid rows). Sums add, so statistics of two
 batches, micro-batches, steps or GPUs merge exactly with ``+``; s̄ and σ_H are read out afterwards.
-A fourth sum, ``invalid``, counts probability entries outside [0, 1] or non-finite: any such entry
-makes every derived value NaN, detected on the device without a host sync.
+A fourth sum, ``invalid``, is > 0 when probability entries outside [0, 1] or non-finite were seen
+(the reference counts them; the fast backends count chunks or programs that saw one): any such
+entry makes every derived value NaN, detected on the device without a host sync.
+
+``entropy_sum`` is float64 from every backend: near-uniform attention makes the head entropies
+≈ log Tk apart by ~1e-5 of that, and σ_H is their spread (see `fastdiag.kernels.head_stats_ref`).
 
 Everything here is a device tensor with the problem dimensions ``[...]`` leading (layers, ensemble
 members); nothing syncs with the host until the caller converts a result.
@@ -21,9 +25,9 @@ import torch
 @dataclass(frozen=True)
 class HeadStats:
     gram: torch.Tensor         # [..., H, H]
-    entropy_sum: torch.Tensor  # [..., H]
+    entropy_sum: torch.Tensor  # [..., H] float64 from head_stats (float32 accepted)
     rows: torch.Tensor         # [...]
-    invalid: torch.Tensor      # [...] count of entries outside [0, 1] or non-finite
+    invalid: torch.Tensor      # [...] > 0 when entries outside [0, 1] or non-finite were seen
 
     def __post_init__(self) -> None:
         lead = self.rows.shape

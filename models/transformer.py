@@ -57,7 +57,7 @@ def _head_stats(probs: torch.Tensor, backend: str):
     fn = getattr(fastdiag, "head_stats", None)
     if fn is None:  # package __init__ not exporting it (yet)
         from fastdiag.diagnostics import head_stats as fn
-    return fn(probs, backend=backend)
+    return fn(probs, backend=backend, causal=True)   # the zoo's attention is causal: skip the masked keys
 
 
 class CausalSelfAttention(nn.Module):
