@@ -4,15 +4,17 @@
 (the SSM is causal and position aware by itself), a final LayerNorm and a linear read-out.
 Output: logits ``[B, vocab]`` for the last position (``all_positions=True``: ``[B, T, vocab]``).
 
-The mixer is mamba-ssm's ``Mamba`` block (fused CUDA kernels) when ``import mamba_ssm`` works and
-the model is built for a CUDA device; otherwise ``SelectiveSSM`` below, a pure-PyTorch selective
-scan with the same parameter names and shapes as ``mamba_ssm.modules.mamba_simple.Mamba``
-(``in_proj``, ``conv1d``, ``x_proj``, ``dt_proj``, ``A_log``, ``D``, ``out_proj``), so a state
-dict moves between the two.
+The mixer is mamba-ssm's ``Mamba`` block (fused CUDA kernels) when the model is built for a CUDA
+device and those kernels can run there (`mamba_ssm_missing`: the package, its compiled
+``selective_scan_cuda`` extension, CUDA; if not, a one-line warning says why); otherwise
+``SelectiveSSM`` below, a pure-PyTorch selective scan with the same parameter names and shapes as
+``mamba_ssm.modules.mamba_simple.Mamba`` (``in_proj``, ``conv1d``, ``x_proj``, ``dt_proj``,
+``A_log``, ``D``, ``out_proj``), so a state dict moves between the two.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,14 +39,43 @@ class MambaConfig:
                 raise ValueError(f"mamba: {name} must be a positive integer, got {value!r}")
 
 
-def mamba_ssm_available() -> bool:
-    """True when mamba-ssm and its CUDA extension import (never on a CPU-only machine)."""
+def mamba_ssm_missing() -> str | None:
+    """Why mamba-ssm's CUDA kernels cannot run here, or None when they can.
+
+    Checks the kernels themselves, not just the package: mamba-ssm's main branch (after 2.3.2.post1)
+    imports its compiled extension ``selective_scan_cuda`` optionally and no longer builds it by
+    default, so ``import mamba_ssm`` succeeds and the first GPU forward would raise."""
     try:
-        import mamba_ssm  # noqa: F401
         from mamba_ssm.modules.mamba_simple import Mamba  # noqa: F401
-    except Exception:  # ImportError, or the extension failing to load (selective_scan_cuda)
+    except Exception as exc:   # ImportError, or an extension failing to load inside mamba-ssm
+        return f"mamba-ssm is not importable ({type(exc).__name__}: {exc})"
+    try:
+        import selective_scan_cuda  # noqa: F401  - the compiled selective-scan kernels mamba-ssm calls
+    except Exception as exc:
+        return (f"mamba-ssm is installed without its CUDA extension selective_scan_cuda ({type(exc).__name__}: "
+                f"{exc}; reinstall with MAMBA_KEEP_CUDA_BUILD=TRUE pip install mamba-ssm --no-build-isolation)")
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    return None
+
+
+def mamba_ssm_available() -> bool:
+    """True when mamba-ssm's CUDA kernels can run: the package, its ``selective_scan_cuda`` extension
+    and a CUDA device (never on a CPU-only machine)."""
+    return mamba_ssm_missing() is None
+
+
+def use_mamba_ssm(device) -> bool:
+    """Whether a model on ``device`` uses mamba-ssm's kernels: yes on CUDA when they can run; on CUDA
+    when they cannot, no, with a one-line warning saying why (the PyTorch scan runs instead). CPU
+    models always use the PyTorch scan, silently: that is the CPU path."""
+    if device is None or torch.device(device).type != "cuda":
         return False
-    return True
+    missing = mamba_ssm_missing()
+    if missing is not None:
+        warnings.warn(f"mamba: using the PyTorch selective scan on {device}, not mamba-ssm's kernels: {missing}",
+                      RuntimeWarning, stacklevel=3)
+    return missing is None
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -280,8 +311,7 @@ class MambaLM(nn.Module):
     def __init__(self, cfg: MambaConfig, device: str | torch.device | None = None) -> None:
         super().__init__()
         self.config = cfg
-        on_cuda = device is not None and torch.device(device).type == "cuda"
-        self.uses_mamba_ssm = on_cuda and mamba_ssm_available()
+        self.uses_mamba_ssm = use_mamba_ssm(device)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(MambaBlock(cfg, self._mixer(cfg, i, device)) for i in range(cfg.n_layers))
         self.norm_f = nn.LayerNorm(cfg.d_model)
