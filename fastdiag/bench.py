@@ -238,6 +238,9 @@ ENSEMBLE_WORKLOADS: dict[str, dict] = {
     "canonical": dict(epochs=3),
     "small": dict(preset="custom", n_layers=2, n_heads=4, d_model=64, d_ff=256, p=31, train_frac=0.7,
                   lr=3e-3, batch_size=128, epochs=30),
+    # the small Mamba of tests/test_ensemble.py (2 layers, d 32, expand 4, d_state 16; 42 k parameters)
+    "mamba-small": dict(arch="mamba", n_layers=2, d_model=32, p=31, train_frac=0.7, lr=3e-3, batch_size=128,
+                        epochs=30),
 }
 
 

@@ -132,12 +132,12 @@ def selective_scan_members(u, delta, A, B, C, D=None, z=None, delta_bias=None, d
     dtype_in = u.dtype
     u, delta, A, B, C = (x.to(compute) for x in (u, delta, A, B, C))
     if delta_bias is not None:
-        delta = delta + delta_bias[..., None, :].to(compute)
+        delta = delta + delta_bias[:, None, None, :].to(compute)
     if delta_softplus:
         delta = F.softplus(delta)
     y, last = _SelectiveScanFn.apply(u, delta, A, B, C, return_last_state)
     if D is not None:
-        y = y + u * D[..., None, :].to(compute)
+        y = y + u * D[:, None, None, :].to(compute)
     if z is not None:
         y = y * F.silu(z.to(compute))
     y = y.to(dtype_in)
