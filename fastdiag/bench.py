@@ -371,6 +371,9 @@ ENSEMBLE_WORKLOADS: dict[str, dict] = {
     "canonical": dict(epochs=3),
     "small": dict(preset="custom", n_layers=2, n_heads=4, d_model=64, d_ff=256, p=31, train_frac=0.7,
                   lr=3e-3, batch_size=128, epochs=30),
+    # the small Mamba of tests/test_ensemble.py (2 layers, d 32, expand 4, d_state 16; 42 k parameters)
+    "mamba-small": dict(arch="mamba", n_layers=2, d_model=32, p=31, train_frac=0.7, lr=3e-3, batch_size=128,
+                        epochs=30),
 }
 
 
@@ -433,4 +436,78 @@ def format_ensemble_table(rows: list[dict]) -> str:
         lines.append(f"{r['device']:<7} {r['workload']:<10} {r['runs']:>5} {r['members']:>4} {r['epochs']:>6} "
                      f"{r['one_by_one_s']:>9.1f} {r['ensemble_s']:>10.1f} {r['runs_per_hour_one_by_one']:>14.0f} "
                      f"{r['runs_per_hour_ensemble']:>11.0f} {r['speedup']:>9.2f}")
+    return "\n".join(lines)
+
+
+# ---- architecture steps: a Mamba training step beside the transformer's --------------------------
+
+# Grokking training steps (SPEC §4: batch 512, T = 3) of the canonical transformer, a transformer with
+# the Mamba's parameter count (d_ff 648: 958,624 parameters against the Mamba's 958,208) and the Mamba.
+ARCH_STEPS: dict[str, dict] = {
+    "transformer": dict(),
+    "transformer-0.96M": dict(preset="custom", d_ff=648),
+    "mamba": dict(arch="mamba"),
+}
+
+
+@dataclass
+class ArchStepResult:
+    name: str
+    device: str
+    n_params: int
+    ms_per_step: float
+    vs_transformer: float      # median over blocks of (this step / canonical transformer step)
+    blocks: int
+
+
+def bench_arch_steps(device: torch.device, blocks: int = 15, block_steps: int = 5,
+                     progress: Callable[[str], None] = print) -> list[ArchStepResult]:
+    """Blocks of ``block_steps`` training steps of each `ARCH_STEPS` model (AdamW, the run's own
+    settings), in rotating order in this process, so machine noise hits all alike."""
+    from fastdiag.config import RunConfig
+    from fastdiag.models import build_from_run_config, count_parameters
+
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, 97, (512, 3), generator=g)
+    batch[:, 2] = 97
+    targets = torch.randint(0, 97, (512,), generator=g)
+    batch, targets = batch.to(device), targets.to(device)
+    setups = {}
+    for name, spec in ARCH_STEPS.items():
+        cfg = RunConfig(device=device.type, **spec)
+        torch.manual_seed(0)
+        model = build_from_run_config(cfg, vocab_size=98, seq_len=3, device=device).to(device)
+        setups[name] = (model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
+                                                 weight_decay=cfg.weight_decay))
+
+    def run_block(name: str) -> float:
+        model, opt = setups[name]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(block_steps):
+            _training_step(model, batch, targets, opt, True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3 / block_steps
+
+    names = list(setups)
+    for name in names:   # warm-up
+        run_block(name)
+    samples: dict[str, list[float]] = {k: [] for k in names}
+    for i in range(blocks):
+        progress(f"arch steps block {i + 1}/{blocks}")
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            samples[name].append(run_block(name))
+    base = samples["transformer"]
+    return [ArchStepResult(name, device.type, count_parameters(setups[name][0]), statistics.median(v),
+                           statistics.median(a / b for a, b in zip(v, base)), blocks)
+            for name, v in samples.items()]
+
+
+def format_arch_table(rows: list[dict]) -> str:
+    head = f"{'training step':<18} {'params':>9} {'ms/step':>9} {'x transformer':>14}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['name']:<18} {r['n_params']:>9,} {r['ms_per_step']:>9.1f} {r['vs_transformer']:>14.2f}")
     return "\n".join(lines)

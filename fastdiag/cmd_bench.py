@@ -43,6 +43,8 @@ def _known_names(text: str, known, option: str, what: str) -> list[str]:
 @click.option("--steps/--no-steps", default=True, show_default=True, help="Also time training steps with attach.")
 @click.option("--ensembles/--no-ensembles", default=True, show_default=True,
               help="Also time a sweep's runs as one vectorised ensemble against one by one.")
+@click.option("--archs/--no-archs", default=True, show_default=True,
+              help="Also time a Mamba training step beside the transformer's (batch 512, T 3).")
 @click.option("--members", type=click.IntRange(2), default=None, help="Ensemble size K (default: what `sweep --ensemble auto` picks).")
 @click.option("--workloads", default=",".join(bench.ENSEMBLE_WORKLOADS), show_default=True,
               help="Comma list of sweep workloads for the ensemble rows: " + ", ".join(bench.ENSEMBLE_WORKLOADS))
@@ -55,8 +57,8 @@ def _known_names(text: str, known, option: str, what: str) -> list[str]:
                    "the issue-bound ceiling as a fraction of copy bandwidth.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write all measurements to this JSON file.")
-def bench_command(device, shapes, steps, ensembles, members, workloads, no_compile, repeats, blocks, kernel_report,
-                  json_path):
+def bench_command(device, shapes, steps, ensembles, archs, members, workloads, no_compile, repeats, blocks,
+                  kernel_report, json_path):
     """Measure fastdiag's overhead against a pure-PyTorch reference (kernel) and per training step."""
     names = _known_names(shapes, bench.KERNEL_SHAPES, "--shapes", "shape")   # "" = no kernel rows
 
@@ -68,9 +70,10 @@ def bench_command(device, shapes, steps, ensembles, members, workloads, no_compi
         return
     dev = _device(device)
     sweep_workloads = _known_names(workloads, bench.ENSEMBLE_WORKLOADS, "--workloads", "workload")
-    if not names and not steps and not (ensembles and sweep_workloads):
-        raise click.ClickException("nothing to run: --shapes and --workloads are empty or --no-steps and "
-                                   "--no-ensembles are given; name at least one kernel shape, step or workload")
+    if not names and not steps and not archs and not (ensembles and sweep_workloads):
+        raise click.ClickException("nothing to run: --shapes and --workloads are empty or --no-steps, "
+                                   "--no-archs and --no-ensembles are given; name at least one kernel shape, "
+                                   "step or workload")
 
     kernel_rows = []
     for name in names:
@@ -82,6 +85,7 @@ def bench_command(device, shapes, steps, ensembles, members, workloads, no_compi
     if steps:
         for name, factory in bench.step_workloads(dev).items():
             step_rows.append(asdict(bench.bench_step(name, factory, dev, blocks=blocks, progress=progress)))
+    arch_rows = [asdict(r) for r in bench.bench_arch_steps(dev, blocks=blocks, progress=progress)] if archs else []
     ensemble_rows = []
     if ensembles:
         for workload in sweep_workloads:
@@ -94,6 +98,9 @@ def bench_command(device, shapes, steps, ensembles, members, workloads, no_compi
     if step_rows:
         click.echo()
         click.echo(bench.format_step_table(step_rows))
+    if arch_rows:
+        click.echo()
+        click.echo(bench.format_arch_table(arch_rows))
     if ensemble_rows:
         click.echo()
         click.echo(bench.format_ensemble_table(ensemble_rows))
@@ -101,7 +108,7 @@ def bench_command(device, shapes, steps, ensembles, members, workloads, no_compi
         payload = {"machine": _machine(dev), "device": dev.type, "torch": torch.__version__,
                    "python": sys.version.split()[0], "date": datetime.now(timezone.utc).isoformat(),
                    "kernel": kernel_rows, "step": step_rows,
-                   "ensemble": ensemble_rows}
+                   "ensemble": ensemble_rows, "arch_steps": arch_rows}
         with open(json_path, "w") as f:
             json.dump(payload, f, indent=2, default=str)
         click.echo(f"wrote {json_path}")

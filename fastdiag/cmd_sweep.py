@@ -69,7 +69,7 @@ def _parse_ensemble(spec: str) -> int | None:
 @click.option("--retry-failed/--skip-failed", default=True, show_default=True,
               help="Rerun runs recorded as failed by an earlier invocation.")
 @click.option("--ensemble", default="auto", show_default=True, metavar="K|auto",
-              help="Train up to K compatible runs (same all but seed and λ; transformer or mlp) as one "
+              help="Train up to K compatible runs (same all but seed and λ; transformer, mlp or PyTorch mamba) as one "
                    "vectorised model; 1 = one by one; auto = 32 on a GPU; on a CPU 8 for models up to "
                    "~0.45 M parameters, 4 for canonical, 1 from ~2.5 M.")
 @click.option("--dry-run", is_flag=True, help="Print the grid size and exit without running.")

@@ -29,10 +29,20 @@ def pack_key(cfg: RunConfig) -> tuple:
     return tuple(sorted((k, v) for k, v in cfg.to_dict().items() if k not in MEMBER_FIELDS))
 
 
-def can_vectorise(cfg: RunConfig) -> bool:
-    from fastdiag.models.ensemble import vectorisable
+def why_one_by_one(cfg: RunConfig) -> str | None:
+    """Why runs like ``cfg`` cannot be packed into an ensemble, or None when they can."""
+    from fastdiag.models import mamba_ssm_available
+    from fastdiag.models.ensemble import VECTORISED, vectorisable
 
-    return vectorisable(cfg.arch)
+    if not vectorisable(cfg.arch):
+        return f"{cfg.arch} cannot be vectorised; only {', '.join(VECTORISED)} can"
+    if cfg.arch == "mamba" and resolve_device(cfg.device).type == "cuda" and mamba_ssm_available():
+        return "mamba on CUDA runs mamba-ssm's kernels, one model per call; the PyTorch scan would pack"
+    return None
+
+
+def can_vectorise(cfg: RunConfig) -> bool:
+    return why_one_by_one(cfg) is None
 
 
 class EnsembleAdamW:
@@ -85,11 +95,9 @@ def _check_pack(cfgs: Sequence[RunConfig]) -> None:
     keys = {pack_key(c) for c in cfgs}
     if len(keys) > 1:
         raise ValueError(f"cfgs: ensemble members may differ only in {', '.join(MEMBER_FIELDS)}")
-    if not can_vectorise(cfgs[0]):
-        from fastdiag.models.ensemble import VECTORISED
-
-        raise ValueError(f"arch: {cfgs[0].arch!r} cannot be vectorised (only {', '.join(VECTORISED)}); "
-                         "train its runs one by one")
+    reason = why_one_by_one(cfgs[0])
+    if reason is not None:
+        raise ValueError(f"arch: {cfgs[0].arch!r} runs one by one here ({reason}); train its runs one by one")
     if len({c.run_id() for c in cfgs}) != len(cfgs):
         raise ValueError("cfgs: duplicate runs in one ensemble")
 
@@ -235,8 +243,6 @@ def describe_packs(packs: list[list[RunConfig]]) -> list[str]:
     """What a sweep is about to do with its runs, in lines for the user."""
     from collections import Counter
 
-    from fastdiag.models.ensemble import VECTORISED
-
     lines = []
     multi = [p for p in packs if len(p) > 1]
     if multi:
@@ -244,9 +250,8 @@ def describe_packs(packs: list[list[RunConfig]]) -> list[str]:
         lines.append(f"ensembles: {sum(map(len, multi))} runs as {len(multi)} vectorised ensemble(s) of "
                      f"{sizes} members")
     singles = [p[0] for p in packs if len(p) == 1]
-    for arch, n in Counter(c.arch for c in singles if not can_vectorise(c)).items():
-        lines.append(f"ensembles: {n} {arch} run(s) one by one ({arch} cannot be vectorised; "
-                     f"only {', '.join(VECTORISED)} can)")
+    for (arch, reason), n in Counter((c.arch, why_one_by_one(c)) for c in singles if not can_vectorise(c)).items():
+        lines.append(f"ensembles: {n} {arch} run(s) one by one ({reason})")
     alone = sum(1 for c in singles if can_vectorise(c))
     if alone:
         lines.append(f"ensembles: {alone} run(s) one by one (ensemble size 1, or no compatible run to pack with)")
@@ -268,4 +273,5 @@ def default_ensemble_size(cfg: RunConfig) -> int:
     return max(1, min(8, round(3.5e6 / n)))
 
 
-__all__ = ["EnsembleAdamW", "can_vectorise", "default_ensemble_size", "describe_packs", "pack_key", "pack_runs", "train_ensemble"]
+__all__ = ["EnsembleAdamW", "can_vectorise", "default_ensemble_size", "describe_packs", "pack_key", "pack_runs",
+           "train_ensemble", "why_one_by_one"]

@@ -12,7 +12,8 @@ import dataclasses
 import torch.nn as nn
 
 from .lstm import LSTM, LSTMConfig
-from .mamba import MambaConfig, MambaLM, SelectiveSSM, mamba_ssm_available, selective_scan
+from .mamba import (MambaConfig, MambaLM, SelectiveSSM, mamba_ssm_available, mamba_ssm_missing, selective_scan,
+                    selective_scan_members)
 from .mlp import MLP, MLPConfig
 from .transformer import PRESETS, CausalSelfAttention, Transformer, TransformerConfig
 
@@ -22,7 +23,7 @@ __all__ = [
     "ARCHS", "PRESETS", "build", "build_from_run_config", "resolve_run_config", "attention_modules",
     "count_parameters", "Transformer", "TransformerConfig", "CausalSelfAttention", "MLP", "MLPConfig",
     "LSTM", "LSTMConfig", "MambaLM", "MambaConfig", "SelectiveSSM", "selective_scan",
-    "mamba_ssm_available",
+    "mamba_ssm_available", "mamba_ssm_missing", "selective_scan_members",
 ]
 
 _CONFIGS = {"transformer": TransformerConfig, "mlp": MLPConfig, "lstm": LSTMConfig, "mamba": MambaConfig}

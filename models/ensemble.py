@@ -4,11 +4,13 @@
 so member k starts exactly where the single run with that seed starts) and runs them in one forward
 pass: batched matmuls over the member axis, one SDPA call per layer, and — on diagnostic steps — one
 ``head_stats`` call per layer on probabilities ``[K, B, H, T, T]``. ``EnsembleMLP`` does the same for
-the MLP. ``member_state_dict(k)`` gives member k back as a single model's state dict, and
-``keep(index)`` drops finished members so they stop costing time.
+the MLP, ``EnsembleMamba`` for the pure-PyTorch Mamba (one `selective_scan_members` call per layer).
+``member_state_dict(k)`` gives member k back as a single model's state dict, and ``keep(index)`` drops
+finished members so they stop costing time.
 
-Architectures with recurrent cores (LSTM, Mamba) are not vectorised here: `vectorisable(arch)` says
-so and the sweep runs them one by one.
+The LSTM (cuDNN/oneDNN's fused recurrent kernel takes one weight set) and a Mamba built on mamba-ssm's
+CUDA kernels (one model per kernel call) are not vectorised: `vectorisable(arch)` says so for the
+LSTM, `stack_models` refuses mamba-ssm mixers, and the sweep runs them one by one.
 """
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .mamba import MambaLM, causal_depthwise_conv, selective_scan_members
 from .mlp import MLP
 from .transformer import Transformer, _head_stats
 
-VECTORISED = ("transformer", "mlp")
+VECTORISED = ("transformer", "mlp", "mamba")
 
 
 def vectorisable(arch: str) -> bool:
@@ -133,9 +136,48 @@ class EnsembleMLP(_Stacked):
         return x
 
 
+class EnsembleMamba(_Stacked):
+    """K `MambaLM`s with the PyTorch mixer (`SelectiveSSM`): member k computes what model k computes."""
+
+    def __init__(self, models: list[MambaLM]) -> None:
+        if any(m.uses_mamba_ssm for m in models):
+            raise ValueError("models: Mambas on mamba-ssm's CUDA kernels are not vectorised (the kernels take "
+                             "one model per call); train them one by one")
+        super().__init__(models)
+        self.config = models[0].config
+        mixer = models[0].layers[0].mixer
+        self.split = [mixer.dt_rank, mixer.d_state, mixer.d_state]
+        self.record = False            # no attention: nothing to record
+        self.stats: dict[str, object] = {}
+
+    def _mixer(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """`SelectiveSSM.forward` with a member axis: x ``[K, b, l, d_model]``."""
+        p = f"layers.{i}.mixer."
+        x, z = _linear(x, self[p + "in_proj.weight"], None).chunk(2, dim=-1)
+        x = F.silu(causal_depthwise_conv(x, self[p + "conv1d.weight"], self[p + "conv1d.bias"]))
+        dt, B, C = _linear(x, self[p + "x_proj.weight"], None).split(self.split, dim=-1)
+        dt = _linear(dt, self[p + "dt_proj.weight"], None)
+        A = -torch.exp(self[p + "A_log"].float())
+        y = selective_scan_members(x, dt, A, B, C, self[p + "D"].float(), z=z,
+                                   delta_bias=self[p + "dt_proj.bias"].float(), delta_softplus=True)
+        return _linear(y, self[p + "out_proj.weight"], None)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx ``[K, B, T]`` -> logits of the last position ``[K, B, vocab]``."""
+        members = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
+        x = self["tok_emb.weight"][members, idx]
+        for i in range(self.config.n_layers):
+            p = f"layers.{i}.norm."
+            x = x + self._mixer(_layer_norm(x, self[p + "weight"], self[p + "bias"]), i)
+        x = _layer_norm(x[:, :, -1], self["norm_f.weight"], self["norm_f.bias"])
+        return _linear(x, self["head.weight"], None)
+
+
 def stack_models(arch: str, models: list[nn.Module]) -> _Stacked:
     if arch == "transformer":
         return EnsembleTransformer(models)
     if arch == "mlp":
         return EnsembleMLP(models)
+    if arch == "mamba":
+        return EnsembleMamba(models)
     raise ValueError(f"arch: {arch!r} is not vectorised (only {', '.join(VECTORISED)}); run its members one by one")

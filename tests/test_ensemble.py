@@ -17,9 +17,10 @@ SMALL = dict(preset="custom", n_layers=2, n_heads=4, d_model=64, d_ff=256, p=31,
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("arch", ["transformer", "mlp"])
+@pytest.mark.parametrize("arch", ["transformer", "mlp", "mamba"])
 def test_stacked_forward_equals_each_member(arch):
-    kwargs = dict(preset="custom", n_layers=2, n_heads=4, d_model=32, d_ff=64) if arch == "transformer" else dict(hidden=64)
+    kwargs = {"transformer": dict(preset="custom", n_layers=2, n_heads=4, d_model=32, d_ff=64),
+              "mlp": dict(hidden=64), "mamba": dict(d_model=16, n_layers=2)}[arch]
     models = []
     for seed in range(3):
         torch.manual_seed(seed)
@@ -72,12 +73,50 @@ def test_members_follow_their_single_runs_and_finished_members_are_dropped():
     assert ensemble[0].result["epochs_run"] < ensemble[1].result["epochs_run"] == SMALL["epochs"]
 
 
+MAMBA = dict(arch="mamba", d_model=32, n_layers=2, p=31, train_frac=0.7, lr=3e-3, batch_size=128, eval_every=10,
+             epochs=130, device="cpu")
+
+
+@pytest.mark.slow
+def test_mamba_members_follow_their_single_runs():
+    """The PyTorch Mamba packs like the others: losses match the single runs, t_grok within one
+    evaluation interval (λ = 1 groks at ~120 epochs, λ = 0 trains on to the horizon)."""
+    cfgs = [RunConfig(seed=0, weight_decay=1.0, **MAMBA), RunConfig(seed=2, weight_decay=0.0, **MAMBA)]
+    ensemble = train_ensemble(cfgs)
+    for cfg, member in zip(cfgs, ensemble):
+        single = train_run(cfg)
+        assert member.result["run_id"] == single.result["run_id"] and member.result["ensemble_size"] == 2
+        assert abs(len(member.trace) - len(single.trace)) <= 1
+        for a, b in zip(member.trace[:3], single.trace[:3]):
+            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=5e-3, abs=1e-4)
+            assert a["test_loss"] == pytest.approx(b["test_loss"], rel=5e-3, abs=1e-4)
+        assert member.result["regime"] == single.result["regime"]
+        if single.result["t_grok_epoch"] is not None:
+            assert abs(member.result["t_grok_epoch"] - single.result["t_grok_epoch"]) <= cfg.eval_every
+    assert ensemble[0].result["regime"] == "grok" and ensemble[1].result["epochs_run"] == MAMBA["epochs"]
+
+
+def test_mamba_stacked_gradients_equal_each_members():
+    """One backward pass through the stacked Mamba gives every member its single model's gradient."""
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(build("mamba", vocab_size=16, d_model=16, n_layers=2))
+    ensemble = stack_models("mamba", models)
+    idx, target = torch.randint(0, 16, (3, 9, 3)), torch.randint(0, 16, (3, 9))
+    torch.nn.functional.cross_entropy(ensemble(idx).flatten(0, 1), target.flatten(), reduction="sum").backward()
+    for k, m in enumerate(models):
+        torch.nn.functional.cross_entropy(m(idx[k]), target[k], reduction="sum").backward()
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(ensemble[name].grad[k], p.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_incompatible_or_unvectorisable_packs_are_refused():
     a = RunConfig(seed=0, **SMALL)
     with pytest.raises(ValueError, match="may differ only in seed, weight_decay"):
         train_ensemble([a, dataclasses.replace(a, seed=1, lr=1e-3)])
     lstm = RunConfig(arch="lstm", preset="canonical", seed=0, epochs=2, device="cpu")
-    with pytest.raises(ValueError, match="'lstm' cannot be vectorised"):
+    with pytest.raises(ValueError, match="'lstm' runs one by one here \\(lstm cannot be vectorised"):
         train_ensemble([lstm, dataclasses.replace(lstm, seed=1)])
 
 
@@ -89,6 +128,8 @@ def test_pack_runs_groups_compatible_runs_and_leaves_others_single():
     assert sorted(len(p) for p in packs) == [1, 1, 3, 3]     # 6 compatible runs, K = 4: two packs of 3
     assert sorted(c.run_id() for p in packs for c in p) == sorted(c.run_id() for c in runs)
     assert all(len(p) == 1 for p in pack_runs(runs, 1))
+    mambas = [RunConfig(arch="mamba", seed=s, device="cpu") for s in range(4)]
+    assert [len(p) for p in pack_runs(mambas, 4)] == [4]                # the PyTorch Mamba packs too
     many = [RunConfig(seed=s, **SMALL) for s in range(17)]
     assert sorted(len(p) for p in pack_runs(many, 8)) == [5, 6, 6]     # balanced, not 8, 8, 1
     assert sorted(len(p) for p in pack_runs(many, None)) == [5, 6, 6]  # auto: 8 for this small model

@@ -320,7 +320,7 @@ def test_summarize_mismatched_layers_is_a_named_value_error():
 # ----------------------------------------------------------------------------- bench
 
 def test_bench_with_nothing_to_run_is_an_error():
-    r = cli("bench", "--shapes", "", "--no-steps", "--no-ensembles")
+    r = cli("bench", "--shapes", "", "--no-steps", "--no-ensembles", "--no-archs")
     one_line_error(r, "nothing to run")
 
 

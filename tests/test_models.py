@@ -1,5 +1,6 @@
 """fastdiag.models: presets, output shapes, the two attention paths, the Mamba scan."""
 import math
+import sys
 
 import pytest
 import torch
@@ -221,8 +222,185 @@ def test_mamba_state_dict_roundtrip():
     torch.testing.assert_close(a(idx), b(idx))
 
 
-def test_mamba_ssm_guard():
-    # On a CPU-only machine mamba-ssm cannot be imported: the guard reports it instead of raising.
-    assert M.mamba_ssm_available() in (True, False)
-    if not torch.cuda.is_available():
-        assert not M.build("mamba", d_model=16, n_layers=1, device="cpu").uses_mamba_ssm
+# ---- selective_scan against mamba-ssm's selective_scan_ref ------------------------------------------
+
+def _selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                        return_last_state=False):
+    """mamba-ssm's ``selective_scan_ref`` (mamba_ssm/ops/selective_scan_interface.py, 2.3.2.post1 and
+    main), copied line by line for real A, computing in float64 where it computes in float32 and with
+    einops' rearrange/repeat written as torch views."""
+    dtype_in = u.dtype
+    u = u.double()
+    delta = delta.double()
+    if delta_bias is not None:
+        delta = delta + delta_bias[..., None].double()
+    if delta_softplus:
+        delta = F.softplus(delta)
+    batch, dim, dstate = u.shape[0], A.shape[0], A.shape[1]
+    is_variable_B = B.dim() >= 3
+    is_variable_C = C.dim() >= 3
+    B = B.double()
+    C = C.double()
+    x = A.new_zeros((batch, dim, dstate))
+    ys = []
+    deltaA = torch.exp(torch.einsum('bdl,dn->bdln', delta, A))
+    if not is_variable_B:
+        deltaB_u = torch.einsum('bdl,dn,bdl->bdln', delta, B, u)
+    else:
+        if B.dim() == 3:
+            deltaB_u = torch.einsum('bdl,bnl,bdl->bdln', delta, B, u)
+        else:
+            B = B.repeat_interleave(dim // B.shape[1], dim=1)
+            deltaB_u = torch.einsum('bdl,bdnl,bdl->bdln', delta, B, u)
+    if is_variable_C and C.dim() == 4:
+        C = C.repeat_interleave(dim // C.shape[1], dim=1)
+    last_state = None
+    for i in range(u.shape[2]):
+        x = deltaA[:, :, i] * x + deltaB_u[:, :, i]
+        if not is_variable_C:
+            y = torch.einsum('bdn,dn->bd', x, C)
+        else:
+            if C.dim() == 3:
+                y = torch.einsum('bdn,bn->bd', x, C[:, :, i])
+            else:
+                y = torch.einsum('bdn,bdn->bd', x, C[:, :, :, i])
+        if i == u.shape[2] - 1:
+            last_state = x
+        ys.append(y)
+    y = torch.stack(ys, dim=2)  # (batch dim L)
+    out = y if D is None else y + u * D[:, None]
+    if z is not None:
+        out = out * F.silu(z)
+    out = out.to(dtype=dtype_in)
+    return out if not return_last_state else (out, last_state)
+
+
+def _scan_inputs(b, d, n, l, seed, dtype=torch.float64, softplus=True):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)   # noqa: E731
+    delta = r(b, d, l) if softplus else 0.1 + torch.rand(b, d, l, generator=g, dtype=dtype)
+    A = -torch.exp(0.5 * r(d, n))                                   # Mamba's A = -exp(A_log) < 0
+    return dict(u=r(b, d, l), delta=delta, A=A, B=r(b, n, l), C=r(b, n, l), D=r(d), z=r(b, d, l),
+                delta_bias=0.5 * r(d))
+
+
+SCAN_CASES = [(D, z, bias, softplus, last) for D in (False, True) for z in (False, True) for bias in (False, True)
+              for softplus in (False, True) for last in (False, True)]
+
+
+@pytest.mark.parametrize("use_D, use_z, use_bias, softplus, last", SCAN_CASES)
+def test_selective_scan_matches_mamba_ssm_reference(use_D, use_z, use_bias, softplus, last, monkeypatch):
+    """Values and gradients (through last_state too) against the reference, float64, 32 option sets
+    on shapes with several batch chunks and a ragged last chunk."""
+    import fastdiag.models.mamba as mamba
+
+    monkeypatch.setattr(mamba, "_CHUNK_ELEMENTS", 3 * 5 * 6)   # chunks of 3 rows: batch 7 = 3 + 3 + 1
+    seed = SCAN_CASES.index((use_D, use_z, use_bias, softplus, last))
+    b, d, n, l = 7, 6, 5, [1, 3, 4, 9][seed % 4]
+    inputs = _scan_inputs(b, d, n, l, seed, softplus=softplus)
+    args = {k: v.requires_grad_() for k, v in inputs.items()}
+    kwargs = dict(D=args["D"] if use_D else None, z=args["z"] if use_z else None,
+                  delta_bias=args["delta_bias"] if use_bias else None, delta_softplus=softplus,
+                  return_last_state=last)
+    pos = [args[k] for k in ("u", "delta", "A", "B", "C")]
+    got = M.selective_scan(*pos, **kwargs)
+    want = _selective_scan_ref(*pos, **kwargs)
+    got, want = (got, want) if last else ((got,), (want,))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float64 and g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    weights = [torch.randn_like(w) for w in want]
+    used = pos + [kwargs[k] for k in ("D", "z", "delta_bias") if kwargs[k] is not None]
+    g_got = torch.autograd.grad(sum((g * w).sum() for g, w in zip(got, weights)), used)
+    g_want = torch.autograd.grad(sum((g * w).sum() for g, w in zip(want, weights)), used)
+    for gg, gw in zip(g_got, g_want):
+        torch.testing.assert_close(gg, gw, rtol=1e-10, atol=1e-10)
+
+
+def test_selective_scan_defaults_are_mamba_ssm_defaults():
+    x = _scan_inputs(3, 4, 2, 3, seed=11)
+    pos = [x[k] for k in ("u", "delta", "A", "B", "C")]
+    torch.testing.assert_close(M.selective_scan(*pos), _selective_scan_ref(*pos), rtol=1e-12, atol=1e-12)
+    # the default is no softplus: with it the same call gives a different answer
+    assert not torch.allclose(M.selective_scan(*pos), M.selective_scan(*pos, delta_softplus=True))
+
+
+def test_selective_scan_float32_and_bfloat16_compute_in_float32_like_mamba_ssm():
+    x = _scan_inputs(5, 8, 4, 3, seed=12)
+    want = _selective_scan_ref(*(x[k] for k in ("u", "delta", "A", "B", "C")), D=x["D"], z=x["z"],
+                               delta_softplus=True)
+    got = M.selective_scan(*(x[k].float() for k in ("u", "delta", "A", "B", "C")), D=x["D"].float(),
+                           z=x["z"].float(), delta_softplus=True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    low = M.selective_scan(*(x[k].bfloat16() for k in ("u", "delta")), *(x[k].float() for k in ("A", "B", "C")))
+    assert low.dtype == torch.bfloat16
+
+
+def test_selective_scan_says_where_it_differs_from_mamba_ssm():
+    x = _scan_inputs(2, 4, 3, 3, seed=13)
+    u, delta, A, B, C = (x[k] for k in ("u", "delta", "A", "B", "C"))
+    with pytest.raises(ValueError, match="B: expected a \\[batch, d_state, seqlen\\]"):
+        M.selective_scan(u, delta, A, torch.randn(4, 3, dtype=torch.float64), C)      # constant B [d, n]
+    with pytest.raises(ValueError, match="C: expected"):
+        M.selective_scan(u, delta, A, B, C[:, None])                                    # grouped C
+    with pytest.raises(TypeError, match="complex A"):
+        M.selective_scan(u, delta, A.to(torch.complex128), B, C)
+    with pytest.raises(ValueError, match="D: expected shape \\[4\\]"):
+        M.selective_scan(u, delta, A, B, C, D=torch.ones(5, dtype=torch.float64))
+
+
+# ---- mamba-ssm detection --------------------------------------------------------------------------
+
+def _fake_mamba_ssm(root, with_extension: bool):
+    """A package laid out like mamba-ssm's main branch: it imports fine, and imports the compiled
+    ``selective_scan_cuda`` optionally (None when absent), like selective_scan_interface.py there."""
+    pkg = root / "mamba_ssm"
+    (pkg / "modules").mkdir(parents=True)
+    (pkg / "ops").mkdir()
+    (pkg / "__init__.py").write_text('__version__ = "2.3.3.dev0"\nfrom mamba_ssm.modules.mamba_simple import Mamba\n')
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "ops" / "selective_scan_interface.py").write_text(
+        "try:\n    import selective_scan_cuda\nexcept ImportError:\n    selective_scan_cuda = None\n")
+    (pkg / "modules" / "__init__.py").write_text("")
+    (pkg / "modules" / "mamba_simple.py").write_text(
+        "import torch.nn as nn\nfrom mamba_ssm.ops.selective_scan_interface import selective_scan_cuda\n\n"
+        "class Mamba(nn.Module):\n    pass\n")
+    if with_extension:
+        (root / "selective_scan_cuda.py").write_text("def fwd(*args):\n    raise NotImplementedError\n")
+
+
+@pytest.fixture
+def isolated_imports(monkeypatch, tmp_path):
+    for name in [m for m in sys.modules if m.split(".")[0] in ("mamba_ssm", "selective_scan_cuda")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [m for m in sys.modules if m.split(".")[0] in ("mamba_ssm", "selective_scan_cuda")]:
+        del sys.modules[name]
+
+
+def test_mamba_ssm_detection_without_the_package(isolated_imports):
+    missing = M.mamba_ssm_missing()
+    assert missing.startswith("mamba-ssm is not importable") and "mamba_ssm" in missing
+    assert not M.mamba_ssm_available()
+
+
+def test_mamba_ssm_detection_sees_a_package_without_its_cuda_extension(isolated_imports):
+    _fake_mamba_ssm(isolated_imports, with_extension=False)
+    import mamba_ssm   # noqa: F401  - the package itself imports fine, as on mamba-ssm's main branch
+
+    missing = M.mamba_ssm_missing()
+    assert "without its CUDA extension selective_scan_cuda" in missing and "MAMBA_KEEP_CUDA_BUILD" in missing
+    assert not M.mamba_ssm_available()
+    with pytest.warns(RuntimeWarning, match="using the PyTorch selective scan on cuda.*selective_scan_cuda"):
+        assert not M.mamba.use_mamba_ssm("cuda")
+
+
+def test_mamba_ssm_detection_with_the_extension_then_needs_cuda(isolated_imports, recwarn):
+    _fake_mamba_ssm(isolated_imports, with_extension=True)
+    expected = None if torch.cuda.is_available() else "CUDA is not available"
+    assert M.mamba_ssm_missing() == expected
+    assert not M.mamba.use_mamba_ssm("cpu") and not recwarn.list   # CPU: the PyTorch scan, silently
+    assert not M.build("mamba", d_model=16, n_layers=1, device="cpu").uses_mamba_ssm

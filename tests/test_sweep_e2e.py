@@ -156,7 +156,7 @@ def test_sweep_packs_runs_into_ensembles(tmp_path):
         proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         said = {"transformer": "ensembles: 4 runs as 1 vectorised ensemble(s) of 4 members",
-                "lstm": "ensembles: 4 lstm run(s) one by one (lstm cannot be vectorised; only transformer, mlp can)"}
+                "lstm": "ensembles: 4 lstm run(s) one by one (lstm cannot be vectorised; only transformer, mlp, mamba can)"}
         assert said[arch] in proc.stderr
     con = sqlite3.connect(store)
     rows = con.execute("SELECT status, result FROM runs").fetchall()
