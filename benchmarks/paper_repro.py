@@ -173,6 +173,7 @@ def table(runs: list[dict]) -> dict:
                  "t_mem": summary([r["result"]["t_mem_epoch"] for r in rs]),
                  "final_train_acc": summary([r["result"]["final_train_acc"] for r in rs]),
                  "final_test_acc": summary([r["result"]["final_test_acc"] for r in rs]),
+                 "max_train_acc": summary([max((x["train_acc"] for x in r["trace"]), default=None) for r in rs]),
                  "max_test_acc": summary([max((x["test_acc"] for x in r["trace"]), default=None) for r in rs]),
                  "final_s_bar": summary([r["result"]["final_s_bar"] for r in rs]),
                  "wall_s": summary([r["result"]["wall_seconds"] for r in rs])}
@@ -242,9 +243,10 @@ def figure(runs: list[dict], out: Path, init: list[dict] | None = None) -> list[
                     if not pts:
                         continue
                     long = not r["config"]["stop_at_grok"] and r["result"]["t_grok_epoch"] is not None
+                    alone = len(by_lambda[lam]) == 1
                     e, v = zip(*pts)
-                    ax.plot(e, v, color=colour, linewidth=1.3 if long else 0.6, alpha=0.95 if long else 0.45,
-                            linestyle="--" if long else "-")
+                    ax.plot(e, v, color=colour, linewidth=1.6 if long or alone else 0.6,
+                            alpha=0.95 if long or alone else 0.45, linestyle="--" if long else "-")
                     series.append(dict(pts))
                 common = sorted(set.intersection(*(set(s) for s in series))) if series else []
                 if len(series) > 1 and common:
@@ -265,9 +267,11 @@ def figure(runs: list[dict], out: Path, init: list[dict] | None = None) -> list[
                   fontsize=7.5, color="#666666", va="center")
         h_ax.text(1.01, np.mean(PAPER["sigma_h_peak"]), "paper peak\n0.09–0.10", transform=h_ax.get_yaxis_transform(),
                   fontsize=7.5, color="#666666", va="center")
-        axes[0, 0].plot([], [], color="#111111", linewidth=1.3, linestyle="--", label="run trained past grokking")
+        if any(not r["config"]["stop_at_grok"] and r["result"]["t_grok_epoch"] is not None for r in runs):
+            axes[0, 0].plot([], [], color="#111111", linewidth=1.3, linestyle="--", label="run trained past grokking")
         axes[0, 0].axvline(PAPER["t_grok_lambda1"], color="#888888", linestyle=":", linewidth=1)
-        axes[0, 0].text(PAPER["t_grok_lambda1"], 0.5, " paper t_grok(λ=1) ≈ 130", fontsize=7.5, color="#666666")
+        axes[0, 0].text(PAPER["t_grok_lambda1"], 0.12, "paper t_grok(λ=1) ≈ 130 ", fontsize=7.5, color="#666666",
+                        ha="right")
         axes[0, 0].set_ylim(-0.03, 1.03)
         axes[-1, 0].set_xscale("log")
         axes[-1, 0].set_xlabel("training epoch")
