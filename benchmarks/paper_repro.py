@@ -3,7 +3,7 @@
 
     python benchmarks/paper_repro.py cost                       # CPU time per step / per evaluation
     python benchmarks/paper_repro.py init --seeds 8             # s̄, σ_H of the initialised model (step 0)
-    python benchmarks/paper_repro.py plan --wd 0.005:3:19 --seeds 16 --epochs 20000   # GPU time of a grid
+    python benchmarks/paper_repro.py plan --wd 0.005:10:23 --seeds 16 --epochs 20000  # GPU time of a grid
     python benchmarks/paper_repro.py table  runs/paper/*.sqlite  # t_grok, t_mem, phase values, regimes
     python benchmarks/paper_repro.py figure runs/paper/*.sqlite --out docs/img/paper_two_phase.png
 
@@ -20,11 +20,17 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from fastdiag.config import RunConfig
+from fastdiag.ensemble import pack_runs
 from fastdiag.experiments import phase_values
 from fastdiag.store import open_existing
+from fastdiag.sweep import build_grid, parse_wd
+from fastdiag.sweep_plots import STYLE, _figure, _save
+from fastdiag.train import Trainer
 
-PAPER = {"t_grok_lambda1": 130, "t_grok_lambda0.1": 1000, "lambda_c": 0.0158, "lambda_c_ci": (0.0109, 0.0200),
+PAPER = {"t_grok_lambda1": 130, "lambda_c": 0.0158, "lambda_c_ci": (0.0109, 0.0200),
          "nu": 0.757, "nu_ci": (0.725, 0.799), "s_bar": (0.93, 0.995, 0.88), "sigma_h_peak": (0.09, 0.10)}
 
 
@@ -38,11 +44,6 @@ def measure_cost(epochs: int = 4, threads: int = 1) -> dict:
     """CPU seconds (process time, so other processes on the machine do not inflate it) of a canonical
     training epoch without and with its evaluation, one torch thread as a sweep worker has; the two
     trainers alternate epoch by epoch."""
-    import torch
-
-    from fastdiag.config import RunConfig
-    from fastdiag.train import Trainer
-
     torch.set_num_threads(threads)
     trainers = {"train only": Trainer(RunConfig(weight_decay=1.0, epochs=10_000, eval_every=10_000, seed=0,
                                                 device="cpu")),
@@ -69,11 +70,6 @@ def initial_diagnostics(seeds: list[int]) -> list[dict]:
     """s̄ and σ_H of step 0 (the initialised model on its first minibatch), per seed: one epoch of a
     trainer evaluated at epoch 1 records exactly one diagnostic step (diag_every 10 ≥ 10 steps per
     epoch). The same numbers as a sweep run with eval_every 1, without training the rest."""
-    import torch
-
-    from fastdiag.config import RunConfig
-    from fastdiag.train import Trainer
-
     torch.set_num_threads(1)       # a sweep worker's share; more threads only spin on a loaded machine
     out = []
     for seed in seeds:
@@ -104,10 +100,6 @@ def grid_plan(lambdas: list[float], seeds: int, epochs: int, eval_every: int, en
     collapse at λ = 10: never fit) and at λ ≤ λ_c train to the horizon.
     A pack-step costs max(floor_ms, live members × STEP_GFLOP / tflops): compute-bound with the assumed
     sustained fp32 matmul rate, launch-bound below floor_ms; an evaluation costs its forward FLOPs."""
-    from fastdiag.config import RunConfig
-    from fastdiag.ensemble import pack_runs
-    from fastdiag.sweep import build_grid
-
     configs = build_grid(RunConfig(epochs=epochs, eval_every=eval_every, device="cuda").to_dict(), lambdas,
                          list(range(seeds)))
     packs = pack_runs(configs, ensemble)
@@ -224,8 +216,6 @@ def figure(runs: list[dict], out: Path, init: list[dict] | None = None) -> list[
     dotted grey: the paper's Fig. 2 landmarks; ``init`` (rows of `init`): step-0 values drawn at epoch 1."""
     import matplotlib as mpl
 
-    from fastdiag.sweep_plots import STYLE, _figure, _save
-
     by_lambda: dict[float, list[dict]] = {}
     for r in runs:
         by_lambda.setdefault(r["lambda"], []).append(r)
@@ -317,8 +307,6 @@ def main() -> None:
         print(json.dumps({"per_seed": rows, "s_bar": summary([r["s_bar"] for r in rows]),
                           "sigma_h": summary([r["sigma_h"] for r in rows])}, indent=1))
     elif args.cmd == "plan":
-        from fastdiag.sweep import parse_wd
-
         print(json.dumps(grid_plan(parse_wd(args.wd), args.seeds, args.epochs, args.eval_every, args.ensemble,
                                    args.tflops, args.floor_ms, args.collapse_from), indent=1))
     elif args.cmd == "table":
