@@ -4,6 +4,8 @@
                             re-synchronisation, second differentiation, collapse) from s̄, σ_H and
                             test accuracy, by a documented rule (see its docstring).
 * ``retention_by_lambda``   long horizons: per λ, how many grokked runs still generalise at the end.
+* ``phase_values``          one run's two-phase landmarks: s̄ at init / t_mem / t_grok, the
+                            Phase-1 peak, the Phase-2 s̄ trough and σ_H peak after grokking.
 * ``phase2_peak_sigma_h``, ``headdim_analysis``   peak σ_H after grokking against the per-head
                             dimension d/H, with the saturating fit σ_max = c + a(1 − e^(−b·d/H)).
 * ``predictive_analysis``   does s̄/σ_H at epoch t0 predict "groks by the horizon" or log t_grok
@@ -224,6 +226,45 @@ def phase2_peak_sigma_h(trace: Sequence[dict], t_grok_epoch: int | None) -> floa
     values = [r["sigma_h"] for r in trace if _finite(r.get("epoch")) and r["epoch"] >= t_grok_epoch
               and _finite(r.get("sigma_h"))]
     return max(values) if values else None
+
+
+def phase_values(trace: Sequence[dict], t_mem_epoch: int | None, t_grok_epoch: int | None) -> dict:
+    """The paper's two-phase landmarks of one run (its Fig. 2: s̄ ≈ 0.93 → 0.995 → 0.88, σ_H peak
+    ≈ 0.09–0.10), read off the trace rows with a finite value; a landmark the trace does not reach is
+    None, never a guess.
+
+    * ``s_bar_init``: s̄ of the first evaluation (with diag_every ≥ steps per epoch and eval_every 1
+      that is the forward pass of step 0, the initialised model).
+    * ``s_bar_mem`` / ``s_bar_grok``: s̄ at the evaluations of t_mem and t_grok.
+    * after grokking (rows with epoch > t_grok): ``s_bar_min_after_grok`` (Phase-2 trough) and
+      ``sigma_h_peak_after_grok`` (Phase-2 peak), each with its epoch; ``epochs_after_grok`` says
+      how far the trace reaches past t_grok (0 for a run stopped at grokking).
+    * ``s_bar_peak_phase1``: largest s̄ from t_mem up to the Phase-2 trough (or up to t_grok when
+      the run stopped there) — the top of the Phase-1 rise."""
+    rows = [r for r in trace if _finite(r.get("epoch")) and _finite(r.get("s_bar"))]
+    at = {r["epoch"]: r for r in rows}
+    out: dict = {"s_bar_init": rows[0]["s_bar"] if rows else None, "init_epoch": rows[0]["epoch"] if rows else None,
+                 "s_bar_mem": at[t_mem_epoch]["s_bar"] if t_mem_epoch in at else None,
+                 "s_bar_grok": at[t_grok_epoch]["s_bar"] if t_grok_epoch in at else None,
+                 "s_bar_min_after_grok": None, "s_bar_min_epoch": None,
+                 "sigma_h_peak_after_grok": None, "sigma_h_peak_epoch": None,
+                 "epochs_after_grok": None, "s_bar_peak_phase1": None}
+    if t_grok_epoch is None:
+        return out
+    after = [r for r in rows if r["epoch"] > t_grok_epoch]
+    out["epochs_after_grok"] = (after[-1]["epoch"] - t_grok_epoch) if after else 0
+    if after:
+        trough = min(after, key=lambda r: r["s_bar"])
+        out["s_bar_min_after_grok"], out["s_bar_min_epoch"] = trough["s_bar"], trough["epoch"]
+        with_h = [r for r in after if _finite(r.get("sigma_h"))]
+        if with_h:
+            peak = max(with_h, key=lambda r: r["sigma_h"])
+            out["sigma_h_peak_after_grok"], out["sigma_h_peak_epoch"] = peak["sigma_h"], peak["epoch"]
+    if t_mem_epoch is not None:
+        end = out["s_bar_min_epoch"] if out["s_bar_min_epoch"] is not None else t_grok_epoch
+        phase1 = [r["s_bar"] for r in rows if t_mem_epoch <= r["epoch"] <= end]
+        out["s_bar_peak_phase1"] = max(phase1) if phase1 else None
+    return out
 
 
 def resolved_heads_width(cfg: dict) -> tuple[int, int] | None:

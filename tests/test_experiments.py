@@ -254,3 +254,27 @@ def test_analyze_predict_on_a_store(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["analyze", str(path), "--predict", "--test-frac", "1.5"])
     assert exc.value.code == 2
+
+
+def test_phase_values_reads_the_two_phase_landmarks():
+    # s̄: 0.93 at init, rises to 0.995 after t_grok = 40, falls to a trough 0.88 at epoch 120;
+    # σ_H peaks (0.095) at epoch 120; a late s̄ bump after the trough is not the Phase-1 peak.
+    s = {1: 0.93, 10: 0.90, 20: 0.95, 30: 0.97, 40: 0.98, 60: 0.995, 80: 0.95, 120: 0.88, 160: 0.999}
+    h = {1: 0.04, 10: 0.06, 20: 0.05, 30: 0.05, 40: 0.03, 60: 0.04, 80: 0.07, 120: 0.095, 160: 0.05}
+    trace = [{"epoch": e, "s_bar": s[e], "sigma_h": h[e]} for e in s]
+    trace.insert(3, {"epoch": 25, "s_bar": None, "sigma_h": None})      # an evaluation without diagnostics
+    v = ex.phase_values(trace, t_mem_epoch=20, t_grok_epoch=40)
+    assert v["s_bar_init"] == 0.93 and v["init_epoch"] == 1
+    assert v["s_bar_mem"] == 0.95 and v["s_bar_grok"] == 0.98
+    assert (v["s_bar_min_after_grok"], v["s_bar_min_epoch"]) == (0.88, 120)
+    assert (v["sigma_h_peak_after_grok"], v["sigma_h_peak_epoch"]) == (0.095, 120)
+    assert v["s_bar_peak_phase1"] == 0.995 and v["epochs_after_grok"] == 120
+    # Stopped at grokking: nothing after t_grok, the Phase-1 peak only up to t_grok.
+    stopped = ex.phase_values([r for r in trace if r["epoch"] <= 40], 20, 40)
+    assert stopped["epochs_after_grok"] == 0 and stopped["s_bar_min_after_grok"] is None
+    assert stopped["sigma_h_peak_after_grok"] is None and stopped["s_bar_peak_phase1"] == 0.98
+    # Never grokked / t_mem not an evaluation of the trace: those landmarks are None.
+    never = ex.phase_values(trace, t_mem_epoch=None, t_grok_epoch=None)
+    assert never["s_bar_init"] == 0.93 and never["s_bar_mem"] is None and never["s_bar_grok"] is None
+    assert never["epochs_after_grok"] is None and never["s_bar_peak_phase1"] is None
+    assert ex.phase_values([], 20, 40)["s_bar_init"] is None
