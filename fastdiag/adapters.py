@@ -32,8 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from fastdiag.diagnostics import head_stats
-from fastdiag.qk import CHUNK_BYTES, qk_head_stats, sdpa_with_stats
+from fastdiag.qk import CHUNK_BYTES, qk_head_stats
 from fastdiag.stats import HeadStats
 
 

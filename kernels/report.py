@@ -29,7 +29,6 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-import torch
 
 # H200 SXM: copy bandwidth (device to device, read + write counted once each), SMs, sustained clock.
 GPU = {"name": "H200", "arch": 90, "sms": 132, "copy_bandwidth": 4.3e12, "clock_hz": 1.755e9,
