@@ -24,7 +24,7 @@ PY=${PYTHON:-python3}
 
 echo "== kernel and GPU tests (compiled Triton, bf16 included)"
 timeout 240 $PY -m pytest -q -p no:cacheprovider --rootdir=. -c /dev/null -o addopts="" \
-  tests/test_head_stats.py tests/test_bad_input.py tests/test_compile.py tests/test_gpu.py tests/test_kernel_report.py \
+  tests/test_head_stats.py tests/test_bad_input.py tests/test_compile.py tests/test_gpu.py tests/test_qk_gpu.py tests/test_kernel_report.py \
   2>&1 | tee "$OUT/tests.txt" | tail -n 25
 tests_rc=${PIPESTATUS[0]}
 

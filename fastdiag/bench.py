@@ -20,6 +20,8 @@ import torch
 from fastdiag.diagnostics import head_stats
 from fastdiag.kernels import head_stats_ref
 from fastdiag.kernels import report as _report
+from fastdiag.monitor import attach
+from fastdiag.stats import summarize
 from fastdiag.testing import random_probs
 
 # (name, [N, B, H, T]) — N stacked problems (layers) in one call.
@@ -227,31 +229,12 @@ class SdpaStepResult:
     device: str
     workload: str
     base_ms: float            # bare training step (attention through F.scaled_dot_product_attention)
-    with_stats_ms: float      # every SDPA call through `fastdiag.qk.sdpa_with_stats`
+    with_stats_ms: float      # `fastdiag.attach(model, every=1)`: every SDPA call through `sdpa_with_stats`
     eager_ms: float           # eager attention + output_attentions + head_stats of the probabilities
     with_stats_ratio: float   # median over rounds of with_stats / base
     eager_ratio: float        # median over rounds of eager / base
     rounds: int
     block_steps: int
-
-
-class _SdpaWithStats(torch.overrides.TorchFunctionMode):
-    """Routes every F.scaled_dot_product_attention call through `sdpa_with_stats` (what attach does
-    on a measured step) and keeps the statistics."""
-
-    def __init__(self):
-        super().__init__()
-        self.stats: list = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            from fastdiag.qk import sdpa_with_stats
-
-            out, stats = sdpa_with_stats(*args, **kwargs)
-            self.stats.append(stats)
-            return out
-        return func(*args, **kwargs)
 
 
 def hf_gpt2_sdpa_workload(device: torch.device, layers: int = 4, width: int = 256, heads: int = 8,
@@ -274,12 +257,10 @@ def hf_gpt2_sdpa_workload(device: torch.device, layers: int = 4, width: int = 25
 def bench_sdpa_step(device: torch.device, rounds: int = 9, block_steps: int = 5, attn_dropout: float = 0.0,
                     progress: Callable[[str], None] = print) -> SdpaStepResult:
     """Blocks of training steps of one HF GPT-2 model and optimizer, in rotating order per round:
-    bare (sdpa), every SDPA call through `sdpa_with_stats` (statistics of every layer, every step),
+    bare (sdpa), ``fastdiag.attach(model, every=1)`` (every SDPA call through `sdpa_with_stats`:
+    statistics of every layer, every step),
     and the alternative a user has without fastdiag's Q/K path: eager attention with
     ``output_attentions=True`` and `head_stats` of the returned probabilities."""
-    from fastdiag.diagnostics import head_stats
-    from fastdiag.stats import summarize
-
     model, ids = hf_gpt2_sdpa_workload(device, attn_dropout=attn_dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -294,21 +275,21 @@ def bench_sdpa_step(device: torch.device, rounds: int = 9, block_steps: int = 5,
 
     def run_block(variant: str) -> float:
         model.set_attn_implementation("eager" if variant == "eager" else "sdpa")
-        mode = _SdpaWithStats() if variant == "with_stats" else None
+        monitor = attach(model, every=1) if variant == "with_stats" else None
         _sync(device)
         t0 = time.perf_counter()
         collected = []
         for _ in range(block_steps):
-            if mode is not None:
-                with mode:
-                    step(False)
-            else:
-                collected.extend(step(variant == "eager") or [])
-        stats = mode.stats if mode is not None else collected
-        if stats:
-            summarize(stats[-len(model.transformer.h):]).s_bar.item()   # the statistics are really read
+            collected.extend(step(variant == "eager") or [])
+        if monitor is not None:
+            monitor.latest()                                                 # the statistics are really read
+        elif collected:
+            summarize(collected[-len(model.transformer.h):]).s_bar.item()
         _sync(device)
-        return (time.perf_counter() - t0) * 1e3 / block_steps
+        elapsed = (time.perf_counter() - t0) * 1e3 / block_steps
+        if monitor is not None:
+            monitor.detach()
+        return elapsed
 
     variants = ["base", "with_stats", "eager"]
     for v in variants:   # warm-up

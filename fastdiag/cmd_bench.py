@@ -81,10 +81,11 @@ def bench_command(device, shapes, steps, ensembles, archs, members, workloads, n
             r = bench.bench_kernel(name, bench.KERNEL_SHAPES[name], dtype, dev, compiled=not no_compile,
                                    repeats=repeats, progress=progress)
             kernel_rows.append(r.row())
-    step_rows = []
+    step_rows, sdpa_rows = [], []
     if steps:
         for name, factory in bench.step_workloads(dev).items():
             step_rows.append(asdict(bench.bench_step(name, factory, dev, blocks=blocks, progress=progress)))
+        sdpa_rows.append(asdict(bench.bench_sdpa_step(dev, rounds=blocks, progress=progress)))
     arch_rows = [asdict(r) for r in bench.bench_arch_steps(dev, blocks=blocks, progress=progress)] if archs else []
     ensemble_rows = []
     if ensembles:
@@ -98,6 +99,9 @@ def bench_command(device, shapes, steps, ensembles, archs, members, workloads, n
     if step_rows:
         click.echo()
         click.echo(bench.format_step_table(step_rows))
+    if sdpa_rows:
+        click.echo()
+        click.echo(bench.format_sdpa_step_table(sdpa_rows))
     if arch_rows:
         click.echo()
         click.echo(bench.format_arch_table(arch_rows))
@@ -107,7 +111,7 @@ def bench_command(device, shapes, steps, ensembles, archs, members, workloads, n
     if json_path:
         payload = {"machine": _machine(dev), "device": dev.type, "torch": torch.__version__,
                    "python": sys.version.split()[0], "date": datetime.now(timezone.utc).isoformat(),
-                   "kernel": kernel_rows, "step": step_rows,
+                   "kernel": kernel_rows, "step": step_rows, "sdpa_step": sdpa_rows,
                    "ensemble": ensemble_rows, "arch_steps": arch_rows}
         with open(json_path, "w") as f:
             json.dump(payload, f, indent=2, default=str)

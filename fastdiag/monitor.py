@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdiag import adapters
-from fastdiag.adapters import CHUNK_BYTES
+from fastdiag.qk import CHUNK_BYTES, sdpa_with_stats
 from fastdiag.diagnostics import BACKENDS, head_stats
 from fastdiag.stats import HeadStats, Summary, summarize
 
@@ -304,7 +304,7 @@ class Monitor:
                     hidden = adapters.masked(adapters.as_bhqk(attn_mask, (b,), h, tq, tk))
                     rows = adapters.real_positions(hidden).expand(b, tq)
                 rows = self._with_padding(rows, b, tq)
-        out, stats = adapters.sdpa_with_stats(**call, query_mask=rows, backend=self.backend,
+        out, stats = sdpa_with_stats(**call, query_mask=rows, backend=self.backend,
                                               chunk_bytes=self.chunk_bytes)
         self._add(name, stats, "sdpa")
         return out

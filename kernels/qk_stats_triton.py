@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .qk_stats_ref import qk_stats_ref
+from .report import ReportCase, register
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -510,3 +511,39 @@ def kernel_report(shapes: dict = REPORT_SHAPES) -> list[dict]:
             rows.append(dict(shape=shape, kernel=f"qk_{name}", **ptxas_usage(kernel),
                              shared_bytes=kernel.metadata.shared, blocks=math.ceil(hk / cfg["BLOCK_HK"]), **cfg))
     return rows
+
+
+# ---- the kernel report (`fastdiag bench --kernel-report`): these launchers at the benchmark shapes --
+
+# Head dims of the models behind the benchmark shapes.
+_BENCH_HEAD_DIM = {"gpt2-small": 64, "long-context": 128}
+
+
+def _report_cases(shapes: dict) -> list[ReportCase]:
+    """Pass 1 and pass 2, bf16, causal, at the benchmark shapes. An "element" is one score (one query
+    row, key and head), so the ceiling reads: how fast these kernels cover the probabilities compared
+    with the probabilities kernel streaming a materialised bf16 P at copy bandwidth. Shapes too short
+    for a key loop (the grokking task's T = 3, whose zoo model never calls SDPA) are left out."""
+    cases = []
+    for shape, (_n, b, h, t) in shapes.items():
+        if t < 256:
+            continue
+        d = _BENCH_HEAD_DIM.get(shape, 64)
+        q = torch.empty(b, h, t, d, dtype=torch.bfloat16)
+
+        def pass1(q=q):
+            row_lse_triton(q, q, None, True, q.shape[-1] ** -0.5)    # captured, never run
+
+        def pass2(q=q):
+            lse = torch.empty(q.shape[:3], dtype=torch.float32)      # a given LSE: pass 2 launches first
+            qk_stats_triton(q, q, None, True, q.shape[-1] ** -0.5, lse=lse)
+
+        def scores_per_iteration(constexprs):
+            return constexprs["BLOCK_HK"] * constexprs["BLOCK_G"] * constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
+
+        cases += [ReportCase("qk_lse", shape, "bfloat16", 2, pass1, scores_per_iteration),
+                  ReportCase("qk_stats", shape, "bfloat16", 2, pass2, scores_per_iteration)]
+    return cases
+
+
+register("qk_stats", _report_cases)

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fastdiag
-from fastdiag.adapters import qk_head_stats
+from fastdiag.qk import qk_head_stats
 from fastdiag.testing import NanoGPT
 
 ORIGINAL_SDPA = F.scaled_dot_product_attention

@@ -25,7 +25,8 @@ def rows():
 
 def test_every_registered_kernel_and_shape_is_reported(rows):
     assert {(r.kernel, r.shape, r.dtype) for r in rows} >= {
-        ("head_stats", s, d) for s in SHAPES for d in ("float32", "float16", "bfloat16")}
+        ("head_stats", s, d) for s in SHAPES for d in ("float32", "float16", "bfloat16")} | {
+        ("qk_lse", "gpt2-small", "bfloat16"), ("qk_stats", "gpt2-small", "bfloat16")}
 
 
 def test_no_spills_and_shared_memory_within_the_limit(rows):
