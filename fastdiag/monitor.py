@@ -59,6 +59,11 @@ _ZOO_SETTINGS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.Weak
 _ZOO_ATTRIBUTES = ("record", "stats", "diag_backend")
 
 
+def _eager(fn):
+    """Never traced by torch.compile (a pass's begin and end: they read and write the step counter)."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def _no_op_hook(*args):
     return None
 
@@ -82,9 +87,10 @@ class _Hook:
         return _inert, ()
 
 
-def _eager(fn):
-    """Never traced by torch.compile (a pass's begin and end: they read and write the step counter)."""
-    return torch.compiler.disable(fn, recursive=True)
+class _EagerHook(_Hook):
+    """The root's begin and end: run by torch.compile outside the traced frame, never traced."""
+    __slots__ = ()
+    __call__ = _eager(_Hook.__call__)
 
 
 def _unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
@@ -290,17 +296,16 @@ class Monitor:
             # Outermost: a pass begins before the stack hooks above and ends after them. These two
             # run eagerly even when the model is compiled (torch.compile(model) and model.compile()
             # call the root's hooks outside the traced frame), so the step counter is never traced.
-            @_eager
             def begin(mod, args, kwargs):
                 self._begin(mod.training)
 
-            @_eager
             def end(mod, args, output):
                 # always_call: also runs when the forward raised (output None, inside torch's except)
                 self._end(mod.training, raised=output is None and sys.exc_info()[0] is not None)
 
-            self._handles.append(module.register_forward_pre_hook(_Hook(begin), with_kwargs=True, prepend=True))
-            self._handles.append(module.register_forward_hook(_Hook(end), always_call=True))
+            self._handles.append(module.register_forward_pre_hook(_EagerHook(begin), with_kwargs=True,
+                                                                  prepend=True))
+            self._handles.append(module.register_forward_hook(_EagerHook(end), always_call=True))
 
     def _begin(self, training: bool) -> None:
         self._training = training
