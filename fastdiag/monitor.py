@@ -22,6 +22,11 @@ the traced frame. The root's begin/end hooks are `torch.compiler.disable`d, so t
 lives in plain Python, and the `AttentionMode` is entered only for a measured pass; everything inside
 the forward (submodule hooks, the mode) depends on that one fact, so a compiled model has two
 graphs, measured and not, and the unmeasured one is the model's own.
+
+Faults: a logger that raises is warned about, never breaks a step or `detach`; a forward pass that
+raises is not a step and leaves no record; a copy of the model (deepcopy, pickle, torch.save) gets
+inert hooks, no monitor; nested monitors share the zoo modules' original attributes and never take
+each other's statistics computations for attention.
 """
 from __future__ import annotations
 
