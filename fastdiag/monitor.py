@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -165,6 +166,7 @@ class Monitor:
         self.step = 0              # training passes seen; the next one has this index
         self._due = True           # the next training pass is measured (step % every == 0)
         self._measuring = False    # inside a measured pass: the one flag compiled code reads
+        self._pass_thread: int | None = None  # the thread whose pass is running; others' are not seen
         self._training = True
         self._mode = adapters.AttentionMode(self)
         self._mode_entered = False
@@ -275,7 +277,7 @@ class Monitor:
         record_at_attach = getattr(module, "record", False)
 
         def pre(mod, args, kwargs):
-            if not self._measuring:
+            if not self._measuring or self._other_thread():
                 return
             cross = any(kwargs.get(k) is not None for k in adapters.CROSS_ATTENTION_KWARGS)
             self._stack.append((name, cross))
@@ -286,7 +288,7 @@ class Monitor:
                                                         self.backend, self.chunk_bytes, self._padding), "mha")
 
         def post(mod, args, output):
-            if not self._measuring:
+            if not self._measuring or self._other_thread():
                 return
             if self._stack:
                 self._stack.pop()
@@ -302,9 +304,12 @@ class Monitor:
             # run eagerly even when the model is compiled (torch.compile(model) and model.compile()
             # call the root's hooks outside the traced frame), so the step counter is never traced.
             def begin(mod, args, kwargs):
-                self._begin(mod.training)
+                if self._pass_thread is None:
+                    self._begin(mod.training)
 
             def end(mod, args, output):
+                if self._other_thread():
+                    return
                 # always_call: also runs when the forward raised (output None, inside torch's except)
                 self._end(mod.training, raised=output is None and sys.exc_info()[0] is not None)
 
@@ -312,7 +317,15 @@ class Monitor:
                                                                   prepend=True))
             self._handles.append(module.register_forward_hook(_EagerHook(end), always_call=True))
 
+    def _other_thread(self) -> bool:
+        """Whether this hook runs in another thread than the pass in progress (an evaluation thread
+        running the same model): that pass is neither a step nor measured. Compiled code skips the
+        check (one thread per measured graph run)."""
+        return (not torch.compiler.is_compiling() and self._pass_thread is not None
+                and self._pass_thread != threading.get_ident())
+
     def _begin(self, training: bool) -> None:
+        self._pass_thread = threading.get_ident()
         self._training = training
         self._measuring = self._due if training else self.measure_eval
         self._stack = []
@@ -322,6 +335,7 @@ class Monitor:
             self._mode_entered = True
 
     def _end(self, training: bool, raised: bool = False) -> None:
+        self._pass_thread = None
         if self._mode_entered:
             self._mode_entered = False
             self._mode.__exit__(None, None, None)

@@ -226,3 +226,43 @@ def test_nested_monitors_on_sdpa_layers_see_only_the_models_attention():
         assert_stats_close(b.latest_stats()[f"0.layers.{i}"], want)
     a.detach()
     b.detach()
+
+
+# ---- threads ----------------------------------------------------------------------------------
+
+def test_the_same_model_run_by_another_thread_during_a_measured_pass_is_not_recorded():
+    """An evaluation thread running the attached model while a training pass is being measured:
+    that pass's records are the training pass's alone, and the other pass is not a step."""
+    import threading
+
+    torch.manual_seed(0)
+    started, release = threading.Event(), threading.Event()
+
+    class PausingTwoLayers(TwoLayers):   # holds the main thread's pass between its two layers
+        def forward(self, x):
+            x = x + self.layers[0](x)
+            if threading.current_thread() is threading.main_thread():
+                started.set()
+                release.wait(60)
+            return x + self.layers[1](x)
+
+    model = PausingTwoLayers()
+    x, y = torch.randn(2, 6, 16), torch.randn(3, 6, 16)
+    with fastdiag.attach(model, every=1, measure_eval=True) as monitor:
+        def evaluate():
+            started.wait(60)
+            with torch.no_grad():
+                model(y)            # the same model, another thread, while step 0 is being measured
+            release.set()
+
+        worker = threading.Thread(target=evaluate)
+        worker.start()
+        model(x)
+        worker.join()
+        main_pass = [layer.last for layer in model.layers]
+    assert monitor.step == 1 and monitor.num_records == 1
+    stats = monitor.latest_stats()
+    assert list(stats) == ["layers.0", "layers.1"]
+    assert_stats_close(stats["layers.1"], reference_stats(*main_pass[1]))
+    model.layers[0](x)                                 # layer 0's q and k of x again (the thread overwrote them)
+    assert_stats_close(stats["layers.0"], reference_stats(*model.layers[0].last))
