@@ -2,8 +2,10 @@
 pickles of an attached model, bad arguments caught at attach, nested monitors, other threads."""
 import copy
 import io
+import os
 import subprocess
 import sys
+import threading
 import warnings
 
 import pytest
@@ -162,7 +164,7 @@ def test_triton_backend_without_a_gpu_or_the_interpreter_is_refused_at_attach():
             "    fastdiag.attach(model, backend='triton')\n"
             "except ValueError as e:\n"
             "    print('refused:', e)\n")
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.stdout.startswith("refused: backend:"), out.stdout + out.stderr
 
@@ -233,8 +235,6 @@ def test_nested_monitors_on_sdpa_layers_see_only_the_models_attention():
 def test_the_same_model_run_by_another_thread_during_a_measured_pass_is_not_recorded():
     """An evaluation thread running the attached model while a training pass is being measured:
     that pass's records are the training pass's alone, and the other pass is not a step."""
-    import threading
-
     torch.manual_seed(0)
     started, release = threading.Event(), threading.Event()
 
