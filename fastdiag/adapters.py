@@ -27,6 +27,7 @@ may see). Both paths apply the same rule, so eager and SDPA give the same statis
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -168,6 +169,26 @@ def _in_compiled_graph() -> bool:
     return False
 
 
+_OWN = threading.local()  # depth of fastdiag's own statistics computations running in this thread
+
+
+def own_statistics(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``: fastdiag's own statistics computation, whose softmaxes no
+    `AttentionMode` (another monitor's, nested) takes for the model's attention. Under torch.compile
+    each graph has one mode traced into it, so there is nothing to mark."""
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    _OWN.depth = getattr(_OWN, "depth", 0) + 1
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _OWN.depth -= 1
+
+
+def _computing_own_statistics() -> bool:
+    return not torch.compiler.is_compiling() and getattr(_OWN, "depth", 0) > 0
+
+
 class AttentionMode(TorchFunctionMode):
     """Entered around a measured forward pass: passes SDPA calls and softmaxes over ``[B, H, Tq, Tk]``
     scores to ``monitor`` (``on_sdpa(call) -> out``, ``on_probs(scores, probs)``); every other call
@@ -180,7 +201,10 @@ class AttentionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.busy or (func is not _SDPA and func not in _SOFTMAXES) or _in_compiled_graph():
+        # fastdiag's statistics never call SDPA: an SDPA call inside them is the model's own, re-issued
+        # by an inner monitor's adapter, and measured here too; their softmaxes are never attention
+        if self.busy or (func is not _SDPA and (func not in _SOFTMAXES or _computing_own_statistics())) \
+                or _in_compiled_graph():
             return func(*args, **kwargs)
         self.busy = True
         try:

@@ -22,11 +22,17 @@ the traced frame. The root's begin/end hooks are `torch.compiler.disable`d, so t
 lives in plain Python, and the `AttentionMode` is entered only for a measured pass; everything inside
 the forward (submodule hooks, the mode) depends on that one fact, so a compiled model has two
 graphs, measured and not, and the unmeasured one is the model's own.
+
+Faults: a logger that raises is warned about, never breaks a step or `detach`; a forward pass that
+raises is not a step and leaves no record; a copy of the model (deepcopy, pickle, torch.save) gets
+inert hooks, no monitor; nested monitors share the zoo modules' original attributes and never take
+each other's statistics computations for attention.
 """
 from __future__ import annotations
 
 import itertools
 import sys
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -35,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from fastdiag import adapters
+from fastdiag.diagnostics import BACKENDS, head_stats, triton_available
 from fastdiag.qk import CHUNK_BYTES, sdpa_with_stats
-from fastdiag.diagnostics import BACKENDS, head_stats
 from fastdiag.stats import HeadStats, Summary, summarize
 
 __all__ = ["Monitor", "attach"]
@@ -53,11 +59,44 @@ _LOOKED_FOR = ("looked for fastdiag.models attention (class attribute records_he
 _MONITORS: dict[int, "Monitor"] = {}
 _IDS = itertools.count()
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, Monitor]" = weakref.WeakKeyDictionary()
+# fastdiag-model attention modules → their attributes as before any monitor, and the monitors holding
+# them (id → backend): nested monitors share one original, restored when the last one detaches
+_ZOO_SETTINGS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_ZOO_ATTRIBUTES = ("record", "stats", "diag_backend")
 
 
 def _eager(fn):
     """Never traced by torch.compile (a pass's begin and end: they read and write the step counter)."""
     return torch.compiler.disable(fn, recursive=True)
+
+
+def _no_op_hook(*args):
+    return None
+
+
+def _inert():
+    return _no_op_hook
+
+
+class _Hook:
+    """A monitor's hook as it sits in a module's hook dict. A copy of the module (``copy.deepcopy``,
+    pickle, ``torch.save``) gets a no-op in its place: a copy carries no monitor and is never measured."""
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __reduce__(self):
+        return _inert, ()
+
+
+class _EagerHook(_Hook):
+    """The root's begin and end: run by torch.compile outside the traced frame, never traced."""
+    __slots__ = ()
+    __call__ = _eager(_Hook.__call__)
 
 
 def _unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
@@ -109,6 +148,11 @@ class Monitor:
             raise ValueError(f"flush_every: expected a positive integer, got {flush_every!r}")
         if steps not in ("forward", "manual"):
             raise ValueError(f"steps: expected 'forward' or 'manual', got {steps!r}")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes: expected a positive integer (bytes), got {chunk_bytes!r}")
+        if backend == "triton" and not triton_available():
+            raise ValueError("backend: 'triton' needs triton and a CUDA device, or TRITON_INTERPRET=1 set "
+                             "before import to run the kernel in the interpreter")
         if not isinstance(strict, bool):
             raise TypeError(f"strict: expected a bool, got {type(strict).__name__}")
         model = _unwrap_compiled(model)
@@ -122,6 +166,7 @@ class Monitor:
         self.step = 0              # training passes seen; the next one has this index
         self._due = True           # the next training pass is measured (step % every == 0)
         self._measuring = False    # inside a measured pass: the one flag compiled code reads
+        self._pass_thread: int | None = None  # the thread whose pass is running; others' are not seen
         self._training = True
         self._mode = adapters.AttentionMode(self)
         self._mode_entered = False
@@ -136,7 +181,7 @@ class Monitor:
         self._latest: dict[str, HeadStats] | None = None
         self._latest_summary: Summary | None = None
         self._handles: list = []
-        self._saved: list = []                       # (module, attribute, value) to restore
+        self._zoo: list[torch.nn.Module] = []       # fastdiag-model attention whose attributes are set
         self._id = next(_IDS)
 
         modules = dict(model.named_modules())
@@ -157,17 +202,36 @@ class Monitor:
                 if m is model or name in self._kind or not adapters.is_torch_builtin(m):
                     self._hook(name, m, self._kind.get(name), root=m is model)
             for name, kind in self._kind.items():
-                if kind != "zoo":
-                    continue
-                m = modules[name]
-                for attr in ("record", "stats", "diag_backend"):
-                    if hasattr(m, attr):
-                        self._saved.append((m, attr, getattr(m, attr)))
-                if hasattr(m, "diag_backend"):
-                    m.diag_backend = backend
+                if kind == "zoo":
+                    self._hold_zoo_settings(modules[name])
         except BaseException:
             self.detach()
             raise
+
+    def _hold_zoo_settings(self, module: torch.nn.Module) -> None:
+        entry = _ZOO_SETTINGS.get(module)
+        if entry is None:
+            entry = _ZOO_SETTINGS[module] = {
+                "saved": {a: getattr(module, a) for a in _ZOO_ATTRIBUTES if hasattr(module, a)}, "holders": {}}
+        entry["holders"][self._id] = self.backend
+        self._zoo.append(module)
+        if hasattr(module, "diag_backend"):
+            module.diag_backend = self.backend
+
+    def _release_zoo_settings(self) -> None:
+        for module in self._zoo:
+            entry = _ZOO_SETTINGS.get(module)
+            if entry is None:
+                continue
+            entry["holders"].pop(self._id, None)
+            if entry["holders"]:  # a monitor attached before this one stays: its backend again
+                if hasattr(module, "diag_backend"):
+                    module.diag_backend = list(entry["holders"].values())[-1]
+                continue
+            for attr, value in entry["saved"].items():
+                setattr(module, attr, value)
+            del _ZOO_SETTINGS[module]
+        self._zoo = []
 
     @staticmethod
     def _select(layers, modules) -> set[str]:
@@ -213,18 +277,18 @@ class Monitor:
         record_at_attach = getattr(module, "record", False)
 
         def pre(mod, args, kwargs):
-            if not self._measuring:
+            if not self._measuring or self._other_thread():
                 return
             cross = any(kwargs.get(k) is not None for k in adapters.CROSS_ATTENTION_KWARGS)
             self._stack.append((name, cross))
             if selected and kind == "zoo":
                 mod.record = True
             elif selected and kind == "mha":
-                self._add(name, adapters.mha_head_stats(mod, args, kwargs, self.backend, self.chunk_bytes,
-                                                        self._padding), "mha")
+                self._add(name, adapters.own_statistics(adapters.mha_head_stats, mod, args, kwargs,
+                                                        self.backend, self.chunk_bytes, self._padding), "mha")
 
         def post(mod, args, output):
-            if not self._measuring:
+            if not self._measuring or self._other_thread():
                 return
             if self._stack:
                 self._stack.pop()
@@ -233,25 +297,35 @@ class Monitor:
                     self._add(name, mod.stats, "zoo")
                 mod.record = record_at_attach
 
-        self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        self._handles.append(module.register_forward_hook(post, always_call=True))
+        self._handles.append(module.register_forward_pre_hook(_Hook(pre), with_kwargs=True))
+        self._handles.append(module.register_forward_hook(_Hook(post), always_call=True))
         if root and self._auto:
             # Outermost: a pass begins before the stack hooks above and ends after them. These two
             # run eagerly even when the model is compiled (torch.compile(model) and model.compile()
             # call the root's hooks outside the traced frame), so the step counter is never traced.
-            @_eager
             def begin(mod, args, kwargs):
-                self._begin(mod.training)
+                if self._pass_thread is None:
+                    self._begin(mod.training)
 
-            @_eager
             def end(mod, args, output):
+                if self._other_thread():
+                    return
                 # always_call: also runs when the forward raised (output None, inside torch's except)
                 self._end(mod.training, raised=output is None and sys.exc_info()[0] is not None)
 
-            self._handles.append(module.register_forward_pre_hook(begin, with_kwargs=True, prepend=True))
-            self._handles.append(module.register_forward_hook(end, always_call=True))
+            self._handles.append(module.register_forward_pre_hook(_EagerHook(begin), with_kwargs=True,
+                                                                  prepend=True))
+            self._handles.append(module.register_forward_hook(_EagerHook(end), always_call=True))
+
+    def _other_thread(self) -> bool:
+        """Whether this hook runs in another thread than the pass in progress (an evaluation thread
+        running the same model): that pass is neither a step nor measured. Compiled code skips the
+        check (one thread per measured graph run)."""
+        return (not torch.compiler.is_compiling() and self._pass_thread is not None
+                and self._pass_thread != threading.get_ident())
 
     def _begin(self, training: bool) -> None:
+        self._pass_thread = threading.get_ident()
         self._training = training
         self._measuring = self._due if training else self.measure_eval
         self._stack = []
@@ -261,12 +335,13 @@ class Monitor:
             self._mode_entered = True
 
     def _end(self, training: bool, raised: bool = False) -> None:
+        self._pass_thread = None
         if self._mode_entered:
             self._mode_entered = False
             self._mode.__exit__(None, None, None)
         measured, self._measuring = self._measuring, False
         self._padding = None
-        self._finish(training, measured and not raised)
+        self._finish(training, measured, raised)
 
     def _add(self, name: str, stats: HeadStats, how: str) -> None:
         key, i = name or "<root>", 1
@@ -304,8 +379,8 @@ class Monitor:
                     hidden = adapters.masked(adapters.as_bhqk(attn_mask, (b,), h, tq, tk))
                     rows = adapters.real_positions(hidden).expand(b, tq)
                 rows = self._with_padding(rows, b, tq)
-        out, stats = sdpa_with_stats(**call, query_mask=rows, backend=self.backend,
-                                              chunk_bytes=self.chunk_bytes)
+        out, stats = adapters.own_statistics(sdpa_with_stats, **call, query_mask=rows,
+                                             backend=self.backend, chunk_bytes=self.chunk_bytes)
         self._add(name, stats, "sdpa")
         return out
 
@@ -320,17 +395,20 @@ class Monitor:
         rows = adapters.sees_a_key(hidden)
         if not cross and tq == tk:
             rows = self._with_padding(rows & adapters.real_positions(hidden), b, tq)
-        self._add(name, head_stats(probs.detach(), rows, backend=self.backend), "probabilities")
+        self._add(name, adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend),
+                  "probabilities")
 
     # ---- end of a pass: eager, outside any compiled graph ---------------------------------------
 
-    def _finish(self, training: bool, check_coverage: bool) -> None:
+    def _finish(self, training: bool, measured: bool, raised: bool = False) -> None:
         pending, self._pending = self._pending, {}
         step = self.step
+        if raised:  # not a step: nothing recorded (part of a pass is no number), the next pass is due again
+            return
         if training:
             self.step += 1
             self._due = self.step % self.every == 0
-        if check_coverage:  # not after a pass that raised: what it did not reach is not missing
+        if measured:  # not after a pass that raised: what it did not reach is not missing
             self._check_coverage(step)
         if pending:
             self._record(step, "train" if training else "eval", pending)
@@ -431,16 +509,26 @@ class Monitor:
         return len(self._records)
 
     def flush(self) -> None:
-        """Send every record not yet logged to the logger (one host sync for all of them)."""
+        """Send every record not yet logged to the logger (one host sync for all of them). A logger
+        that raises (a full disk) is warned about and never breaks the training step or `detach`:
+        the records it did not take stay in `history` and are sent again at the next flush."""
         self._to_host()
         if self._log is None:
             return
-        for r in self._records:
-            if not r.logged:
-                prefix = "fastdiag/" if r.mode == "train" else "fastdiag_eval/"
-                self._log(r.step, {prefix + k: v for k, v in r.host.items() if k not in ("step", "mode")})
-                r.logged = True
         self._unlogged = 0
+        for r in self._records:
+            if r.logged:
+                continue
+            prefix = "fastdiag/" if r.mode == "train" else "fastdiag_eval/"
+            try:
+                self._log(r.step, {prefix + k: v for k, v in r.host.items() if k not in ("step", "mode")})
+            except Exception as error:  # noqa: BLE001 - any logger failure; KeyboardInterrupt passes
+                waiting = [w.step for w in self._records if not w.logged]
+                warnings.warn(f"fastdiag.attach: the logger raised {type(error).__name__}: {error}; the "
+                              f"records of steps {waiting} are not logged yet (kept in Monitor.history(), "
+                              "sent again at the next flush)", RuntimeWarning, stacklevel=2)
+                return
+            r.logged = True
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -458,9 +546,8 @@ class Monitor:
             if self._mode_entered:  # detached inside a measured pass
                 self._mode_entered = False
                 self._mode.__exit__(None, None, None)
-            for module, attr, value in self._saved:
-                setattr(module, attr, value)
-            self._handles, self._saved = [], []
+            self._release_zoo_settings()
+            self._handles = []
             self._measuring = False
             _MONITORS.pop(self._id, None)
             if _ATTACHED.get(self.model) is self:
