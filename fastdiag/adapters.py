@@ -31,7 +31,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from fastdiag.qk import CHUNK_BYTES, qk_head_stats
 from fastdiag.stats import HeadStats
@@ -183,6 +183,23 @@ def own_statistics(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     finally:
         _OWN.depth -= 1
+
+
+def outer_attention_mode() -> bool:
+    """Whether another monitor's `AttentionMode` is entered outside the one now handling a call
+    (nested monitors on one model)."""
+    return any(isinstance(mode, AttentionMode) for mode in _get_current_function_mode_stack())
+
+
+def sdpa_reissued_with_stats(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                             enable_gqa=False, *, query_mask=None, backend="auto", chunk_bytes=CHUNK_BYTES):
+    """`sdpa_with_stats` for nested monitors: the output from ``F.scaled_dot_product_attention``
+    itself, so that the outer monitor's mode sees the model's call (a fused op with its LSE would
+    hide it), and the statistics from Q and K with our own row log-sum-exp."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                         enable_gqa=enable_gqa)
+    stats = qk_head_stats(query, key, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask=query_mask)
+    return out, stats
 
 
 def _computing_own_statistics() -> bool:

@@ -379,8 +379,9 @@ class Monitor:
                     hidden = adapters.masked(adapters.as_bhqk(attn_mask, (b,), h, tq, tk))
                     rows = adapters.real_positions(hidden).expand(b, tq)
                 rows = self._with_padding(rows, b, tq)
-        out, stats = adapters.own_statistics(sdpa_with_stats, **call, query_mask=rows,
-                                             backend=self.backend, chunk_bytes=self.chunk_bytes)
+        measure = adapters.sdpa_reissued_with_stats if adapters.outer_attention_mode() else sdpa_with_stats
+        out, stats = adapters.own_statistics(measure, **call, query_mask=rows, backend=self.backend,
+                                             chunk_bytes=self.chunk_bytes)
         self._add(name, stats, "sdpa")
         return out
 
