@@ -1,4 +1,5 @@
 import os
+import signal
 
 # The fused kernel runs in Triton's interpreter on machines without CUDA; this must be set before
 # anything imports triton.
@@ -8,6 +9,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# A test run started in the background (`cmd &`, nohup) inherits SIGINT ignored, and so would every
+# process the signal tests start; those tests check what a user's Ctrl-C does, so give it back.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 import pytest  # noqa: E402
