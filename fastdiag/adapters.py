@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from fastdiag.qk import CHUNK_BYTES, qk_head_stats
+from fastdiag.qk import CHUNK_BYTES, qk_head_stats, visible
 from fastdiag.stats import HeadStats
 
 
@@ -41,10 +41,9 @@ from fastdiag.stats import HeadStats
 # ---- masks and valid query rows -----------------------------------------------------------------
 
 def masked(mask: torch.Tensor) -> torch.Tensor:
-    """True where a bool (True = may attend) or additive mask, or a score tensor, masks the entry."""
-    if mask.dtype == torch.bool:
-        return ~mask
-    return mask <= torch.finfo(mask.dtype).min / 2  # −inf included
+    """True where a bool (True = may attend) or additive mask, or a score tensor, masks the entry:
+    the one rule of `fastdiag.qk.visible`."""
+    return ~visible(mask)
 
 
 def sees_a_key(hidden: torch.Tensor) -> torch.Tensor:

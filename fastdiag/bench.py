@@ -185,23 +185,19 @@ def bench_step(name: str, factory, device: torch.device, blocks: int = 15, block
     """Blocks of ``block_steps`` training steps without fastdiag, with attach(every=10) and with
     attach(every=1), in rotating order on ONE model and optimizer: no variant gets a luckier copy
     of the weights in memory, and slow drifts of the machine hit all variants alike."""
-    import fastdiag
-
     model, batch, targets, last_only = factory()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     variants = {"base": None, "every10": 10, "every1": 1}
 
     def run_block(every):
-        monitor = fastdiag.attach(model, every=every) if every else None
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        monitor = attach(model, every=every) if every else None
+        _sync(device)
         t0 = time.perf_counter()
         for _ in range(block_steps):
             _training_step(model, batch, targets, opt, last_only)
         if monitor is not None:
             monitor.latest()   # the statistics are really computed and readable (one sync)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
         elapsed = (time.perf_counter() - t0) * 1e3 / block_steps
         if monitor is not None:
             monitor.detach()
@@ -463,13 +459,11 @@ def bench_arch_steps(device: torch.device, blocks: int = 15, block_steps: int = 
 
     def run_block(name: str) -> float:
         model, opt = setups[name]
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
         t0 = time.perf_counter()
         for _ in range(block_steps):
             _training_step(model, batch, targets, opt, True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
         return (time.perf_counter() - t0) * 1e3 / block_steps
 
     names = list(setups)
