@@ -36,6 +36,7 @@ from .head_stats_ref import causal_keys, head_stats_torch
 from .report import ReportCase, register
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_TINY = tl.constexpr(2.0 ** -126)   # the smallest normal fp32
 
 
 @triton.jit
@@ -48,14 +49,49 @@ def _log2(x, FAST_LOG2: tl.constexpr):
 
 
 @triton.jit
+def _quarters(t):
+    """The four quarters of the head axis of ``t [BLOCK_H, S]``: ``[BLOCK_H // 4, S]`` each, heads
+    g·BLOCK_H/4 ... for g = 0..3. A reshape and two splits of a register dimension: no data moves."""
+    Q: tl.constexpr = t.shape[0] // 4
+    S: tl.constexpr = t.shape[1]
+    t = tl.reshape(tl.permute(tl.reshape(t, (4, Q, S)), (1, 2, 0)), (Q, S, 2, 2))
+    even, odd = tl.split(t)            # quarters (0, 2) and (1, 3)
+    t0, t2 = tl.split(even)
+    t1, t3 = tl.split(odd)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _accumulate(entropy, highest, xf, ok, n_f, log2_n, c, MASKED: tl.constexpr, FAST_LOG2: tl.constexpr):
+    # n x + 2^-126 (one FFMA): log2 finite at x = 0, where the term is 0 · finite; NaN for x < 0,
+    # which makes the program's entropy non-finite, counted as a bad entry
+    log2_nx = _log2(tl.fma(xf, n_f, _TINY), FAST_LOG2)
+    term = tl.fma(-xf, log2_nx, tl.fma(xf, log2_n, -c))
+    if MASKED:
+        entropy += tl.where(ok, term, 0.0)
+    else:
+        entropy += term          # rows and heads out of range are dropped once, after the loop
+    # x > 1, +inf and NaN (the NaN-propagating max keeps it); x < 0 shows as a NaN entropy
+    highest = tl.maximum(highest, xf, propagate_nan=tl.PropagateNan.ALL)
+    return entropy, highest
+
+
+@triton.jit
+def _finish(entropy, highest, ok):
+    """Per-head entropy sums of a register tile, and its worst entry (2 for NaN)."""
+    entropy = tl.sum(tl.where(ok, entropy, 0.0), axis=1)
+    return entropy, tl.max(tl.max(tl.where(highest == highest, highest, 2.0), axis=1), axis=0)
+
+
+@triton.jit
 def _head_stats_kernel(
-    gram_part_ptr, entropy_part_ptr, lowest_part_ptr,   # outputs: [P, H, H], [P, H], [P]
-    probs_ptr, mask_ptr, row_ref_ptr,                   # row_ref: [3, Tq] fp32 n, 1/n, log2 n per query row
+    gram_part_ptr, entropy_part_ptr, worst_part_ptr,    # outputs: [P, H, H], [P, H], [P]
+    probs_ptr, mask_ptr, row_ref_ptr,                   # row_ref: [3, Tq] fp32 n, log2 n, log2(n)/n per row
     H, Tq, Tk, rows_per_problem, tiles_per_problem, causal_offset,
     stride_pn, stride_pb, stride_ph, stride_pq, stride_pk,
     stride_mn, stride_mb, stride_mq,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_K: tl.constexpr, GRAM_DOT: tl.constexpr,
-    FAST_LOG2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    FAST_LOG2: tl.constexpr, QUARTERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     problem = pid // tiles_per_problem
@@ -72,13 +108,13 @@ def _head_stats_kernel(
         keep = tl.load(mask_ptr + problem * stride_mn + b * stride_mb + q * stride_mq, mask=row_ok, other=0)
         row_ok = row_ok & (keep != 0)
 
-    # The row's reference key count n: its entropy is accumulated as h - log n (see head_stats_ref),
-    # small terms for rows near uniform over their n keys. Keys past n are not read. In log2 units:
-    # term = (p - 1/n) log2 n - p log2(n p); the launcher adds n (1/n) log2 n back (same fp32 values)
-    # and multiplies by ln 2 in float64.
+    # The row's reference key count n: its entropy is accumulated relative to log n (see head_stats_ref),
+    # small terms for rows near uniform over their n keys. Keys past n are not read. In log2 units,
+    # term = (x log2 n - c) - x log2(n x) with c = log2(n) / n in fp32, one rounding each near zero; the
+    # launcher adds n c back (the same fp32 c, in float64) and multiplies by ln 2.
     n_f = tl.load(row_ref_ptr + q)[None, :]
-    inv_n = tl.load(row_ref_ptr + Tq + q)[None, :]
-    log2_n = tl.load(row_ref_ptr + 2 * Tq + q)[None, :]
+    log2_n = tl.load(row_ref_ptr + Tq + q)[None, :]
+    c = tl.load(row_ref_ptr + 2 * Tq + q)[None, :]
     if CAUSAL:
         n_keys = tl.minimum(tl.maximum(q + causal_offset + 1, 0), Tk)
         key_end = tl.max(tl.where(row_ok, n_keys, 0), axis=0)
@@ -92,15 +128,26 @@ def _head_stats_kernel(
             + head[:, None] * stride_ph + (b * stride_pb + q * stride_pq)[None, :] + key_offset[None, :] * stride_pk)
 
     gram = tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float32)
-    cross = tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float32)   # hi·loᵀ of the TF32 split
-    # Register tiles, reduced once after the loop: no cross-thread reduction per iteration.
-    entropy = tl.zeros((BLOCK_H, BLOCK_R * BLOCK_K), dtype=tl.float32)
-    lowest = tl.zeros((BLOCK_H, BLOCK_R * BLOCK_K), dtype=tl.float32)
+    split_gram = tl.zeros((2 * BLOCK_H, BLOCK_H), dtype=tl.float32)   # [hi·hiᵀ; lo·hiᵀ] of the TF32 split
+    # Register tiles, reduced once after the loop: no cross-thread reduction per iteration. The
+    # elementwise work runs on the QUARTERS quarters of the head axis that hold real heads (H = 12:
+    # three of four), only the dot sees the padded slab.
+    Q: tl.constexpr = BLOCK_H // 4
+    S: tl.constexpr = BLOCK_R * BLOCK_K
+    e0 = tl.zeros((Q, S), dtype=tl.float32)
+    e1 = tl.zeros((Q, S), dtype=tl.float32)
+    e2 = tl.zeros((Q, S), dtype=tl.float32)
+    e3 = tl.zeros((Q, S), dtype=tl.float32)
+    m0 = tl.zeros((Q, S), dtype=tl.float32)
+    m1 = tl.zeros((Q, S), dtype=tl.float32)
+    m2 = tl.zeros((Q, S), dtype=tl.float32)
+    m3 = tl.zeros((Q, S), dtype=tl.float32)
+    MASKED: tl.constexpr = CAUSAL or not EVEN_K
     for k0 in range(0, key_end, BLOCK_K):
-        if EVEN_K and not CAUSAL:
-            ok = slab_ok
-        else:
+        if MASKED:
             ok = slab_ok & (k0 + key_offset < n_keys)[None, :]
+        else:
+            ok = slab_ok
         x = tl.load(ptrs + k0 * stride_pk, mask=ok, other=0.0)
         xf = x.to(tl.float32)
         if GRAM_DOT == "input":
@@ -111,26 +158,44 @@ def _head_stats_kernel(
             # lo = x - hi; G = hi·hiᵀ + M + Mᵀ with M = hi·loᵀ (lo·loᵀ, ~2^-22 relative, dropped).
             hi = (xf.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
             lo = xf - hi
-            gram += tl.dot(hi, tl.trans(hi), input_precision="tf32")
-            cross += tl.dot(hi, tl.trans(lo), input_precision="tf32")
+            # One dot [hi; lo]·hiᵀ = [hi·hiᵀ; lo·hiᵀ]: two dots sharing an operand would make Triton
+            # give every warp the whole 16-row tile (4 warps: 4 times the tensor-core work)
+            stacked = tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), (2 * BLOCK_H, BLOCK_R * BLOCK_K))
+            split_gram += tl.dot(stacked, tl.trans(hi), input_precision="tf32")
         else:
             gram += tl.dot(xf, tl.trans(xf), input_precision="ieee")
-        term = (xf - inv_n) * log2_n - xf * _log2(tl.maximum(xf * n_f, 1e-30), FAST_LOG2)
-        if EVEN_K and not CAUSAL:
-            entropy += term          # rows and heads out of range are dropped once, after the loop
-        else:
-            entropy += tl.where(ok, term, 0.0)
-        # x - x² < 0 exactly when x is outside [0, 1]; NaN for NaN and ±inf, kept by the NaN-propagating min
-        lowest = tl.minimum(lowest, xf - xf * xf, propagate_nan=tl.PropagateNan.ALL)
+        x0, x1, x2, x3 = _quarters(xf)
+        ok0, ok1, ok2, ok3 = _quarters(ok)
+        e0, m0 = _accumulate(e0, m0, x0, ok0, n_f, log2_n, c, MASKED, FAST_LOG2)
+        if QUARTERS > 1:
+            e1, m1 = _accumulate(e1, m1, x1, ok1, n_f, log2_n, c, MASKED, FAST_LOG2)
+        if QUARTERS > 2:
+            e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, c, MASKED, FAST_LOG2)
+        if QUARTERS > 3:
+            e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, c, MASKED, FAST_LOG2)
 
-    gram += cross + tl.trans(cross)
-    entropy = tl.sum(tl.where(slab_ok, entropy, 0.0), axis=1)
-    lowest = tl.min(tl.min(tl.where(lowest == lowest, lowest, -1.0), axis=1), axis=0)   # NaN -> -1 first
+    if GRAM_DOT == "tf32-split":
+        hi_hi, lo_hi = tl.split(tl.permute(tl.reshape(split_gram, (2, BLOCK_H, BLOCK_H)), (1, 2, 0)))
+        gram = hi_hi + lo_hi + tl.trans(lo_hi)
+    ok0, ok1, ok2, ok3 = _quarters(slab_ok)
+    e0, w0 = _finish(e0, m0, ok0)
+    e1, w1 = _finish(e1, m1, ok1)
+    e2, w2 = _finish(e2, m2, ok2)
+    e3, w3 = _finish(e3, m3, ok3)
+    # One number per program, > 1 when it saw a bad entry: the largest entry, 2 for NaN or a
+    # non-finite entropy
+    worst = tl.maximum(tl.maximum(w0, w1), tl.maximum(w2, w3))
+    total = tl.sum(e0, axis=0) + tl.sum(e1, axis=0) + tl.sum(e2, axis=0) + tl.sum(e3, axis=0)
+    worst = tl.where(total - total == 0, worst, 2.0)
+    quarter_h = tl.arange(0, Q)
+    tl.store(entropy_part_ptr + pid * H + quarter_h, e0, mask=quarter_h < H)
+    tl.store(entropy_part_ptr + pid * H + Q + quarter_h, e1, mask=Q + quarter_h < H)
+    tl.store(entropy_part_ptr + pid * H + 2 * Q + quarter_h, e2, mask=2 * Q + quarter_h < H)
+    tl.store(entropy_part_ptr + pid * H + 3 * Q + quarter_h, e3, mask=3 * Q + quarter_h < H)
     out_h = tl.arange(0, BLOCK_H)
     gram_ptrs = gram_part_ptr + pid * H * H + out_h[:, None] * H + out_h[None, :]
     tl.store(gram_ptrs, gram, mask=(out_h[:, None] < H) & (out_h[None, :] < H))
-    tl.store(entropy_part_ptr + pid * H + out_h, entropy, mask=out_h < H)
-    tl.store(lowest_part_ptr + pid, lowest)
+    tl.store(worst_part_ptr + pid, worst)
 
 
 # Slab of about this many elements per program: enough work per load, few enough registers for the
@@ -141,8 +206,8 @@ _SLAB_ELEMENTS = 4096
 def _block_sizes(h: int, rows: int, tk: int, element_bytes: int) -> tuple[int, int, int]:
     block_h = max(16, triton.next_power_of_2(h))               # tl.dot needs >= 16
     slab = _SLAB_ELEMENTS // block_h
-    if element_bytes == 4 and tk < 64:
-        slab //= 2   # short fp32 rows: per-column row data and the TF32 split's tiles spill at 256 columns
+    if element_bytes == 4:
+        slab //= 2   # fp32: the TF32 split's stacked [hi; lo] operand doubles the dot's registers
     block_k = min(256, max(1, triton.next_power_of_2(tk)), slab)
     block_r = max(1, min(slab // block_k, triton.next_power_of_2(rows)))
     block_r = max(block_r, triton.cdiv(16, block_k))           # slab width >= 16 for tl.dot
@@ -150,16 +215,16 @@ def _block_sizes(h: int, rows: int, tk: int, element_bytes: int) -> tuple[int, i
 
 
 def row_references(tq: int, tk: int, causal: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query row: the kernel's table ``[3, Tq]`` fp32 (n, 1/n, log2 n; n = the keys the row may
-    see, at least 1) and, float64 ``[Tq]``, the reference ``n · (1/n) · log2 n`` computed from those
-    same fp32 values, which the kernel leaves out of each row's entropy (log2 units)."""
+    """Per query row: the kernel's table ``[3, Tq]`` fp32 (n, log2 n, c = log2(n) / n; n = the keys the
+    row may see, at least 1) and, float64 ``[Tq]``, the reference ``n · c`` computed from that same fp32
+    c, which the kernel leaves out of each row's entropy (log2 units)."""
     n_keys = torch.full((tq,), tk, dtype=torch.float64, device=device)
     if causal:
         q = torch.arange(tq, dtype=torch.float64, device=device)
         n_keys = (q + causal_keys(tq, tk) + 1).clamp(0, tk)
     n_keys = n_keys.clamp_min(1)
-    table = torch.stack([n_keys, 1 / n_keys, n_keys.log2()]).float()
-    return table, n_keys * table[1].double() * table[2].double()
+    table = torch.stack([n_keys, n_keys.log2(), n_keys.log2() / n_keys]).float()
+    return table, n_keys * table[2].double()
 
 
 def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = None, causal: bool = False):
@@ -173,7 +238,7 @@ def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
     device = probs.device
     gram_part = torch.empty(programs, h, h, dtype=torch.float32, device=device)
     entropy_part = torch.empty(programs, h, dtype=torch.float32, device=device)
-    lowest_part = torch.empty(programs, dtype=torch.float32, device=device)   # min of x - x², NaN -> -1
+    worst_part = torch.empty(programs, dtype=torch.float32, device=device)    # > 1: saw a bad entry
     if query_mask is not None:
         valid = query_mask.expand(n, b, tq)
         mask, mask_strides = valid.view(torch.uint8), valid.stride()
@@ -188,18 +253,18 @@ def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
         gram_dot = "ieee"
     row_table, row_reference = row_references(tq, tk, causal, device)
     _head_stats_kernel[(programs,)](
-        gram_part, entropy_part, lowest_part,
+        gram_part, entropy_part, worst_part,
         probs, mask, row_table,
         h, tq, tk, rows, tiles, causal_keys(tq, tk),
         *probs.stride(), *mask_strides,
         HAS_MASK=query_mask is not None, CAUSAL=causal, EVEN_K=tk % block_k == 0,
         GRAM_DOT=gram_dot, FAST_LOG2=not INTERPRETING,
-        BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_K=block_k,
+        QUARTERS=triton.cdiv(h, block_h // 4), BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_K=block_k,
     )
     gram = gram_part.view(n, tiles, h, h).sum(1, dtype=torch.float64).float()
     reference = (valid.to(torch.float64) * row_reference).sum(dim=(1, 2))
     entropy_sum = (entropy_part.view(n, tiles, h).sum(1, dtype=torch.float64) + reference[:, None]) * math.log(2)
-    invalid = (lowest_part.view(n, tiles) < 0).sum(1).to(torch.float32)   # programs that saw a bad entry
+    invalid = (worst_part.view(n, tiles) > 1).sum(1).to(torch.float32)    # programs that saw a bad entry
     valid_rows = valid.sum(dim=(1, 2)).to(torch.float32)
     return gram, entropy_sum, valid_rows, invalid
 
