@@ -70,62 +70,38 @@ def _accumulate(entropy, highest, xf, ok, n_f, log2_n, c, MASKED: tl.constexpr, 
     if MASKED:
         entropy += tl.where(ok, term, 0.0)
     else:
-        entropy += term          # rows and heads out of range are dropped once, after the loop
+        entropy += term          # 0 in invalid rows; padded heads are not stored
     # x > 1, +inf and NaN (the NaN-propagating max keeps it); x < 0 shows as a NaN entropy
     highest = tl.maximum(highest, xf, propagate_nan=tl.PropagateNan.ALL)
     return entropy, highest
 
 
 @triton.jit
-def _finish(entropy, highest, ok):
+def _finish(entropy, highest):
     """Per-head entropy sums of a register tile, and its worst entry (2 for NaN)."""
-    entropy = tl.sum(tl.where(ok, entropy, 0.0), axis=1)
-    return entropy, tl.max(tl.max(tl.where(highest == highest, highest, 2.0), axis=1), axis=0)
+    return tl.sum(entropy, axis=1), tl.max(tl.max(tl.where(highest == highest, highest, 2.0), axis=1), axis=0)
 
 
 @triton.jit
 def _head_stats_kernel(
     gram_part_ptr, entropy_part_ptr, worst_part_ptr,    # outputs: [P, H, H], [P, H], [P]
     probs_ptr, mask_ptr, row_ref_ptr,                   # row_ref: [3, Tq] fp32 n, log2 n, log2(n)/n per row
-    H, Tq, Tk, rows_per_problem, tiles_per_problem, causal_offset,
+    H, Tq, Tk, rows_per_problem, tiles_per_problem, causal_offset,      # program grid: [P, N]
     stride_pn, stride_pb, stride_ph, stride_pq, stride_pk,
     stride_mn, stride_mb, stride_mq,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_K: tl.constexpr, GRAM_DOT: tl.constexpr,
     FAST_LOG2: tl.constexpr, QUARTERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    problem = pid // tiles_per_problem
-    tile = pid % tiles_per_problem
-
+    # Persistent: program p of a problem takes its row tiles p, p + P, p + 2P, ... and keeps its sums
+    # in registers across them; one store per program at the end.
+    program = tl.program_id(0).to(tl.int64)
+    problem = tl.program_id(1).to(tl.int64)
+    programs = tl.num_programs(0)
+    MASKED: tl.constexpr = CAUSAL or not EVEN_K
+    head = tl.arange(0, BLOCK_H)
     # Column j of the slab is (row r, key offset kk); BLOCK_K is a power of two, so // and % are shifts.
     j = tl.arange(0, BLOCK_R * BLOCK_K)
-    row = tile * BLOCK_R + j // BLOCK_K
     key_offset = j % BLOCK_K
-    b = row // Tq
-    q = row % Tq
-    row_ok = row < rows_per_problem
-    if HAS_MASK:
-        keep = tl.load(mask_ptr + problem * stride_mn + b * stride_mb + q * stride_mq, mask=row_ok, other=0)
-        row_ok = row_ok & (keep != 0)
-
-    # The row's reference key count n: its entropy is accumulated relative to log n (see head_stats_ref),
-    # small terms for rows near uniform over their n keys. Keys past n are not read. In log2 units,
-    # term = (x log2 n - c) - x log2(n x) with c = log2(n) / n in fp32, one rounding each near zero; the
-    # launcher adds n c back (the same fp32 c, in float64) and multiplies by ln 2.
-    n_f = tl.load(row_ref_ptr + q)[None, :]
-    log2_n = tl.load(row_ref_ptr + Tq + q)[None, :]
-    c = tl.load(row_ref_ptr + 2 * Tq + q)[None, :]
-    if CAUSAL:
-        n_keys = tl.minimum(tl.maximum(q + causal_offset + 1, 0), Tk)
-        key_end = tl.max(tl.where(row_ok, n_keys, 0), axis=0)
-    else:
-        n_keys = Tk
-        key_end = Tk
-
-    head = tl.arange(0, BLOCK_H)
-    slab_ok = (head < H)[:, None] & row_ok[None, :]
-    ptrs = (probs_ptr + problem * stride_pn
-            + head[:, None] * stride_ph + (b * stride_pb + q * stride_pq)[None, :] + key_offset[None, :] * stride_pk)
 
     gram = tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float32)
     split_gram = tl.zeros((2 * BLOCK_H, BLOCK_H), dtype=tl.float32)   # [hi·hiᵀ; lo·hiᵀ] of the TF32 split
@@ -142,60 +118,86 @@ def _head_stats_kernel(
     m1 = tl.zeros((Q, S), dtype=tl.float32)
     m2 = tl.zeros((Q, S), dtype=tl.float32)
     m3 = tl.zeros((Q, S), dtype=tl.float32)
-    MASKED: tl.constexpr = CAUSAL or not EVEN_K
-    for k0 in range(0, key_end, BLOCK_K):
-        if MASKED:
-            ok = slab_ok & (k0 + key_offset < n_keys)[None, :]
+    for tile in range(program, tiles_per_problem, programs):
+        row = tile * BLOCK_R + j // BLOCK_K
+        b = row // Tq
+        q = row % Tq
+        row_ok = row < rows_per_problem
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + problem * stride_mn + b * stride_mb + q * stride_mq, mask=row_ok, other=0)
+            row_ok = row_ok & (keep != 0)
+
+        # The row's reference key count n: its entropy is accumulated relative to log n (see
+        # head_stats_ref), small terms for rows near uniform over their n keys. Keys past n are not
+        # read. In log2 units, term = (x log2 n - c) - x log2(n x) with c = log2(n) / n in fp32, one
+        # rounding each near zero; the launcher adds n c back (the same fp32 c, in float64) and
+        # multiplies by ln 2. Invalid rows read x = 0 and get log2 n = c = 0: their terms are 0.
+        n_f = tl.load(row_ref_ptr + q, mask=row_ok, other=1.0)[None, :]
+        log2_n = tl.load(row_ref_ptr + Tq + q, mask=row_ok, other=0.0)[None, :]
+        c = tl.load(row_ref_ptr + 2 * Tq + q, mask=row_ok, other=0.0)[None, :]
+        if CAUSAL:
+            n_keys = tl.minimum(tl.maximum(q + causal_offset + 1, 0), Tk)
+            key_end = tl.max(tl.where(row_ok, n_keys, 0), axis=0)
         else:
-            ok = slab_ok
-        x = tl.load(ptrs + k0 * stride_pk, mask=ok, other=0.0)
-        xf = x.to(tl.float32)
-        if GRAM_DOT == "input":
-            # 16-bit products are exact in fp32; the tensor cores accumulate in fp32
-            gram += tl.dot(x, tl.trans(x))
-        elif GRAM_DOT == "tf32-split":
-            # fp32 on tensor cores: hi = x with the low 13 mantissa bits cleared (exact in TF32),
-            # lo = x - hi; G = hi·hiᵀ + M + Mᵀ with M = hi·loᵀ (lo·loᵀ, ~2^-22 relative, dropped).
-            hi = (xf.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-            lo = xf - hi
-            # One dot [hi; lo]·hiᵀ = [hi·hiᵀ; lo·hiᵀ]: two dots sharing an operand would make Triton
-            # give every warp the whole 16-row tile (4 warps: 4 times the tensor-core work)
-            stacked = tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), (2 * BLOCK_H, BLOCK_R * BLOCK_K))
-            split_gram += tl.dot(stacked, tl.trans(hi), input_precision="tf32")
-        else:
-            gram += tl.dot(xf, tl.trans(xf), input_precision="ieee")
-        x0, x1, x2, x3 = _quarters(xf)
-        ok0, ok1, ok2, ok3 = _quarters(ok)
-        e0, m0 = _accumulate(e0, m0, x0, ok0, n_f, log2_n, c, MASKED, FAST_LOG2)
-        if QUARTERS > 1:
-            e1, m1 = _accumulate(e1, m1, x1, ok1, n_f, log2_n, c, MASKED, FAST_LOG2)
-        if QUARTERS > 2:
-            e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, c, MASKED, FAST_LOG2)
-        if QUARTERS > 3:
-            e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, c, MASKED, FAST_LOG2)
+            n_keys = Tk
+            key_end = Tk
+
+        slab_ok = (head < H)[:, None] & row_ok[None, :]
+        ptrs = (probs_ptr + problem * stride_pn + head[:, None] * stride_ph
+                + (b * stride_pb + q * stride_pq)[None, :] + key_offset[None, :] * stride_pk)
+        for k0 in range(0, key_end, BLOCK_K):
+            if MASKED:
+                ok = slab_ok & (k0 + key_offset < n_keys)[None, :]
+            else:
+                ok = slab_ok
+            x = tl.load(ptrs + k0 * stride_pk, mask=ok, other=0.0)
+            xf = x.to(tl.float32)
+            if GRAM_DOT == "input":
+                # 16-bit products are exact in fp32; the tensor cores accumulate in fp32
+                gram += tl.dot(x, tl.trans(x))
+            elif GRAM_DOT == "tf32-split":
+                # fp32 on tensor cores: hi = x with the low 13 mantissa bits cleared (exact in TF32),
+                # lo = x - hi; G = hi·hiᵀ + M + Mᵀ with M = hi·loᵀ (lo·loᵀ, ~2^-22 relative, dropped).
+                hi = (xf.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+                lo = xf - hi
+                # One dot [hi; lo]·hiᵀ = [hi·hiᵀ; lo·hiᵀ]: two dots sharing an operand would make Triton
+                # give every warp the whole 16-row tile (4 warps: 4 times the tensor-core work)
+                stacked = tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), (2 * BLOCK_H, BLOCK_R * BLOCK_K))
+                split_gram += tl.dot(stacked, tl.trans(hi), input_precision="tf32")
+            else:
+                gram += tl.dot(xf, tl.trans(xf), input_precision="ieee")
+            x0, x1, x2, x3 = _quarters(xf)
+            ok0, ok1, ok2, ok3 = _quarters(ok)
+            e0, m0 = _accumulate(e0, m0, x0, ok0, n_f, log2_n, c, MASKED, FAST_LOG2)
+            if QUARTERS > 1:
+                e1, m1 = _accumulate(e1, m1, x1, ok1, n_f, log2_n, c, MASKED, FAST_LOG2)
+            if QUARTERS > 2:
+                e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, c, MASKED, FAST_LOG2)
+            if QUARTERS > 3:
+                e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, c, MASKED, FAST_LOG2)
 
     if GRAM_DOT == "tf32-split":
         hi_hi, lo_hi = tl.split(tl.permute(tl.reshape(split_gram, (2, BLOCK_H, BLOCK_H)), (1, 2, 0)))
         gram = hi_hi + lo_hi + tl.trans(lo_hi)
-    ok0, ok1, ok2, ok3 = _quarters(slab_ok)
-    e0, w0 = _finish(e0, m0, ok0)
-    e1, w1 = _finish(e1, m1, ok1)
-    e2, w2 = _finish(e2, m2, ok2)
-    e3, w3 = _finish(e3, m3, ok3)
+    e0, w0 = _finish(e0, m0)
+    e1, w1 = _finish(e1, m1)
+    e2, w2 = _finish(e2, m2)
+    e3, w3 = _finish(e3, m3)
     # One number per program, > 1 when it saw a bad entry: the largest entry, 2 for NaN or a
     # non-finite entropy
     worst = tl.maximum(tl.maximum(w0, w1), tl.maximum(w2, w3))
     total = tl.sum(e0, axis=0) + tl.sum(e1, axis=0) + tl.sum(e2, axis=0) + tl.sum(e3, axis=0)
     worst = tl.where(total - total == 0, worst, 2.0)
+    part = problem * programs + program
     quarter_h = tl.arange(0, Q)
-    tl.store(entropy_part_ptr + pid * H + quarter_h, e0, mask=quarter_h < H)
-    tl.store(entropy_part_ptr + pid * H + Q + quarter_h, e1, mask=Q + quarter_h < H)
-    tl.store(entropy_part_ptr + pid * H + 2 * Q + quarter_h, e2, mask=2 * Q + quarter_h < H)
-    tl.store(entropy_part_ptr + pid * H + 3 * Q + quarter_h, e3, mask=3 * Q + quarter_h < H)
+    tl.store(entropy_part_ptr + part * H + quarter_h, e0, mask=quarter_h < H)
+    tl.store(entropy_part_ptr + part * H + Q + quarter_h, e1, mask=Q + quarter_h < H)
+    tl.store(entropy_part_ptr + part * H + 2 * Q + quarter_h, e2, mask=2 * Q + quarter_h < H)
+    tl.store(entropy_part_ptr + part * H + 3 * Q + quarter_h, e3, mask=3 * Q + quarter_h < H)
     out_h = tl.arange(0, BLOCK_H)
-    gram_ptrs = gram_part_ptr + pid * H * H + out_h[:, None] * H + out_h[None, :]
+    gram_ptrs = gram_part_ptr + part * H * H + out_h[:, None] * H + out_h[None, :]
     tl.store(gram_ptrs, gram, mask=(out_h[:, None] < H) & (out_h[None, :] < H))
-    tl.store(worst_part_ptr + pid, worst)
+    tl.store(worst_part_ptr + part, worst)
 
 
 # Slab of about this many elements per program: enough work per load, few enough registers for the
@@ -227,6 +229,39 @@ def row_references(tq: int, tk: int, causal: bool, device) -> tuple[torch.Tensor
     return table, n_keys * table[2].double()
 
 
+def _gram_dot(dtype: torch.dtype) -> str:
+    if dtype in (torch.float16, torch.bfloat16) and not INTERPRETING:
+        return "input"
+    if dtype == torch.float32:
+        return "tf32-split"       # under the interpreter too: the split's arithmetic is tested there
+    return "ieee"
+
+
+_NUM_WARPS = 4            # Triton's default; 8 would repeat the 16x16 dot in every warp
+_INTERPRETER_PROGRAMS = 3  # few programs under the interpreter, so that each takes several tiles
+_RESIDENT: dict = {}       # (device, constexprs) -> programs the GPU holds at once
+
+
+def _resident_programs(device: torch.device, args: tuple, constexprs: dict) -> int:
+    """SMs × programs per SM (registers, shared memory and threads of the compiled kernel), as in the
+    Triton softmax tutorial: a grid that is resident all at once, no tail wave."""
+    if device.type != "cuda":
+        return _INTERPRETER_PROGRAMS
+    key = (device.index, tuple(sorted(constexprs.items())))
+    if key not in _RESIDENT:
+        props = torch.cuda.get_device_properties(device)
+        kernel = _head_stats_kernel.warmup(*args, grid=(1, 1), num_warps=_NUM_WARPS, **constexprs)
+        kernel._init_handles()
+        threads = 32 * _NUM_WARPS
+        registers = triton.cdiv(kernel.n_regs, 8) * 8 * threads      # allocated per warp in steps of 256
+        per_sm = min(props.regs_per_multiprocessor // registers, props.max_threads_per_multi_processor // threads)
+        if kernel.metadata.shared:
+            shared = getattr(props, "shared_memory_per_multiprocessor", 0) or props.shared_memory_per_block_optin
+            per_sm = min(per_sm, shared // kernel.metadata.shared)
+        _RESIDENT[key] = props.multi_processor_count * max(1, per_sm)
+    return _RESIDENT[key]
+
+
 def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = None, causal: bool = False):
     """Launch the fused kernel. ``probs [N, B, H, Tq, Tk]``, ``query_mask`` bool ``[N or 1, B, Tq]``.
     ``causal``: keys after the causal diagonal are zero and are not read."""
@@ -234,37 +269,29 @@ def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
     rows = b * tq
     block_h, block_r, block_k = _block_sizes(h, rows, tk, probs.element_size())
     tiles = triton.cdiv(rows, block_r)
-    programs = n * tiles
     device = probs.device
-    gram_part = torch.empty(programs, h, h, dtype=torch.float32, device=device)
-    entropy_part = torch.empty(programs, h, dtype=torch.float32, device=device)
-    worst_part = torch.empty(programs, dtype=torch.float32, device=device)    # > 1: saw a bad entry
+    constexprs = dict(
+        HAS_MASK=query_mask is not None, CAUSAL=causal, EVEN_K=tk % block_k == 0,
+        GRAM_DOT=_gram_dot(probs.dtype), FAST_LOG2=not INTERPRETING,
+        QUARTERS=triton.cdiv(h, block_h // 4), BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_K=block_k)
     if query_mask is not None:
         valid = query_mask.expand(n, b, tq)
         mask, mask_strides = valid.view(torch.uint8), valid.stride()
     else:
         valid = torch.ones(1, 1, 1, dtype=torch.bool, device=device).expand(n, b, tq)
         mask, mask_strides = probs, (0, 0, 0)   # never read
-    if probs.dtype in (torch.float16, torch.bfloat16) and not INTERPRETING:
-        gram_dot = "input"
-    elif probs.dtype == torch.float32:
-        gram_dot = "tf32-split"       # under the interpreter too: the split's arithmetic is tested there
-    else:
-        gram_dot = "ieee"
     row_table, row_reference = row_references(tq, tk, causal, device)
-    _head_stats_kernel[(programs,)](
-        gram_part, entropy_part, worst_part,
-        probs, mask, row_table,
-        h, tq, tk, rows, tiles, causal_keys(tq, tk),
-        *probs.stride(), *mask_strides,
-        HAS_MASK=query_mask is not None, CAUSAL=causal, EVEN_K=tk % block_k == 0,
-        GRAM_DOT=gram_dot, FAST_LOG2=not INTERPRETING,
-        QUARTERS=triton.cdiv(h, block_h // 4), BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_K=block_k,
-    )
-    gram = gram_part.view(n, tiles, h, h).sum(1, dtype=torch.float64).float()
+    inputs = (probs, mask, row_table, h, tq, tk, rows, tiles, causal_keys(tq, tk), *probs.stride(), *mask_strides)
+    f32 = dict(dtype=torch.float32, device=device)
+    programs = min(tiles, max(1, _resident_programs(device, (*[torch.empty(0, **f32)] * 3, *inputs), constexprs) // n))
+    gram_part = torch.empty(n, programs, h, h, **f32)
+    entropy_part = torch.empty(n, programs, h, **f32)
+    worst_part = torch.empty(n, programs, **f32)         # per program: > 1 when it saw a bad entry
+    _head_stats_kernel[(programs, n)](gram_part, entropy_part, worst_part, *inputs, num_warps=_NUM_WARPS, **constexprs)
+    gram = gram_part.sum(1, dtype=torch.float64).float()
     reference = (valid.to(torch.float64) * row_reference).sum(dim=(1, 2))
-    entropy_sum = (entropy_part.view(n, tiles, h).sum(1, dtype=torch.float64) + reference[:, None]) * math.log(2)
-    invalid = (worst_part.view(n, tiles) > 1).sum(1).to(torch.float32)    # programs that saw a bad entry
+    entropy_sum = (entropy_part.sum(1, dtype=torch.float64) + reference[:, None]) * math.log(2)
+    invalid = (worst_part > 1).sum(1).to(torch.float32)    # programs that saw a bad entry
     valid_rows = valid.sum(dim=(1, 2)).to(torch.float32)
     return gram, entropy_sum, valid_rows, invalid
 
