@@ -49,6 +49,17 @@ def _log2(x, FAST_LOG2: tl.constexpr):
 
 
 @triton.jit
+def _to_float32(x, FAST_LOG2: tl.constexpr):
+    # bf16 -> fp32 is a 16-bit shift: one instruction per element from each packed pair (the generic
+    # conversion spends a second one on the odd half)
+    if FAST_LOG2 and x.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;", "=r,=r,r", [x],
+                                         dtype=tl.uint32, is_pure=True, pack=2).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def _quarters(t):
     """The four quarters of the head axis of ``t [BLOCK_H, S]``: ``[BLOCK_H // 4, S]`` each, heads
     g·BLOCK_H/4 ... for g = 0..3. A reshape and two splits of a register dimension: no data moves."""
@@ -151,7 +162,7 @@ def _head_stats_kernel(
             else:
                 ok = slab_ok
             x = tl.load(ptrs + k0 * stride_pk, mask=ok, other=0.0)
-            xf = x.to(tl.float32)
+            xf = _to_float32(x, FAST_LOG2)
             if GRAM_DOT == "input":
                 # 16-bit products are exact in fp32; the tensor cores accumulate in fp32
                 gram += tl.dot(x, tl.trans(x))
@@ -210,6 +221,8 @@ def _block_sizes(h: int, rows: int, tk: int, element_bytes: int) -> tuple[int, i
     slab = _SLAB_ELEMENTS // block_h
     if element_bytes == 4:
         slab //= 2   # fp32: the TF32 split's stacked [hi; lo] operand doubles the dot's registers
+    if tk < 64:
+        slab //= 2   # short rows: many rows per slab, each column carries its row's data
     block_k = min(256, max(1, triton.next_power_of_2(tk)), slab)
     block_r = max(1, min(slab // block_k, triton.next_power_of_2(rows)))
     block_r = max(block_r, triton.cdiv(16, block_k))           # slab width >= 16 for tl.dot
