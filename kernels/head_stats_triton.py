@@ -6,17 +6,20 @@ rows ``r = (b, q)`` and keys ``k``:
     gram[n, i, j]      = sum_{r, k} P[n, r, i, k] * P[n, r, j, k]
     entropy_sum[n, h]  = sum_{r, k} -P log P          (0 log 0 = 0)
 
-A program owns one problem ``n`` and a tile of ``BLOCK_R`` consecutive rows of the flattened
-(batch, query) index, with *all H heads* of that tile in registers. It walks the key axis in
-``BLOCK_K`` steps; each step loads an ``[H, BLOCK_R * BLOCK_K]`` slab once, feeds it to ``tl.dot``
-against its own transpose (the Gram update) and takes the entropy terms from the same registers,
-so ``P`` is read from memory exactly once. Per element the entropy costs one hardware log2 and a few
-FMAs (relative to the row's key count, see `head_stats_ref`) and the range check one FFMA
-(``x - x²`` is negative exactly outside [0, 1], NaN for NaN and ±inf) and a NaN-propagating min;
-both accumulate in register tiles reduced once per program. Each program writes its partial sums to a scratch
-buffer and torch adds the partials: deterministic, no atomics (which the interpreter covers
-poorly), nothing that depends on the values. Strides are honoured, so transposed or sliced
-inputs are read in place.
+The grid is persistent (as in Liger-Kernel's RMSNorm backward and the Triton softmax tutorial):
+``[P, N]`` programs, P = the programs the GPU holds at once divided among the N problems. Program p
+of problem n takes the row tiles p, p + P, ... (``BLOCK_R`` consecutive rows of the flattened
+(batch, query) index, *all H heads*) and walks each tile's keys in ``BLOCK_K`` steps; a step loads an
+``[H, BLOCK_R * BLOCK_K]`` slab once, feeds it to ``tl.dot`` against its own transpose (the Gram
+update) and takes the entropy terms from the same registers, so ``P`` is read from memory exactly
+once. Heads are padded to a power of two >= 16 for the dot only: the elementwise work runs on the
+quarters of the head axis that hold real heads (H = 12: three quarters of 4), split off in registers.
+Per element the entropy costs one hardware log2 and three FMAs (relative to the row's key count, see
+`head_stats_ref`), the range check one NaN-propagating max (x > 1, inf, NaN; x < 0 makes the log2
+NaN). Everything accumulates in registers across the program's tiles and is reduced and stored once
+per program; torch adds the per-program partials in float64: deterministic, no atomics (which the
+interpreter covers poorly), nothing that depends on the values. Strides are honoured, so
+transposed or sliced inputs are read in place.
 
 Layout: kernel -> launcher (`head_stats_triton`) -> `torch.library` op (`fastdiag::head_stats`,
 CUDA kernel registered, CPU falls back to the PyTorch path) so `torch.compile(fullgraph=True)` and
@@ -40,19 +43,19 @@ _TINY = tl.constexpr(2.0 ** -126)   # the smallest normal fp32
 
 
 @triton.jit
-def _log2(x, FAST_LOG2: tl.constexpr):
+def _log2(x, ON_GPU: tl.constexpr):
     # The hardware lg2 (MUFU.LG2) on the GPU; the interpreter has no libdevice.
-    if FAST_LOG2:
+    if ON_GPU:
         return libdevice.fast_log2f(x)
     else:
         return tl.log2(x)
 
 
 @triton.jit
-def _to_float32(x, FAST_LOG2: tl.constexpr):
+def _to_float32(x, ON_GPU: tl.constexpr):
     # bf16 -> fp32 is a 16-bit shift: one instruction per element from each packed pair (the generic
     # conversion spends a second one on the odd half)
-    if FAST_LOG2 and x.dtype == tl.bfloat16:
+    if ON_GPU and x.dtype == tl.bfloat16:
         return tl.inline_asm_elementwise("shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;", "=r,=r,r", [x],
                                          dtype=tl.uint32, is_pure=True, pack=2).to(tl.float32, bitcast=True)
     else:
@@ -73,10 +76,11 @@ def _quarters(t):
 
 
 @triton.jit
-def _accumulate(entropy, highest, xf, ok, n_f, log2_n, c, MASKED: tl.constexpr, FAST_LOG2: tl.constexpr):
-    # n x + 2^-126 (one FFMA): log2 finite at x = 0, where the term is 0 · finite; NaN for x < 0,
-    # which makes the program's entropy non-finite, counted as a bad entry
-    log2_nx = _log2(tl.fma(xf, n_f, _TINY), FAST_LOG2)
+def _accumulate(entropy, highest, xf, ok, n_f, log2_n, c, MASKED: tl.constexpr, ON_GPU: tl.constexpr):
+    # n x + 2^-126 (one FFMA): log2 finite at x = 0, where the term is 0 · finite; NaN for
+    # x < -2^-126 / n, which makes the program's entropy non-finite, counted as a bad entry (negative
+    # values closer to 0 change no sum by more than 1e-38 and are not flagged)
+    log2_nx = _log2(tl.fma(xf, n_f, _TINY), ON_GPU)
     term = tl.fma(-xf, log2_nx, tl.fma(xf, log2_n, -c))
     if MASKED:
         entropy += tl.where(ok, term, 0.0)
@@ -101,7 +105,7 @@ def _head_stats_kernel(
     stride_pn, stride_pb, stride_ph, stride_pq, stride_pk,
     stride_mn, stride_mb, stride_mq,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_K: tl.constexpr, GRAM_DOT: tl.constexpr,
-    FAST_LOG2: tl.constexpr, QUARTERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ON_GPU: tl.constexpr, QUARTERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Persistent: program p of a problem takes its row tiles p, p + P, p + 2P, ... and keeps its sums
     # in registers across them; one store per program at the end.
@@ -162,7 +166,7 @@ def _head_stats_kernel(
             else:
                 ok = slab_ok
             x = tl.load(ptrs + k0 * stride_pk, mask=ok, other=0.0)
-            xf = _to_float32(x, FAST_LOG2)
+            xf = _to_float32(x, ON_GPU)
             if GRAM_DOT == "input":
                 # 16-bit products are exact in fp32; the tensor cores accumulate in fp32
                 gram += tl.dot(x, tl.trans(x))
@@ -179,13 +183,13 @@ def _head_stats_kernel(
                 gram += tl.dot(xf, tl.trans(xf), input_precision="ieee")
             x0, x1, x2, x3 = _quarters(xf)
             ok0, ok1, ok2, ok3 = _quarters(ok)
-            e0, m0 = _accumulate(e0, m0, x0, ok0, n_f, log2_n, c, MASKED, FAST_LOG2)
+            e0, m0 = _accumulate(e0, m0, x0, ok0, n_f, log2_n, c, MASKED, ON_GPU)
             if QUARTERS > 1:
-                e1, m1 = _accumulate(e1, m1, x1, ok1, n_f, log2_n, c, MASKED, FAST_LOG2)
+                e1, m1 = _accumulate(e1, m1, x1, ok1, n_f, log2_n, c, MASKED, ON_GPU)
             if QUARTERS > 2:
-                e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, c, MASKED, FAST_LOG2)
+                e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, c, MASKED, ON_GPU)
             if QUARTERS > 3:
-                e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, c, MASKED, FAST_LOG2)
+                e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, c, MASKED, ON_GPU)
 
     if GRAM_DOT == "tf32-split":
         hi_hi, lo_hi = tl.split(tl.permute(tl.reshape(split_gram, (2, BLOCK_H, BLOCK_H)), (1, 2, 0)))
@@ -214,6 +218,11 @@ def _head_stats_kernel(
 # Slab of about this many elements per program: enough work per load, few enough registers for the
 # slab, its two register-tile accumulators and the dot operands (checked: `fastdiag bench --kernel-report`).
 _SLAB_ELEMENTS = 4096
+# Keys per step: a tile of BLOCK_R rows takes Tk / BLOCK_K steps, and the per-tile work (row data,
+# pipeline start) is paid once per tile. 64 keys (128 B of bf16 per head row) and several rows per
+# slab: GPT-2-small bf16 costs 277 loop instructions per step and 229 per tile, 11.5 and 11.6 per
+# element (256 keys: 289 and 162, 12.0 and 13.2).
+_MAX_BLOCK_K = 64
 
 
 def _block_sizes(h: int, rows: int, tk: int, element_bytes: int) -> tuple[int, int, int]:
@@ -223,7 +232,7 @@ def _block_sizes(h: int, rows: int, tk: int, element_bytes: int) -> tuple[int, i
         slab //= 2   # fp32: the TF32 split's stacked [hi; lo] operand doubles the dot's registers
     if tk < 64:
         slab //= 2   # short rows: many rows per slab, each column carries its row's data
-    block_k = min(256, max(1, triton.next_power_of_2(tk)), slab)
+    block_k = min(_MAX_BLOCK_K, max(1, triton.next_power_of_2(tk)), slab)
     block_r = max(1, min(slab // block_k, triton.next_power_of_2(rows)))
     block_r = max(block_r, triton.cdiv(16, block_k))           # slab width >= 16 for tl.dot
     return block_h, block_r, block_k
@@ -285,7 +294,7 @@ def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
     device = probs.device
     constexprs = dict(
         HAS_MASK=query_mask is not None, CAUSAL=causal, EVEN_K=tk % block_k == 0,
-        GRAM_DOT=_gram_dot(probs.dtype), FAST_LOG2=not INTERPRETING,
+        GRAM_DOT=_gram_dot(probs.dtype), ON_GPU=not INTERPRETING,
         QUARTERS=triton.cdiv(h, block_h // 4), BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_K=block_k)
     if query_mask is not None:
         valid = query_mask.expand(n, b, tq)

@@ -207,3 +207,22 @@ def test_derived_values_and_summary():
     # per-member summaries for stacked stats
     stacked = fastdiag.head_stats(probs)
     assert fastdiag.summarize({"l": stacked}).s_bar.shape == (2,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d).replace("torch.", "") for d in DTYPES])
+def test_triton_range_check_at_the_edges_of_the_unit_interval(dtype):
+    """Exactly 0 and 1 (one-hot rows) are valid; the next values outside are flagged, in whichever
+    program and tile of the persistent grid they land (the kernel's check is a max and a NaN log2)."""
+    _check_backend("triton")
+    probs = random_probs((3, 6, 40, 40), dtype=dtype, seed=12, device=DEVICE)
+    probs[1, 2, 7] = 0.0
+    probs[1, 2, 7, 5] = 1.0                                             # a one-hot row
+    assert bool(fastdiag.head_stats(probs, backend="triton").valid().all())
+    up = torch.full((), 2.0, dtype=dtype)
+    above_one = torch.nextafter(torch.ones((), dtype=dtype), up).item()
+    tiny_negative = -1e-30 if dtype == torch.float32 else -torch.finfo(dtype).tiny
+    for b, h, q, k, bad in [(0, 0, 0, 0, tiny_negative), (1, 2, 39, 39, above_one), (2, 5, 20, 3, -0.5)]:
+        bent = probs.clone()
+        bent[b, h, q, k] = bad
+        assert bent[b, h, q, k].item() == torch.tensor(bad, dtype=dtype).item() != 0
+        assert fastdiag.head_stats(bent, backend="triton").invalid.item() > 0, (b, h, q, k, bad)
