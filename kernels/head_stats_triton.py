@@ -134,12 +134,13 @@ def _head_stats_kernel(
     m2 = tl.zeros((Q, S), dtype=tl.float32)
     m3 = tl.zeros((Q, S), dtype=tl.float32)
     for tile in range(program, tiles_per_problem, programs):
-        row = tile * BLOCK_R + j // BLOCK_K
+        row = tile.to(tl.int32) * BLOCK_R + j // BLOCK_K      # 32-bit row arithmetic: no 64-bit division
         b = row // Tq
         q = row % Tq
         row_ok = row < rows_per_problem
         if HAS_MASK:
-            keep = tl.load(mask_ptr + problem * stride_mn + b * stride_mb + q * stride_mq, mask=row_ok, other=0)
+            keep = tl.load(mask_ptr + problem * stride_mn + b.to(tl.int64) * stride_mb + q * stride_mq,
+                           mask=row_ok, other=0)
             row_ok = row_ok & (keep != 0)
 
         # The row's reference key count n: its entropy is accumulated relative to log n (see
@@ -159,7 +160,7 @@ def _head_stats_kernel(
 
         slab_ok = (head < H)[:, None] & row_ok[None, :]
         ptrs = (probs_ptr + problem * stride_pn + head[:, None] * stride_ph
-                + (b * stride_pb + q * stride_pq)[None, :] + key_offset[None, :] * stride_pk)
+                + (b.to(tl.int64) * stride_pb + q.to(tl.int64) * stride_pq)[None, :] + key_offset[None, :] * stride_pk)
         for k0 in range(0, key_end, BLOCK_K):
             if MASKED:
                 ok = slab_ok & (k0 + key_offset < n_keys)[None, :]
@@ -351,8 +352,11 @@ def _report_cases(shapes: dict) -> list[ReportCase]:
             def elements_per_iteration(constexprs, h=h):
                 return h * constexprs["BLOCK_R"] * constexprs["BLOCK_K"]
 
+            def tile(constexprs, h=h, t=t):     # a tile: BLOCK_R rows of all keys (not causal)
+                return h * constexprs["BLOCK_R"] * t, triton.cdiv(t, constexprs["BLOCK_K"])
+
             cases.append(ReportCase("head_stats", shape, str(dtype).replace("torch.", ""),
-                                    dtype.itemsize, launch, elements_per_iteration))
+                                    dtype.itemsize, launch, elements_per_iteration, tile))
     return cases
 
 

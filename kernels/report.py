@@ -47,6 +47,9 @@ class ReportCase:
     element_bytes: int
     launch: Callable[[], object]
     elements_per_iteration: Callable[[dict], int]
+    # Optional: (elements, hot-loop iterations) of one iteration of the loop around the hot loop (a
+    # persistent kernel's tile), so that the work done once per tile is counted too.
+    tile: Callable[[dict], tuple[int, int]] | None = None
 
 
 _REGISTRY: dict[str, Callable[[dict], list[ReportCase]]] = {}
@@ -170,6 +173,7 @@ class KernelReport:
     elements_per_iteration: int
     instructions_per_element: float
     ceiling_fraction_of_copy: float
+    tile_instructions_per_element: float | None = None    # with the per-tile work (cases that give `tile`)
 
     def row(self) -> dict:
         return asdict(self)
@@ -199,9 +203,9 @@ _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 
 
-def hot_loop_instructions(sass: str) -> int:
-    """Instructions of the innermost loop that loads from global memory (a backward branch's span)."""
-    labels, instructions = {}, []          # label -> index; [(address, text)]
+def _loops(sass: str) -> list[tuple[int, int, int]]:
+    """Loops that load from global memory, as (first, last, instructions without NOPs)."""
+    labels, instructions = {}, []          # label -> index; [text]
     for line in sass.splitlines():
         m = _LABEL.match(line)
         if m:
@@ -216,10 +220,23 @@ def hot_loop_instructions(sass: str) -> int:
         if m and labels.get(m.group(1), i + 1) <= i:
             body = instructions[labels[m.group(1)]:i + 1]
             if any(re.search(r"\bLDG\b|\bLDGSTS\b|\bUTMALDG\b", t) for t in body):
-                loops.append(sum(1 for t in body if not re.search(r"\bNOP\b", t)))
+                loops.append((labels[m.group(1)], i, sum(1 for t in body if not re.search(r"\bNOP\b", t))))
     if not loops:
         raise RuntimeError("no loop loading from global memory found in the SASS")
-    return min(loops)
+    return loops
+
+
+def hot_loop_instructions(sass: str) -> int:
+    """Instructions of the innermost loop that loads from global memory (a backward branch's span)."""
+    return min(count for _, _, count in _loops(sass))
+
+
+def tile_loop_instructions(sass: str) -> int | None:
+    """Instructions of the smallest loading loop around the hot loop (hot loop included), None if none."""
+    loops = _loops(sass)
+    first, last, count = min(loops, key=lambda loop: loop[2])
+    around = [c for f, l, c in loops if f <= first and last <= l and c > count]
+    return min(around) if around else None
 
 
 def issue_ceiling(instructions_per_element: float, element_bytes: int, gpu: dict = GPU) -> float:
@@ -250,11 +267,17 @@ def report_case(case: ReportCase) -> KernelReport:
     loop = hot_loop_instructions(sass)
     constexprs = {(k if isinstance(k, str) else fn.arg_names[k[0]]): v for k, v in args["constants"].items()}
     elements = case.elements_per_iteration(constexprs)
-    per_element = loop * 32 * options["num_warps"] / elements
+    lanes = 32 * options["num_warps"]
+    per_element = loop * lanes / elements
+    per_element_with_tile = None
+    around = tile_loop_instructions(sass)
+    if case.tile is not None and around is not None:
+        tile_elements, iterations = case.tile(constexprs)
+        per_element_with_tile = (iterations * loop + around - loop) * lanes / tile_elements
     return KernelReport(case.kernel, case.shape, case.dtype, fn.fn.__name__, options["num_warps"],
                         {k: v for k, v in constexprs.items() if k.isupper()},
                         registers, spills, shared, loop, elements, per_element,
-                        issue_ceiling(per_element, case.element_bytes))
+                        issue_ceiling(per_element, case.element_bytes), per_element_with_tile)
 
 
 def kernel_report(shapes: dict, progress: Callable[[str], None] = lambda _: None) -> list[KernelReport]:
@@ -274,17 +297,19 @@ def kernel_report(shapes: dict, progress: Callable[[str], None] = lambda _: None
 def format_report(rows: list[KernelReport]) -> str:
     g = GPU
     head = (f"{'kernel':<11} {'shape':<13} {'dtype':<9} {'warps':>5} {'regs':>5} {'spill B':>7} {'smem KB':>7} "
-            f"{'loop':>5} {'elem/it':>7} {'instr/elem':>10} {'ceiling':>8}")
+            f"{'loop':>5} {'elem/it':>7} {'instr/elem':>10} {'ceiling':>8} {'with tile':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.kernel:<11} {r.shape:<13} {r.dtype:<9} {r.num_warps:>5} {r.registers:>5} {r.spill_bytes:>7} "
                      f"{r.shared_bytes / 1024:>7.1f} {r.loop_instructions:>5} {r.elements_per_iteration:>7} "
-                     f"{r.instructions_per_element:>10.1f} {100 * r.ceiling_fraction_of_copy:>7.0f}%")
+                     f"{r.instructions_per_element:>10.1f} {100 * r.ceiling_fraction_of_copy:>7.0f}% "
+                     + (f"{r.tile_instructions_per_element:>9.1f}" if r.tile_instructions_per_element else f"{'-':>9}"))
     lines.append(
         f"instr/elem = hot-loop SASS × 32 lanes × warps / elements loaded per iteration; ceiling = min(1, "
         f"{g['sms']} SMs × {g['warp_instructions_per_clock']} warp-instr/clk × 32 × {g['clock_hz'] / 1e9:.3f} GHz "
         f"/ instr/elem ÷ ({g['copy_bandwidth'] / 1e12:.1f} TB/s / bytes per element)) — {g['name']} sm_{g['arch']}, "
-        f"issue-bound estimate, not a measurement")
+        f"issue-bound estimate, not a measurement; with tile = instr/elem counting also the work done once per "
+        f"tile of a persistent kernel (the loop around the hot loop)")
     return "\n".join(lines)
 
 
