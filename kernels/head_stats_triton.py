@@ -92,14 +92,14 @@ def _accumulate(entropy, highest, xf, ok, n_f, log2_n, c, MASKED: tl.constexpr, 
 
 
 @triton.jit
-def _finish(entropy, highest):
-    """Per-head entropy sums of a register tile, and its worst entry (2 for NaN)."""
-    return tl.sum(entropy, axis=1), tl.max(tl.max(tl.where(highest == highest, highest, 2.0), axis=1), axis=0)
+def _worst(highest):
+    """The largest entry of a register tile, 2 for NaN."""
+    return tl.max(tl.max(tl.where(highest == highest, highest, 2.0), axis=1), axis=0)
 
 
 @triton.jit
 def _head_stats_kernel(
-    gram_part_ptr, entropy_part_ptr, worst_part_ptr,    # outputs: [P, H, H], [P, H], [P]
+    gram_part_ptr, entropy_part_ptr, worst_part_ptr,    # outputs: [N, P, H, H], [N, P, H], [N, P]
     probs_ptr, mask_ptr, row_ref_ptr,                   # row_ref: [3, Tq] fp32 n, log2 n, log2(n)/n per row
     H, Tq, Tk, rows_per_problem, tiles_per_problem, causal_offset,      # program grid: [P, N]
     stride_pn, stride_pb, stride_ph, stride_pq, stride_pk,
@@ -133,6 +133,10 @@ def _head_stats_kernel(
     m1 = tl.zeros((Q, S), dtype=tl.float32)
     m2 = tl.zeros((Q, S), dtype=tl.float32)
     m3 = tl.zeros((Q, S), dtype=tl.float32)
+    s0 = tl.zeros((Q,), dtype=tl.float64)
+    s1 = tl.zeros((Q,), dtype=tl.float64)
+    s2 = tl.zeros((Q,), dtype=tl.float64)
+    s3 = tl.zeros((Q,), dtype=tl.float64)
     for tile in range(program, tiles_per_problem, programs):
         row = tile * BLOCK_R + j // BLOCK_K
         b = row // Tq
@@ -191,25 +195,35 @@ def _head_stats_kernel(
                 e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, c, MASKED, ON_GPU)
             if QUARTERS > 3:
                 e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, c, MASKED, ON_GPU)
+        # Each tile's entropy sums go to float64 per-head sums: terms of rows far from uniform over
+        # their n keys (masked keys without the causal hint) are not small, and fp32 sums over all
+        # of a program's tiles lose σ_H (6.6e-4 instead of 1.4e-4 at near-uniform causal [2,2,8,64,64])
+        s0, e0 = s0 + tl.sum(e0, axis=1).to(tl.float64), tl.zeros((Q, S), dtype=tl.float32)
+        if QUARTERS > 1:
+            s1, e1 = s1 + tl.sum(e1, axis=1).to(tl.float64), tl.zeros((Q, S), dtype=tl.float32)
+        if QUARTERS > 2:
+            s2, e2 = s2 + tl.sum(e2, axis=1).to(tl.float64), tl.zeros((Q, S), dtype=tl.float32)
+        if QUARTERS > 3:
+            s3, e3 = s3 + tl.sum(e3, axis=1).to(tl.float64), tl.zeros((Q, S), dtype=tl.float32)
 
     if GRAM_DOT == "tf32-split":
         hi_hi, lo_hi = tl.split(tl.permute(tl.reshape(split_gram, (2, BLOCK_H, BLOCK_H)), (1, 2, 0)))
         gram = hi_hi + lo_hi + tl.trans(lo_hi)
-    e0, w0 = _finish(e0, m0)
-    e1, w1 = _finish(e1, m1)
-    e2, w2 = _finish(e2, m2)
-    e3, w3 = _finish(e3, m3)
+    w0 = _worst(m0)
+    w1 = _worst(m1)
+    w2 = _worst(m2)
+    w3 = _worst(m3)
     # One number per program, > 1 when it saw a bad entry: the largest entry, 2 for NaN or a
     # non-finite entropy
     worst = tl.maximum(tl.maximum(w0, w1), tl.maximum(w2, w3))
-    total = tl.sum(e0, axis=0) + tl.sum(e1, axis=0) + tl.sum(e2, axis=0) + tl.sum(e3, axis=0)
+    total = tl.sum(s0, axis=0) + tl.sum(s1, axis=0) + tl.sum(s2, axis=0) + tl.sum(s3, axis=0)
     worst = tl.where(total - total == 0, worst, 2.0)
     part = problem * programs + program.to(tl.int64)
     quarter_h = tl.arange(0, Q)
-    tl.store(entropy_part_ptr + part * H + quarter_h, e0, mask=quarter_h < H)
-    tl.store(entropy_part_ptr + part * H + Q + quarter_h, e1, mask=Q + quarter_h < H)
-    tl.store(entropy_part_ptr + part * H + 2 * Q + quarter_h, e2, mask=2 * Q + quarter_h < H)
-    tl.store(entropy_part_ptr + part * H + 3 * Q + quarter_h, e3, mask=3 * Q + quarter_h < H)
+    tl.store(entropy_part_ptr + part * H + quarter_h, s0, mask=quarter_h < H)
+    tl.store(entropy_part_ptr + part * H + Q + quarter_h, s1, mask=Q + quarter_h < H)
+    tl.store(entropy_part_ptr + part * H + 2 * Q + quarter_h, s2, mask=2 * Q + quarter_h < H)
+    tl.store(entropy_part_ptr + part * H + 3 * Q + quarter_h, s3, mask=3 * Q + quarter_h < H)
     out_h = tl.arange(0, BLOCK_H)
     gram_ptrs = gram_part_ptr + part * H * H + out_h[:, None] * H + out_h[None, :]
     tl.store(gram_ptrs, gram, mask=(out_h[:, None] < H) & (out_h[None, :] < H))
@@ -308,7 +322,7 @@ def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
     f32 = dict(dtype=torch.float32, device=device)
     programs = min(tiles, max(1, _resident_programs(device, (*[torch.empty(0, **f32)] * 3, *inputs), constexprs) // n))
     gram_part = torch.empty(n, programs, h, h, **f32)
-    entropy_part = torch.empty(n, programs, h, **f32)
+    entropy_part = torch.empty(n, programs, h, dtype=torch.float64, device=device)
     worst_part = torch.empty(n, programs, **f32)         # per program: > 1 when it saw a bad entry
     _head_stats_kernel[(programs, n)](gram_part, entropy_part, worst_part, *inputs, num_warps=_NUM_WARPS, **constexprs)
     gram = gram_part.sum(1, dtype=torch.float64).float()

@@ -43,6 +43,8 @@ def test_counts_come_from_the_compile(rows):
             r.loop_instructions * 32 * r.num_warps / r.elements_per_iteration)
         assert r.ceiling_fraction_of_copy == pytest.approx(report.issue_ceiling(r.instructions_per_element,
                                                                                 {"float32": 4}.get(r.dtype, 2)))
+        if r.kernel == "head_stats":    # persistent: the tile loop is found, and costs at least its steps
+            assert r.tile_instructions_per_element >= r.instructions_per_element
 
 
 def test_issue_ceiling_formula():
@@ -67,6 +69,23 @@ def test_hot_loop_is_the_innermost_loop_that_loads():
         /*0070*/                   EXIT ;
 """
     assert report.hot_loop_instructions(sass) == 5     # LDG..BRA of the outer loop, NOP not counted
+    assert report.tile_loop_instructions(sass) is None  # no loading loop around it
+
+
+def test_tile_loop_is_the_loop_around_the_hot_loop():
+    sass = """
+.L_x_1:
+        /*0000*/                   IMAD R6, R7, 0x4, RZ ;
+.L_x_0:
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0020*/                   FADD R3, R3, R2 ;
+        /*0030*/              @P0 BRA `(.L_x_0) ;
+        /*0040*/                   IADD3 R7, R7, 0x1, RZ ;
+        /*0050*/              @P1 BRA `(.L_x_1) ;
+        /*0060*/                   EXIT ;
+"""
+    assert report.hot_loop_instructions(sass) == 3
+    assert report.tile_loop_instructions(sass) == 6
 
 
 def test_cli_kernel_report_writes_json(tmp_path):
