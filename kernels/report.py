@@ -10,6 +10,9 @@ kernel is then compiled for sm_90 and reported:
 - registers per thread, spilled bytes, shared memory (static + Triton's dynamic), from ptxas / the cubin;
 - SASS instructions in the hot loop (the innermost loop that loads from global memory), per loaded
   element: ``loop instructions × 32 lanes × num_warps / elements loaded per iteration``;
+- for a persistent kernel whose case gives ``tile``, the same per element with the work done once
+  per tile counted too (the loop around the hot loop: ``(hot loop × its iterations per tile + the
+  rest of the tile loop) × 32 × num_warps / elements of a tile``);
 - the issue-bound ceiling as a fraction of copy bandwidth. An SM issues at most 4 warp-instructions
   per clock, so at clock f the SMs can stream at most
   ``SMs × 4 × 32 × f / (instructions per element)`` elements/s; copy bandwidth streams
@@ -235,7 +238,7 @@ def tile_loop_instructions(sass: str) -> int | None:
     """Instructions of the smallest loading loop around the hot loop (hot loop included), None if none."""
     loops = _loops(sass)
     first, last, count = min(loops, key=lambda loop: loop[2])
-    around = [c for f, l, c in loops if f <= first and last <= l and c > count]
+    around = [n for start, end, n in loops if start <= first and last <= end and n > count]
     return min(around) if around else None
 
 
