@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fastdiag.config import RunConfig
+from fastdiag.grokking.config import RunConfig
 from fastdiag.models import build_from_run_config, count_parameters
 
 MODELS = {"transformer": dict(), "transformer-0.96M": dict(preset="custom", d_ff=648), "mamba": dict(arch="mamba")}

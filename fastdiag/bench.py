@@ -155,7 +155,7 @@ def step_workloads(device: torch.device) -> dict[str, Callable[[], tuple]]:
     """name -> factory of (model, batch, targets, last_position_only)."""
 
     def grokking():
-        from fastdiag.config import RunConfig
+        from fastdiag.grokking.config import RunConfig
         from fastdiag.models import build_from_run_config
 
         cfg = RunConfig()
@@ -379,8 +379,8 @@ def bench_ensemble(device: torch.device, workload: str = "canonical", members: i
     import tempfile
     from pathlib import Path
 
-    from fastdiag.config import RunConfig
-    from fastdiag.ensemble import default_ensemble_size
+    from fastdiag.grokking.config import RunConfig
+    from fastdiag.grokking.ensemble_train import default_ensemble_size
     from fastdiag.store import Store
     from fastdiag.sweep import available_cores, run_sweep
 
@@ -441,7 +441,7 @@ def bench_arch_steps(device: torch.device, blocks: int = 15, block_steps: int = 
                      progress: Callable[[str], None] = print) -> list[ArchStepResult]:
     """Blocks of ``block_steps`` training steps of each `ARCH_STEPS` model (AdamW, the run's own
     settings), in rotating order in this process, so machine noise hits all alike."""
-    from fastdiag.config import RunConfig
+    from fastdiag.grokking.config import RunConfig
     from fastdiag.models import build_from_run_config, count_parameters
 
     g = torch.Generator().manual_seed(0)

@@ -59,7 +59,7 @@ def build(arch: str, **config) -> nn.Module:
 
 
 def resolve_run_config(cfg, vocab_size: int, seq_len: int) -> dict:
-    """The ``build`` keyword arguments a ``fastdiag.config.RunConfig`` stands for (no device)."""
+    """The ``build`` keyword arguments a ``fastdiag.grokking.config.RunConfig`` stands for (no device)."""
     arch = cfg.arch
     if arch not in _CONFIGS:
         raise ValueError(f"arch: unknown architecture {arch!r}; expected one of {', '.join(ARCHS)}")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import optimize, special, stats
 
-from fastdiag.analysis import (
+from fastdiag.analysis.fits import (
     REGIMES,
     FitError,
     auc_mann_whitney,

@@ -1,4 +1,4 @@
-"""fastdiag.experiments: stage segmentation, retention, per-head dimension, predictive value; and the
+"""fastdiag.analysis.experiments: stage segmentation, retention, per-head dimension, predictive value; and the
 `fastdiag analyze` / `plot` / `headdim` sections built on them (synthetic data, no training)."""
 import json
 import math
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from fastdiag import experiments as ex
+from fastdiag.analysis import experiments as ex
 from fastdiag import sweep as sw
 from fastdiag.cli import main
 from fastdiag.store import Store
@@ -201,8 +201,8 @@ def _headdim_fake_train(cfg, progress=None):   # train_run's signature
 
 
 def test_headdim_command_fits_and_draws(tmp_path, capsys, monkeypatch):
-    import fastdiag.train
-    monkeypatch.setattr(fastdiag.train, "train_run", _headdim_fake_train)
+    import fastdiag.grokking.train
+    monkeypatch.setattr(fastdiag.grokking.train, "train_run", _headdim_fake_train)
     store, out = tmp_path / "hd.sqlite", tmp_path / "hd"
     args = ["headdim", "--d-model", "16,32,64,128", "--heads", "2,4,8,3", "--wd", "1", "--seeds", "3",
             "--p", "11", "--epochs", "40", "--store", str(store), "--out", str(out), "--workers", "1",

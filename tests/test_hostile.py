@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fastdiag.cli import main
-from fastdiag.config import RunConfig
+from fastdiag.grokking.config import RunConfig
 from fastdiag.store import Store, StoreError, open_existing
 
 TINY_RUN = ["--p", "7", "--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "16",
@@ -110,7 +110,7 @@ def test_run_values_checked_before_training(capsys, tmp_path, argv, needle):
 
 
 def test_modulus_limit_comes_from_memory():
-    from fastdiag.tasks import check_task, max_modulus
+    from fastdiag.grokking.tasks import check_task, max_modulus
 
     assert max_modulus(8 * 2**30) > 5_000                     # 8 GiB: every p of the paper and far beyond
     with pytest.raises(ValueError, match=r"^p: .*50021.*GiB"):
@@ -252,7 +252,7 @@ def test_damaged_store_content_names_store_and_run(tmp_path, sql, needle):
 
 
 def _intervention_store(path, experiment):
-    from fastdiag.exp_intervene import ensure_tables
+    from fastdiag.grokking.interventions import ensure_tables
 
     with Store(path) as st:
         ensure_tables(st)

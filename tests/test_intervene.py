@@ -1,4 +1,4 @@
-"""fastdiag.exp_intervene and `fastdiag intervene`: the arms differ exactly as designed, the control
+"""fastdiag.grokking.interventions and `fastdiag intervene`: the arms differ exactly as designed, the control
 is the un-branched run bit for bit, the statistics match scipy, results land in the store."""
 import dataclasses
 import json
@@ -8,12 +8,12 @@ import pytest
 import torch
 from scipy import stats
 
-from fastdiag import exp_intervene as iv
+from fastdiag.grokking import interventions as iv
 from fastdiag.cli import main
-from fastdiag.config import RunConfig
+from fastdiag.grokking.config import RunConfig
 from fastdiag.models import build_from_run_config
 from fastdiag.store import open_existing
-from fastdiag.train import train_run
+from fastdiag.grokking.train import train_run
 
 # A 2-layer, 4-head model on a+b mod 11; "grokking" at test accuracy 0.6 comes within ~150 epochs,
 # so the peak search, the branch and 3 arms of 10 epochs take ~3 s per seed on one core.

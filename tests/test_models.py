@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import fastdiag
 import fastdiag.models as M
-from fastdiag.config import RunConfig
+from fastdiag.grokking.config import RunConfig
 
 
 @pytest.mark.parametrize("preset, target", [("canonical", 0.82e6), ("19m", 19e6), ("85m", 85e6)])

@@ -3,7 +3,7 @@ import sqlite3
 
 import pytest
 
-from fastdiag.config import RunConfig
+from fastdiag.grokking.config import RunConfig
 from fastdiag.store import APPLICATION_ID, SCHEMA_VERSION, Lease, Store, StoreError, open_existing
 
 
@@ -119,7 +119,7 @@ def test_merge_is_idempotent_and_prefers_done(tmp_path):
 
 
 def test_merge_copies_intervention_arms_once(tmp_path):
-    from fastdiag.exp_intervene import ensure_tables
+    from fastdiag.grokking.interventions import ensure_tables
 
     with Store(tmp_path / "a.sqlite") as sa, Store(tmp_path / "out.sqlite") as out:
         ensure_tables(sa)

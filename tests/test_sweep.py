@@ -217,7 +217,7 @@ def test_progress_line_shows_runs_in_flight():
 
 def test_epoch_reports_reach_the_progress_line_in_process(tmp_path, monkeypatch):
     """workers = 1 trains in this process: the real trainer's epochs reach the bar as they happen."""
-    monkeypatch.setattr(sw, "EPOCH_REPORT_S", 0.0)
+    monkeypatch.setattr("fastdiag.sweep.run.EPOCH_REPORT_S", 0.0)
     seen = []
 
     class Recording(sw.Progress):

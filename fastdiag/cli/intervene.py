@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from .config import ARCHS, OPS, RunConfig
+from fastdiag.grokking.config import ARCHS, OPS, RunConfig
 
 _D = RunConfig()
 
@@ -55,10 +55,10 @@ def _base_config(**kw) -> dict:
 
 
 def _check_runnable(cfg: RunConfig, threads: int) -> None:
-    from .cli import CLIError
-    from .models import resolve_run_config
-    from .tasks import all_pairs
-    from .train import resolve_device
+    from fastdiag.cli.app import CLIError
+    from fastdiag.models import resolve_run_config
+    from fastdiag.grokking.tasks import all_pairs
+    from fastdiag.grokking.train import resolve_device
 
     cfg.validate()
     if threads < 1:
@@ -72,7 +72,7 @@ def _check_runnable(cfg: RunConfig, threads: int) -> None:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    from .store import dumps
+    from fastdiag.store import dumps
 
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(json.loads(dumps(data)), indent=2, ensure_ascii=False) + "\n")
@@ -86,9 +86,9 @@ def _intervene(heads, d_model, d_ff, weight_decay, heads_to_reinit, reinit_heads
                after_peak_epochs, peak_patience, **kw):
     import torch
 
-    from . import exp_intervene as iv
-    from .store import Store
-    from .sweep import parse_seeds
+    from fastdiag.grokking import interventions as iv
+    from fastdiag.store import Store
+    from fastdiag.sweep import parse_seeds
 
     seeds = parse_seeds(kw["seeds"])
     base = _base_config(**kw)
@@ -101,7 +101,7 @@ def _intervene(heads, d_model, d_ff, weight_decay, heads_to_reinit, reinit_heads
         heads_to_reinit=heads_to_reinit, reinit_heads=iv.parse_heads(reinit_heads), reinit_init=reinit_init,
         clip=clip, after_peak_epochs=after_peak_epochs, peak_patience=peak_patience,
         max_epochs=kw["epochs"]).validate()
-    from .models import build_from_run_config
+    from fastdiag.models import build_from_run_config
 
     with torch.device("meta"):                  # the heads must exist before hours of training
         iv.choose_heads(build_from_run_config(cfg0, cfg0.p + 1, 3, device=torch.device("meta")),
@@ -158,7 +158,7 @@ def _intervene(heads, d_model, d_ff, weight_decay, heads_to_reinit, reinit_heads
             if store is not None and cmp["n_seeds"]:
                 import matplotlib
                 matplotlib.use("Agg", force=True)
-                from .sweep_plots import intervention_figure
+                from fastdiag.plots.sweep import intervention_figure
 
                 traces = {r["arm_id"]: iv.arm_trace(store, r["arm_id"]) for r in rows}
                 written += intervention_figure(rows, traces, out_dir / "intervention")
@@ -211,7 +211,7 @@ def _int_list(spec: str, name: str) -> list[int]:
 def headdim_configs(base: dict, widths: list[int], heads: list[int], weight_decay: float, seeds: list[int],
                     ff_mult: int = 4) -> tuple[list[RunConfig], list[str]]:
     """Every (d_model, n_heads, seed) with H dividing d; d_ff = ff_mult·d. Returns (configs, skipped)."""
-    from .sweep import check_buildable
+    from fastdiag.sweep import check_buildable
 
     configs, skipped = {}, []
     for d in widths:
@@ -265,10 +265,10 @@ def headdim_cmd(widths, heads, ff_mult, weight_decay, patience, workers, n_boot,
     """Per-head dimension: train every (d, H, seed) at fixed λ (transformer, custom preset) into a store
     (finished runs are skipped), then fit peak σ_H after grokking against d/H with the saturating curve
     σ_max = c + a(1 − exp(−b·d/H)) and draw it."""
-    from .cli import CLIError
-    from .experiments import headdim_analysis
-    from .store import Store
-    from .sweep import parse_seeds, run_sweep
+    from fastdiag.cli.app import CLIError
+    from fastdiag.analysis.experiments import headdim_analysis
+    from fastdiag.store import Store
+    from fastdiag.sweep import parse_seeds, run_sweep
 
     if kw["store_path"] is None:
         raise CLIError("--store: required (the runs go into a result store)")
@@ -305,7 +305,7 @@ def headdim_cmd(widths, heads, ff_mult, weight_decay, patience, workers, n_boot,
         _write_json(out / "headdim.json", {"weight_decay": weight_decay, "base": base, **a})
         import matplotlib
         matplotlib.use("Agg", force=True)
-        from .sweep_plots import headdim_figure
+        from fastdiag.plots.sweep import headdim_figure
 
         paths = [out / "headdim.json"] + headdim_figure(a, out / "headdim", title_note=f"λ = {weight_decay:g}")
         click.echo("wrote: " + ", ".join(str(p) for p in paths))

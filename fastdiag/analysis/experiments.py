@@ -13,7 +13,7 @@
                             split into train and test seeds; AUC/MAE with bootstrap CIs of both
                             models and of their paired difference on the held-out seeds.
 
-The causal interventions (they need torch and the trainer) are in ``fastdiag.exp_intervene``.
+The causal interventions (they need torch and the trainer) are in ``fastdiag.grokking.interventions``.
 """
 from __future__ import annotations
 
@@ -306,7 +306,7 @@ def headdim_analysis(runs: Sequence[dict], traces: dict[str, list[dict]], n_boot
     """Phase-2 peak σ_H (``phase2_peak_sigma_h``) against d/H over grokked runs; per-d/H summaries and
     the saturating fit σ_max = c + a(1 − exp(−b·d/H)) with bootstrap CIs (``{"error": why}`` if it
     cannot be made)."""
-    from fastdiag import analysis
+    from fastdiag.analysis import fits as analysis
 
     points = []
     skipped = single_head = 0
@@ -451,7 +451,7 @@ def predictive_analysis(runs: Sequence[dict], traces: dict[str, list[dict]], t0:
     (``analysis.bootstrap_mae``), with 95 % bootstrap CIs of both and of the paired difference.
     ``t0`` defaults to the median memorisation epoch of the runs (10 % of the shortest horizon if
     none memorised)."""
-    from fastdiag import analysis
+    from fastdiag.analysis import fits as analysis
 
     done = [r for r in runs if r.get("result")]
     if t0 is None:

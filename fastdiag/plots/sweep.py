@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fastdiag.analysis import FitError, _lambda_c_point, _logistic, roc_curve
+from fastdiag.analysis.fits import FitError, _lambda_c_point, _logistic, roc_curve
 from fastdiag.sweep import file_safe, in_fit_range
-from fastdiag.train import atomic_path
+from fastdiag.grokking.train import atomic_path
 
 REGIME_STYLE = {   # regime: (marker, colour, label)
     "grok": ("o", "#111111", "grok"),
@@ -401,7 +401,7 @@ def plot_store(store, out_dir, n_boot: int = 1500, n_band: int = 300, seed: int 
     out.mkdir(parents=True, exist_ok=True)
     groups, _ = load_groups(store)
     if not groups:
-        from fastdiag.exp_intervene import load_experiments
+        from fastdiag.grokking.interventions import load_experiments
 
         if load_experiments(store):                  # a store holding only intervention experiments
             return experiment_figures(store, out, n_boot=n_boot, seed=seed, formats=formats), []
@@ -420,7 +420,7 @@ def plot_store(store, out_dir, n_boot: int = 1500, n_band: int = 300, seed: int 
         paths += _stages_for_group(g, traces, name, formats)
     paths += experiment_figures(store, out, n_boot=n_boot, seed=seed, formats=formats)
     if predict is not None:
-        from fastdiag.experiments import predictive_analysis
+        from fastdiag.analysis.experiments import predictive_analysis
 
         runs = [r for g in groups for r in g.runs]      # the groups hold every done run
         pa = predictive_analysis(runs, all_traces, n_boot=n_boot, seed=seed, **predict)
@@ -430,7 +430,7 @@ def plot_store(store, out_dir, n_boot: int = 1500, n_band: int = 300, seed: int 
 
 def _stages_for_group(group, traces, name, formats) -> list[Path]:
     """Runs trained to the horizon (stop_at_grok off): the stages of the run with the most of them."""
-    from fastdiag.experiments import segment_stages
+    from fastdiag.analysis.experiments import segment_stages
 
     if group.config.get("stop_at_grok", True):
         return []
@@ -450,8 +450,8 @@ def _stages_for_group(group, traces, name, formats) -> list[Path]:
 def experiment_figures(store, out: Path, n_boot: int = 1500, seed: int = 0, formats=FORMATS) -> list[Path]:
     """The issue-8 figures a store has data for: peak σ_H against d/H (runs differing only in width,
     heads and seed, at 3 or more d/H) and the interventions (the intervention tables)."""
-    from fastdiag import exp_intervene
-    from fastdiag.experiments import headdim_analysis, headdim_sets
+    from fastdiag.grokking import interventions as exp_intervene
+    from fastdiag.analysis.experiments import headdim_analysis, headdim_sets
 
     paths: list[Path] = []
     sets = headdim_sets(store.runs("done"))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from .cmd_analyze import analysis_options, check_analysis_options
+from fastdiag.cli.analyze import analysis_options, check_analysis_options
 
 
 @click.command("plot")
@@ -20,8 +20,8 @@ def plot_cmd(store_path, out_dir, n_boot, n_band, seed, fit_max_lambda, predict,
     """Draw the sweep figures of STORE as PNG and SVG into DIR: regime diagram (λ × N), P(grok) with
     the logistic fit and its bootstrap band, t_grok against λ − λ_c with the power-law fit, and median/IQR
     trajectories of test accuracy, s̄ and σ_H per λ."""
-    from .cli import CLIError
-    from .store import open_existing
+    from fastdiag.cli.app import CLIError
+    from fastdiag.store import open_existing
 
     if n_boot < 1 or n_band < 1:
         raise CLIError("--n-boot and --n-band: must be >= 1")
@@ -32,7 +32,7 @@ def plot_cmd(store_path, out_dir, n_boot, n_band, seed, fit_max_lambda, predict,
         raise CLIError(f"--format: expected a comma list of png, svg, pdf, got {formats!r}")
     import matplotlib
     matplotlib.use("Agg", force=True)
-    from .sweep_plots import plot_store
+    from fastdiag.plots.sweep import plot_store
 
     with open_existing(store_path) as store:
         paths, analyses = plot_store(store, out_dir, n_boot=n_boot, n_band=n_band, seed=seed, formats=fmts,

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from .config import ARCHS, OPS, RunConfig
+from fastdiag.grokking.config import ARCHS, OPS, RunConfig
 
 
 def _fmt(value, spec=".3f") -> str:
@@ -68,14 +68,14 @@ def run(arch, preset, n_layers, n_heads, d_model, d_ff, op, p, weight_decay, lr,
         train_frac, eval_every, diag_every, grok_threshold, patience, no_stop_at_grok, device, threads,
         out_dir, quiet) -> None:
     """Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."""
-    from .cli import RUN_FLAGS, CLIError, option_errors, os_error_text
+    from fastdiag.cli.app import RUN_FLAGS, CLIError, option_errors, os_error_text
 
     if threads < 1:
         raise CLIError(f"--threads: must be >= 1, got {threads}")
     # Check everything the run needs before any training: the values, the task (÷ needs a prime p,
     # p² pairs must fit in memory), the model settings, the device, and the output directory.
     from fastdiag.sweep import check_buildable
-    from fastdiag.train import prepare_out_dir, resolve_device, train_run, write_outputs
+    from fastdiag.grokking.train import prepare_out_dir, resolve_device, train_run, write_outputs
 
     with option_errors(RUN_FLAGS):
         cfg = RunConfig(arch=arch, preset=preset, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff,

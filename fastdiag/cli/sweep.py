@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from .cli import CLIError
-from .config import RunConfig
+from fastdiag.cli.app import CLIError
+from fastdiag.grokking.config import RunConfig
 
 _DEFAULTS = RunConfig()
 
@@ -79,9 +79,9 @@ def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, 
               store_path, backend, workers, threads, address, max_retries, shard, retry_failed,
               ensemble, dry_run, quiet):
     """Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."""
-    from . import sweep as sw
-    from .cli import RUN_FLAGS, option_errors
-    from .store import Store
+    from fastdiag import sweep as sw
+    from fastdiag.cli.app import RUN_FLAGS, option_errors
+    from fastdiag.store import Store
 
     if workers is not None and workers < 1:
         raise CLIError(f"--workers: must be >= 1, got {workers}")
@@ -142,7 +142,7 @@ def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, 
 def merge_cmd(out, inputs):
     """Merge shard stores IN... into OUT (created if missing). Idempotent: no run is duplicated, and a
     finished run is never replaced by an unfinished copy."""
-    from .store import Store, open_existing
+    from fastdiag.store import Store, open_existing
 
     sources = []
     for path in inputs:                       # check every input before touching OUT
@@ -195,7 +195,7 @@ def flatten_runs(runs: list[dict]) -> tuple[list[str], list[dict]]:
 
 
 def _write_table(columns: list[str], rows: list[dict], path: Path, fmt: str) -> None:
-    from .train import atomic_path
+    from fastdiag.grokking.train import atomic_path
 
     if fmt == "csv":
         with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
@@ -235,7 +235,7 @@ def _write_table(columns: list[str], rows: list[dict], path: Path, fmt: str) -> 
               help="Only runs with this status (default: all).")
 def export_cmd(store_path, fmt, out, trace_out, status):
     """Export a store's runs table (config and result flattened into columns), optionally its traces."""
-    from .store import open_existing
+    from fastdiag.store import open_existing
 
     outputs = [("--out", Path(out))] + ([("--trace-out", Path(trace_out))] if trace_out else [])
     for flag, path in outputs:               # before reading anything: no half-done export

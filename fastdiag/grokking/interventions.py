@@ -1,6 +1,6 @@
 """Causal interventions at the Phase-2 peak (issue 8, part 1).
 
-For each seed: train (``fastdiag.train.Trainer``, stop_at_grok off) until the Phase-2 peak, the
+For each seed: train (``fastdiag.grokking.train.Trainer``, stop_at_grok off) until the Phase-2 peak, the
 evaluation of maximal σ_H after grokking, found online: after t_grok, σ_H is tracked per evaluation
 and a checkpoint (``Trainer.branch()``) is kept at its running maximum; the peak is confirmed when
 σ_H has not exceeded that maximum for ``peak_patience`` evaluations (or the search horizon is reached:
@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .config import RunConfig
+from fastdiag.grokking.config import RunConfig
 
 ARMS = ("control", "reinit", "clip")
 CLIP_SCOPES = ("all-2d", "attention")
@@ -274,7 +274,7 @@ def arm_metrics(trace: Sequence[dict], branch_epoch: int, grok_threshold: float)
 def run_seed(cfg: RunConfig, settings: InterventionSettings, progress: Callable[[str], None] | None = None) -> dict:
     """One seed of the experiment: the search for the peak, then the three arms. Returns a dict with
     ``info`` and (if a peak was found) ``arms`` = {arm: {"outcome", "intervention", "metrics"}}."""
-    from fastdiag.train import Trainer
+    from fastdiag.grokking.train import Trainer
 
     settings.validate()
     search_cfg = dataclasses.replace(cfg, stop_at_grok=False, epochs=settings.max_epochs, patience=0).validate()
@@ -357,7 +357,7 @@ def stored_seeds(store, experiment: str) -> set[int]:
 
 def record_seed(store, experiment: str, cfg: RunConfig, settings: InterventionSettings, seed_out: dict) -> None:
     """The three arms of one seed in one transaction."""
-    from .store import dumps
+    from fastdiag.store import dumps
 
     ensure_tables(store)
     now = time.time()
@@ -427,7 +427,7 @@ def arm_trace(store, arm_id: str) -> list[dict]:
 
 def compare_arms(rows: Sequence[dict]) -> dict:
     """Paired tests of each treated arm against the control over the seeds that have all arms."""
-    from fastdiag import analysis
+    from fastdiag.analysis import fits as analysis
 
     by_seed: dict[int, dict[str, dict]] = {}
     for r in rows:

@@ -288,7 +288,7 @@ class Store:
         now = time.time()
         rows = []
         for cfg in configs:
-            from fastdiag.config import RunConfig  # noqa: PLC0415
+            from fastdiag.grokking.config import RunConfig  # noqa: PLC0415
             rid = RunConfig.from_dict(cfg).run_id()
             rows.append((rid, dumps(cfg), now))
         with self.transaction() as conn:
@@ -411,7 +411,7 @@ class Store:
                                  [(rid, i, r.get("epoch"), r.get("step"), dumps(r)) for i, r in enumerate(trace)])
             stats["added" if here is None else "updated"] += 1
             mine[rid] = run["status"]
-        from .exp_intervene import merge_tables   # experiments keep their own tables
+        from fastdiag.grokking.interventions import merge_tables   # experiments keep their own tables
 
         stats["intervention_arms_added"] = merge_tables(self, other)
         return stats
@@ -516,7 +516,7 @@ def open_existing(path: str | os.PathLike) -> Store:
 # ---------------------------------------------------------------------- checking what was read
 
 def _config_types() -> dict[str, tuple[type, ...]]:
-    from fastdiag.config import RunConfig  # noqa: PLC0415
+    from fastdiag.grokking.config import RunConfig  # noqa: PLC0415
 
     types = {}
     for f in dataclasses.fields(RunConfig):
@@ -549,7 +549,7 @@ def _checked_config(config, path, run_id: str) -> dict:
             raise damaged(f"unknown key {key!r}")
         if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
             raise damaged(f"{key} is {value!r}, expected {' or '.join(t.__name__ for t in allowed)}")
-    from fastdiag.config import RunConfig  # noqa: PLC0415
+    from fastdiag.grokking.config import RunConfig  # noqa: PLC0415
 
     try:
         RunConfig.from_dict(config).validate()

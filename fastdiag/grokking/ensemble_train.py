@@ -16,9 +16,9 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from fastdiag.config import RunConfig
-from fastdiag.tasks import make_task
-from fastdiag.train import RunOutcome, RunTracker, resolve_device, summary_values
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.tasks import make_task
+from fastdiag.grokking.train import RunOutcome, RunTracker, resolve_device, summary_values
 
 # Members may differ in these fields only; everything else shapes the shared computation.
 MEMBER_FIELDS = ("seed", "weight_decay")

@@ -21,21 +21,6 @@ def cli() -> None:
     """fastdiag: cheap, exact, online diagnostics of attention heads."""
 
 
-def _register_commands() -> None:
-    # Each command lives in its own module; importing them here keeps `fastdiag --help` complete.
-    import importlib
-
-    for module in ("run", "sweep", "analyze", "plot", "bench", "intervene"):
-        try:
-            mod = importlib.import_module(f"fastdiag.cmd_{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"fastdiag.cmd_{module}":
-                continue
-            raise
-        for command in getattr(mod, "COMMANDS", ()):
-            cli.add_command(command)
-
-
 @contextmanager
 def option_errors(flags: dict[str, str]):
     """Library errors name parameters ("weight_decay: must be finite"); the user typed flags. Re-raise
@@ -87,7 +72,6 @@ def _fail(message: str, status: int = 2) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    _register_commands()
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
@@ -110,7 +94,3 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-
-
-if __name__ == "__main__":
-    main()

@@ -33,9 +33,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .config import ARCHS, RunConfig
-from .store import Lease, Store
-from .tasks import available_memory, check_task
+from fastdiag.grokking.config import ARCHS, RunConfig
+from fastdiag.store import Lease, Store
+from fastdiag.grokking.tasks import available_memory, check_task
 
 REGIMES = ("grok", "memorization", "collapse", "anti-grok", "diverged")
 GROKKED = ("grok", "anti-grok")          # reached t_grok within the horizon
@@ -279,7 +279,7 @@ def _execute(cfg_dict: dict, train_fn: Callable | None = None,
     try:
         cfg = RunConfig.from_dict(cfg_dict)
         if train_fn is None:
-            from fastdiag.train import train_run
+            from fastdiag.grokking.train import train_run
 
             outcome = train_run(cfg, _epoch_reporter(report, cfg.run_id(), cfg.epochs) if report else None)
         else:
@@ -457,7 +457,7 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
     """Register ``configs`` in ``store`` and run those not finished yet. Returns a SweepSummary.
 
     ``ensemble`` > 1 trains compatible runs (same everything but seed and λ, an architecture that
-    vectorises) as vectorised ensembles of up to that many members (`fastdiag.ensemble`; None: the
+    vectorises) as vectorised ensembles of up to that many members (`fastdiag.grokking.ensemble_train`; None: the
     size `default_ensemble_size` picks per group); the others, and the members of an ensemble whose
     worker died, run one by one as usual.
 
@@ -507,7 +507,7 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
         try:
             tasks = [[c] for c in todo]
             if todo and ensemble != 1 and train_fn is None:
-                from fastdiag.ensemble import describe_packs, pack_runs
+                from fastdiag.grokking.ensemble_train import describe_packs, pack_runs
 
                 tasks = pack_runs(todo, ensemble)
                 for line in describe_packs(tasks):
@@ -784,7 +784,7 @@ def _execute_pack(cfg_dicts: list[dict], report: Callable[[str, int, int], None]
     """Train runs as one vectorised ensemble; like `_execute`, failures come back as data.
     ``on_member(index, output)`` gets each member's output the moment it is done, so the driver
     stores it at once instead of when the whole pack ends; ``report`` gets members' epochs."""
-    from fastdiag.ensemble import train_ensemble
+    from fastdiag.grokking.ensemble_train import train_ensemble
 
     started = time.time()
     worker = f"{_hostname()}:{os.getpid()}"
@@ -980,7 +980,7 @@ def analyze_group(group: Group, n_boot: int = 1500, seed: int = 0, fit_max_lambd
     A fit that cannot be made is ``{"error": reason}``, never a number. Runs with λ above
     ``fit_max_lambda`` (e.g. the collapse regime, which the logistic would count as "not grokked")
     stay in the regime table but out of the fits."""
-    from fastdiag import analysis
+    from fastdiag.analysis import fits as analysis
 
     lambdas, regimes, grokked, t_grok = group.arrays()
     n_zero = sum(1 for lam in lambdas if lam == 0)

@@ -13,8 +13,8 @@ def _fmt(x, digits: int = 4) -> str:
 def analyze_store(store_path: str, n_boot: int = 1500, seed: int = 0, retention_threshold: float = 0.9,
                   predict: bool = False, t0: float | None = None, test_frac: float = 0.5,
                   split_seed: int = 0, fit_max_lambda: float | None = None) -> dict:
-    from .store import open_existing
-    from .sweep import analyze_group, load_groups
+    from fastdiag.store import open_existing
+    from fastdiag.sweep import analyze_group, load_groups
 
     with open_existing(store_path) as store:
         groups, counts = load_groups(store)
@@ -36,8 +36,8 @@ def analyze_store(store_path: str, n_boot: int = 1500, seed: int = 0, retention_
 def _experiments(store, groups, *, n_boot, seed, retention_threshold, predict, t0, test_frac, split_seed) -> dict:
     """The issue-8 sections: retention and stages of groups trained to the horizon (stop_at_grok off),
     peak σ_H against d/H, intervention experiments and (``predict``) the held-out predictive test."""
-    from . import exp_intervene
-    from .experiments import headdim_analysis, headdim_sets, predictive_analysis, retention_by_lambda, stage_table
+    from fastdiag.grokking import interventions as exp_intervene
+    from fastdiag.analysis.experiments import headdim_analysis, headdim_sets, predictive_analysis, retention_by_lambda, stage_table
 
     per_group = []
     for g in groups:
@@ -94,8 +94,8 @@ def format_experiments(report: dict) -> list[str]:
         for s in long_runs:
             parts = ", ".join(f"{st['stage']} {st['start_epoch']}–{st['end_epoch']}" for st in s["stages"])
             lines.append(f"    λ {s['weight_decay']:g} seed {s['seed']} ({s['regime']}): {parts}")
-    from .cmd_intervene import format_headdim
-    from .exp_intervene import format_comparison
+    from fastdiag.cli.intervene import format_headdim
+    from fastdiag.grokking.interventions import format_comparison
 
     for h in report.get("headdim", []):
         lines += ["", f"== per-head dimension (λ = {h['config'].get('weight_decay')})"]
@@ -207,7 +207,7 @@ def analysis_options(command):
 
 
 def check_analysis_options(fit_max_lambda: float | None, t0: float | None, test_frac: float) -> None:
-    from .cli import CLIError
+    from fastdiag.cli.app import CLIError
 
     if fit_max_lambda is not None and not fit_max_lambda > 0:
         raise CLIError(f"--fit-max-lambda: must be > 0, got {fit_max_lambda}")
@@ -229,7 +229,7 @@ def analyze_cmd(store_path, as_json, n_boot, seed, fit_max_lambda, retention_thr
                 split_seed):
     """Critical weight decay λ_c, exponent ν (with bootstrap CIs), regime table and median t_grok
     per architecture/size group of a sweep store."""
-    from .cli import CLIError
+    from fastdiag.cli.app import CLIError
 
     if n_boot < 1:
         raise CLIError(f"--n-boot: must be >= 1, got {n_boot}")

@@ -26,8 +26,8 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .config import RunConfig
-from .tasks import make_task
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.tasks import make_task
 
 REGIMES = ("grok", "memorization", "collapse", "anti-grok", "diverged")
 ANTI_GROK_BELOW = 0.5   # test accuracy that, after grokking, marks an anti-grok run
@@ -319,7 +319,7 @@ def prepare_out_dir(out_dir: str | os.PathLike) -> Path:
 def write_outputs(outcome: RunOutcome, out_dir: str | os.PathLike) -> dict[str, Path]:
     """Write ``result.json``, ``trace.csv`` and ``trajectory.png`` into ``out_dir``; return their paths.
     Each file is written whole or not at all (`atomic_path`)."""
-    from .plots import plot_trajectory
+    from fastdiag.plots.run import plot_trajectory
 
     out = prepare_out_dir(out_dir)
     paths = {"result": out / "result.json", "trace": out / "trace.csv", "plot": out / "trajectory.png"}
