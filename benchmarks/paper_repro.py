@@ -9,7 +9,7 @@
 
 `table` groups the done runs of all stores by λ (a long run trained past grokking counts like any
 other for t_grok / t_mem, and alone supplies the after-grokking values); per-run landmarks come from
-``fastdiag.analysis.experiments.phase_values``. Paper values are SPEC §4 / the paper's Fig. 2.
+``fastdiag.analysis.trajectories.phase_values``. Paper values are SPEC §4 / the paper's Fig. 2.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ import torch
 
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.ensemble_train import pack_runs
-from fastdiag.analysis.experiments import phase_values
+from fastdiag.analysis.trajectories import phase_values
 from fastdiag.store import open_existing
 from fastdiag.sweep import build_grid, parse_wd
-from fastdiag.plots.sweep import STYLE, _figure, _save
+from fastdiag.plots.style import STYLE, figure as _figure, save as _save
 from fastdiag.grokking.train import Trainer
 
 PAPER = {"t_grok_lambda1": 130, "lambda_c": 0.0158, "lambda_c_ci": (0.0109, 0.0200),

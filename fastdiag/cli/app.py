@@ -9,6 +9,10 @@ from contextlib import contextmanager
 
 import click
 
+from fastdiag.cli.options import PARAM_FLAGS
+from fastdiag.grokking.config import RunConfig
+from fastdiag.store import Store, open_existing
+
 
 class CLIError(click.ClickException):
     """An error the user can fix: printed as one line, exit status 2."""
@@ -22,7 +26,7 @@ def cli() -> None:
 
 
 @contextmanager
-def option_errors(flags: dict[str, str]):
+def option_errors(flags: dict[str, str] = PARAM_FLAGS):
     """Library errors name parameters ("weight_decay: must be finite"); the user typed flags. Re-raise
     a ValueError/TypeError whose message starts with a parameter in ``flags`` as a CLIError naming the
     flag ("--wd: must be finite")."""
@@ -36,16 +40,14 @@ def option_errors(flags: dict[str, str]):
         raise
 
 
-# RunConfig fields and sweep parameters → the flags `run` and `sweep` take for them.
-RUN_FLAGS = {
-    "arch": "--arch", "archs": "--arch", "preset": "--preset", "presets": "--preset", "n_layers": "--layers",
-    "n_heads": "--heads", "d_model": "--d-model", "d_ff": "--d-ff", "op": "--op", "p": "--p",
-    "weight_decay": "--wd", "weight_decays": "--wd", "seeds": "--seeds", "lr": "--lr", "batch_size": "--batch",
-    "epochs": "--epochs", "train_frac": "--train-frac", "eval_every and diag_every": "--eval-every and --diag-every",
-    "grok_threshold": "--grok-threshold", "patience": "--patience", "device": "--device",
-    "weight_decays, seeds": "--wd, --seeds", "shard": "--shard", "workers": "--workers", "threads": "--threads",
-    "backend": "--backend", "max_retries": "--max-retries", "ensemble": "--ensemble",
-}
+def open_store(path) -> Store:
+    """An existing store, read-only, every run config it holds checked against RunConfig."""
+    return open_existing(path, check_config=RunConfig.check_stored)
+
+
+def create_store(path) -> Store:
+    """A store to write into (created if missing), every run config it holds checked against RunConfig."""
+    return Store(path, create=True, check_config=RunConfig.check_stored)
 
 
 class Terminated(BaseException):

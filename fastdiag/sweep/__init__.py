@@ -1,6 +1,10 @@
-"""Weight-decay sweeps: the grid, resource planning, executing runs on local workers or Ray, the
-progress display, and ``run_sweep`` tying them to a result store."""
-from fastdiag.sweep.run import (BACKENDS, GROKKED, MAX_GRID_RUNS, REGIMES, Group, Progress, SweepSummary,
-                                analyze_group, available_cores, build_grid, check_buildable, file_safe,
-                                in_fit_range, load_groups, memory_per_run, parameter_count, parse_list,
-                                parse_seeds, parse_shard, parse_wd, plan_local, plan_packs, run_sweep, shard)
+"""Weight-decay sweeps: the grid (``grid``), resources (``plan``), executing runs in workers
+(``execute``) on local processes or Ray (``backends``), the progress bar (``progress``), and
+``run_sweep`` tying them to a result store (``run``)."""
+from fastdiag.sweep.grid import MAX_GRID_RUNS, build_grid, parse_list, parse_seeds, parse_shard, parse_wd, shard
+from fastdiag.sweep.plan import available_cores, plan_local, plan_packs
+from fastdiag.sweep.progress import Progress, RunProgress
+from fastdiag.sweep.run import BACKENDS, SweepSummary, run_sweep
+
+__all__ = ["BACKENDS", "MAX_GRID_RUNS", "Progress", "RunProgress", "SweepSummary", "available_cores", "build_grid",
+           "parse_list", "parse_seeds", "parse_shard", "parse_wd", "plan_local", "plan_packs", "run_sweep", "shard"]
