@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdiag.bench import time_fn
-from fastdiag.ensemble import EnsembleAdamW
+from fastdiag.grokking.ensemble_train import EnsembleAdamW
 from fastdiag.models.ensemble import EnsembleTransformer
 from fastdiag.models.transformer import Transformer, TransformerConfig
 

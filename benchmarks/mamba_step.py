@@ -6,7 +6,7 @@ One torch thread; each round times one training step (batch 512, T 3, AdamW) of 
 rotating order and reads the process CPU time (``time.process_time``), which other processes on a
 shared machine do not inflate the way they inflate wall time. Then, one fresh process per model, the
 peak resident memory of five training steps. ``--before COMMIT`` adds the Mamba as it was at that
-commit (models/mamba.py read with ``git show``), e.g. the one before issue 20's rewrite: 0d19b91.
+commit (models/mamba.py read with ``git show``), e.g. 0d19b91.
 """
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fastdiag.config import RunConfig
-from fastdiag.models import build_from_run_config, count_parameters
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.build import build_model
+from fastdiag.models import count_parameters
 
 MODELS = {"transformer": dict(), "transformer-0.96M": dict(preset="custom", d_ff=648), "mamba": dict(arch="mamba")}
 
@@ -41,7 +42,7 @@ def build(name: str, before: str | None):
         sys.modules["mamba_before"] = module   # dataclasses look their module up
         spec.loader.exec_module(module)
         return module.MambaLM(module.MambaConfig())
-    return build_from_run_config(RunConfig(**MODELS[name]), vocab_size=98, seq_len=3, device="cpu")
+    return build_model(RunConfig(**MODELS[name]), device="cpu")
 
 
 def step_fn(model):

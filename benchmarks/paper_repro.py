@@ -9,7 +9,7 @@
 
 `table` groups the done runs of all stores by λ (a long run trained past grokking counts like any
 other for t_grok / t_mem, and alone supplies the after-grokking values); per-run landmarks come from
-``fastdiag.experiments.phase_values``. Paper values are SPEC §4 / the paper's Fig. 2.
+``fastdiag.analysis.trajectories.phase_values``. Paper values are SPEC §4 / the paper's Fig. 2.
 """
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastdiag.config import RunConfig
-from fastdiag.ensemble import pack_runs
-from fastdiag.experiments import phase_values
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.ensemble_train import pack_runs
+from fastdiag.analysis.trajectories import phase_values
 from fastdiag.store import open_existing
 from fastdiag.sweep import build_grid, parse_wd
-from fastdiag.sweep_plots import STYLE, _figure, _save
-from fastdiag.train import Trainer
+from fastdiag.plots.style import STYLE, figure as _figure, save as _save
+from fastdiag.grokking.train import Trainer
 
 PAPER = {"t_grok_lambda1": 130, "lambda_c": 0.0158, "lambda_c_ci": (0.0109, 0.0200),
          "nu": 0.757, "nu_ci": (0.725, 0.799), "s_bar": (0.93, 0.995, 0.88), "sigma_h_peak": (0.09, 0.10)}
@@ -95,7 +95,7 @@ def predicted_t_grok(lam: float, t_ref: float = 130.0, lambda_c: float = PAPER["
 def grid_plan(lambdas: list[float], seeds: int, epochs: int, eval_every: int, ensemble: int,
               tflops: float, floor_ms: float, collapse_from: float = 10.0) -> dict:
     """GPU time of a stop-at-grok canonical grid packed exactly as `fastdiag sweep --ensemble K` packs it
-    (`fastdiag.ensemble.pack_runs`, packs run one after another on one GPU), every run taking the
+    (`fastdiag.grokking.ensemble_train.pack_runs`, packs run one after another on one GPU), every run taking the
     paper's predicted t_grok, capped at the horizon; runs at λ ≥ ``collapse_from`` (the paper's
     collapse at λ = 10: never fit) and at λ ≤ λ_c train to the horizon.
     A pack-step costs max(floor_ms, live members × STEP_GFLOP / tflops): compute-bound with the assumed

@@ -1,4 +1,4 @@
-"""The SDPA step comparison of issue 15: a Hugging Face GPT-2 training step bare, with every SDPA call
+"""The SDPA step comparison: a Hugging Face GPT-2 training step bare, with every SDPA call
 through `fastdiag.qk.sdpa_with_stats`, and with eager attention + output_attentions + head_stats.
 
     python benchmarks/sdpa_step.py [--rounds 9] [--block-steps 5] [--attn-dropout 0] [--threads 1] [--device cpu]

@@ -18,7 +18,7 @@ Two structural kinds keep their own adapters: fastdiag's models (class attribute
 ``records_head_stats``: the module computes its statistics itself) and `torch.nn.MultiheadAttention`
 (a pre-hook re-projects Q and K with the module's weights, whatever path torch takes inside).
 
-**Masks and padding rows (SPEC §3).** A key is masked where a bool mask is False or an additive
+**Masks and padding rows (docs/attach.md, "Padding").** A key is masked where a bool mask is False or an additive
 mask (or a score) is −inf or ≤ finfo(dtype).min / 2 (HF masks with finfo.min; two such terms
 added may overflow to −inf). A query row counts when it sees an unmasked key in every head, and,
 in self-attention, when its own position is not a padding key (a key no query of that sequence
@@ -54,7 +54,7 @@ def sees_a_key(hidden: torch.Tensor) -> torch.Tensor:
 
 def real_positions(hidden: torch.Tensor) -> torch.Tensor:
     """Bool ``[B, T]`` for self-attention (Tq = Tk = T): False at a padding position, a key that no
-    query row of its sequence may see in any head (SPEC §3: its own query row is padding too)."""
+    query row of its sequence may see in any head (its own query row is padding too)."""
     return ~hidden.all(-2).all(1)
 
 

@@ -11,18 +11,27 @@ Timing: warm-up first (compilation is never timed), then many repeats and median
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from fastdiag.diagnostics import head_stats
+from fastdiag.grokking.build import build_model
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.ensemble_train import default_ensemble_size
 from fastdiag.kernels import head_stats_ref
 from fastdiag.kernels import report as _report
+from fastdiag.models import count_parameters
 from fastdiag.monitor import attach
 from fastdiag.stats import summarize
-from fastdiag.testing import random_probs
+from fastdiag.store import Store
+from fastdiag.sweep.plan import available_cores
+from fastdiag.sweep.run import run_sweep
+from fastdiag.testing import NanoGPT, random_probs
 
 # (name, [N, B, H, T]) — N stacked problems (layers) in one call.
 KERNEL_SHAPES = {
@@ -155,11 +164,8 @@ def step_workloads(device: torch.device) -> dict[str, Callable[[], tuple]]:
     """name -> factory of (model, batch, targets, last_position_only)."""
 
     def grokking():
-        from fastdiag.config import RunConfig
-        from fastdiag.models import build_from_run_config
-
         cfg = RunConfig()
-        model = build_from_run_config(cfg, vocab_size=cfg.p + 1, seq_len=3).to(device)
+        model = build_model(cfg).to(device)
         g = torch.Generator().manual_seed(0)
         batch = torch.randint(0, cfg.p, (512, 3), generator=g).to(device)
         batch[:, 2] = cfg.p
@@ -167,8 +173,6 @@ def step_workloads(device: torch.device) -> dict[str, Callable[[], tuple]]:
         return model, batch, targets, True
 
     def nanogpt():
-        from fastdiag.testing import NanoGPT
-
         seq = 256 if device.type == "cuda" else 128
         width = (768, 12, 6) if device.type == "cuda" else (256, 8, 4)
         model = NanoGPT(vocab=512, d_model=width[0], n_heads=width[1], n_layers=width[2], seq_len=seq).to(device)
@@ -235,7 +239,7 @@ class SdpaStepResult:
 
 def hf_gpt2_sdpa_workload(device: torch.device, layers: int = 4, width: int = 256, heads: int = 8,
                           seq: int = 256, batch: int = 4, vocab: int = 512, attn_dropout: float = 0.0):
-    """A Hugging Face GPT-2 (issue 15: 4 layers, d 256, 8 heads, T 256, batch 4) and one batch.
+    """A Hugging Face GPT-2 (4 layers, d 256, 8 heads, T 256, batch 4) and one batch.
 
     Attention dropout is off by default: with it, eager ``output_attentions`` returns the dropped-out
     weights (not probabilities) and SDPA runs its dropout kernel (no LSE to reuse)."""
@@ -376,14 +380,6 @@ def bench_ensemble(device: torch.device, workload: str = "canonical", members: i
     against ensembles of ``members`` (``--ensemble K``), one after the other in this session.
 
     The default ``runs`` gives every local worker a full pack, so neither side idles cores."""
-    import tempfile
-    from pathlib import Path
-
-    from fastdiag.config import RunConfig
-    from fastdiag.ensemble import default_ensemble_size
-    from fastdiag.store import Store
-    from fastdiag.sweep import available_cores, run_sweep
-
     if workload not in ENSEMBLE_WORKLOADS:
         raise ValueError(f"workload: expected one of {', '.join(ENSEMBLE_WORKLOADS)}, got {workload!r}")
     spec = {**ENSEMBLE_WORKLOADS[workload], **({"epochs": epochs} if epochs else {})}
@@ -418,7 +414,7 @@ def format_ensemble_table(rows: list[dict]) -> str:
 
 # ---- architecture steps: a Mamba training step beside the transformer's --------------------------
 
-# Grokking training steps (SPEC §4: batch 512, T = 3) of the canonical transformer, a transformer with
+# Grokking training steps (docs/experiments.md: batch 512, T = 3) of the canonical transformer, a transformer with
 # the Mamba's parameter count (d_ff 648: 958,624 parameters against the Mamba's 958,208) and the Mamba.
 ARCH_STEPS: dict[str, dict] = {
     "transformer": dict(),
@@ -441,9 +437,6 @@ def bench_arch_steps(device: torch.device, blocks: int = 15, block_steps: int = 
                      progress: Callable[[str], None] = print) -> list[ArchStepResult]:
     """Blocks of ``block_steps`` training steps of each `ARCH_STEPS` model (AdamW, the run's own
     settings), in rotating order in this process, so machine noise hits all alike."""
-    from fastdiag.config import RunConfig
-    from fastdiag.models import build_from_run_config, count_parameters
-
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, 97, (512, 3), generator=g)
     batch[:, 2] = 97
@@ -453,7 +446,7 @@ def bench_arch_steps(device: torch.device, blocks: int = 15, block_steps: int = 
     for name, spec in ARCH_STEPS.items():
         cfg = RunConfig(device=device.type, **spec)
         torch.manual_seed(0)
-        model = build_from_run_config(cfg, vocab_size=98, seq_len=3, device=device).to(device)
+        model = build_model(cfg, device=device).to(device)
         setups[name] = (model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
                                                  weight_decay=cfg.weight_decay))
 

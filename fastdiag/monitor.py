@@ -35,15 +35,15 @@ import sys
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from fastdiag import adapters
+from fastdiag import adapters, zoo
 from fastdiag.diagnostics import BACKENDS, head_stats, triton_available
 from fastdiag.qk import CHUNK_BYTES, sdpa_with_stats
-from fastdiag.stats import HeadStats, Summary, summarize
+from fastdiag.records import Records
+from fastdiag.stats import HeadStats, Summary
 
 __all__ = ["Monitor", "attach"]
 
@@ -59,10 +59,6 @@ _LOOKED_FOR = ("looked for fastdiag.models attention (class attribute records_he
 _MONITORS: dict[int, "Monitor"] = {}
 _IDS = itertools.count()
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, Monitor]" = weakref.WeakKeyDictionary()
-# fastdiag-model attention modules → their attributes as before any monitor, and the monitors holding
-# them (id → backend): nested monitors share one original, restored when the last one detaches
-_ZOO_SETTINGS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-_ZOO_ATTRIBUTES = ("record", "stats", "diag_backend")
 
 
 def _eager(fn):
@@ -107,30 +103,6 @@ def _unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-@dataclass
-class _Record:
-    step: int
-    mode: str                      # "train" or "eval"
-    keys: list[str]                # "s_bar", "sigma_h", "sync/<layer>", "spread/<layer>"
-    values: torch.Tensor | None    # float64 [len(keys)] on the device until converted
-    host: dict | None = None
-    logged: bool = field(default=False)
-
-
-def _logger_from(log):
-    if log is None:
-        return None
-    if hasattr(log, "add_scalar"):  # torch.utils.tensorboard.SummaryWriter and look-alikes
-        def to_writer(step, values):
-            for tag, value in values.items():
-                log.add_scalar(tag, value, step)
-        return to_writer
-    if callable(log):
-        return log
-    raise TypeError(f"log: expected a SummaryWriter (add_scalar) or a callable (step, dict), "
-                    f"got {type(log).__name__}")
-
-
 class Monitor:
     """Measures an attached model's attention heads; see `attach` for the arguments."""
 
@@ -161,7 +133,7 @@ class Monitor:
         self.model, self.every, self.backend = model, every, backend
         self.measure_eval, self.all_reduce, self.group = measure_eval, all_reduce, group
         self.flush_every, self.chunk_bytes, self.strict = flush_every, chunk_bytes, strict
-        self._log = _logger_from(log)
+        self._records = Records(log, flush_every, all_reduce, group)
         self._auto = steps == "forward"
         self.step = 0              # training passes seen; the next one has this index
         self._due = True           # the next training pass is measured (step % every == 0)
@@ -176,10 +148,6 @@ class Monitor:
         self._pass_how: dict[str, str] = {}          # this pass's measured modules and how
         self._how: dict[str, str] = {}               # every module measured so far and how
         self._missing: dict[str, str] = {}           # expected modules never measured, and why
-        self._records: list[_Record] = []
-        self._unlogged = 0
-        self._latest: dict[str, HeadStats] | None = None
-        self._latest_summary: Summary | None = None
         self._handles: list = []
         self._zoo: list[torch.nn.Module] = []       # fastdiag-model attention whose attributes are set
         self._id = next(_IDS)
@@ -203,35 +171,11 @@ class Monitor:
                     self._hook(name, m, self._kind.get(name), root=m is model)
             for name, kind in self._kind.items():
                 if kind == "zoo":
-                    self._hold_zoo_settings(modules[name])
+                    zoo.hold(modules[name], self._id, self.backend)
+                    self._zoo.append(modules[name])
         except BaseException:
             self.detach()
             raise
-
-    def _hold_zoo_settings(self, module: torch.nn.Module) -> None:
-        entry = _ZOO_SETTINGS.get(module)
-        if entry is None:
-            entry = _ZOO_SETTINGS[module] = {
-                "saved": {a: getattr(module, a) for a in _ZOO_ATTRIBUTES if hasattr(module, a)}, "holders": {}}
-        entry["holders"][self._id] = self.backend
-        self._zoo.append(module)
-        if hasattr(module, "diag_backend"):
-            module.diag_backend = self.backend
-
-    def _release_zoo_settings(self) -> None:
-        for module in self._zoo:
-            entry = _ZOO_SETTINGS.get(module)
-            if entry is None:
-                continue
-            entry["holders"].pop(self._id, None)
-            if entry["holders"]:  # a monitor attached before this one stays: its backend again
-                if hasattr(module, "diag_backend"):
-                    module.diag_backend = list(entry["holders"].values())[-1]
-                continue
-            for attr, value in entry["saved"].items():
-                setattr(module, attr, value)
-            del _ZOO_SETTINGS[module]
-        self._zoo = []
 
     @staticmethod
     def _select(layers, modules) -> set[str]:
@@ -253,7 +197,7 @@ class Monitor:
     def set_padding(self, mask: torch.Tensor | None) -> None:
         """Mark this step's padding: ``mask`` ``[B, T]``, True / 1 = real token, False / 0 = padding
         (a Hugging Face ``attention_mask``). In every self-attention call of the step with batch B and
-        T query rows, the padding rows are left out (SPEC §3), on top of what the attention masks
+        T query rows, the padding rows are left out (docs/attach.md, "Padding"), on top of what the attention masks
         themselves say. It holds until the step ends (the forward pass, or `end_step`); None clears."""
         if mask is None:
             self._padding = None
@@ -448,16 +392,7 @@ class Monitor:
         return {"found": found, "measured": measured, "missing": missing}
 
     def _record(self, step: int, mode: str, stats: dict[str, HeadStats]) -> None:
-        if self.all_reduce:
-            stats = {name: s.all_reduce(self.group) for name, s in stats.items()}
-        summary = summarize(stats)
-        values = summary.tensors()
-        self._latest, self._latest_summary = stats, summary
-        self._records.append(_Record(step, mode, list(values),
-                                     torch.stack(list(values.values())).double().reshape(-1)))
-        self._unlogged += 1
-        if self._log is not None and self._unlogged >= self.flush_every:
-            self.flush()
+        self._records.add(step, mode, stats)
 
     # ---- manual steps (the Lightning callback drives these) -------------------------------------
 
@@ -471,65 +406,30 @@ class Monitor:
 
     # ---- results (these sync with the host) ---------------------------------------------------
 
-    def _to_host(self) -> None:
-        todo = [r for r in self._records if r.host is None]
-        if not todo:
-            return
-        flat = torch.cat([r.values for r in todo]).tolist()  # the one host sync
-        offset = 0
-        for r in todo:
-            n = len(r.keys)
-            r.host = {"step": r.step, "mode": r.mode, **dict(zip(r.keys, flat[offset:offset + n]))}
-            r.values = None
-            offset += n
-
     def latest(self, mode: str | None = None) -> dict | None:
         """The last record (of ``mode`` "train" or "eval" if given) as host floats:
         step, mode, s_bar, sigma_h, sync/<layer>, spread/<layer>. None before the first record."""
-        for r in reversed(self._records):
-            if mode is None or r.mode == mode:
-                self._to_host()
-                return dict(r.host)
-        return None
+        return self._records.latest(mode)
 
     def history(self, mode: str | None = None) -> list[dict]:
         """All records (optionally only ``mode="train"`` or ``"eval"``) as host floats."""
-        self._to_host()
-        return [dict(r.host) for r in self._records if mode is None or r.mode == mode]
+        return self._records.history(mode)
 
     def latest_stats(self) -> dict[str, HeadStats] | None:
         """The last record's per-layer `HeadStats` (device tensors, no sync)."""
-        return self._latest
+        return self._records.latest_stats
 
     def latest_summary(self) -> Summary | None:
         """The last record's `Summary` (device tensors, no sync)."""
-        return self._latest_summary
+        return self._records.latest_summary
 
     @property
     def num_records(self) -> int:
         return len(self._records)
 
     def flush(self) -> None:
-        """Send every record not yet logged to the logger (one host sync for all of them). A logger
-        that raises (a full disk) is warned about and never breaks the training step or `detach`:
-        the records it did not take stay in `history` and are sent again at the next flush."""
-        self._to_host()
-        if self._log is None:
-            return
-        self._unlogged = 0
-        for r in self._records:
-            if r.logged:
-                continue
-            prefix = "fastdiag/" if r.mode == "train" else "fastdiag_eval/"
-            try:
-                self._log(r.step, {prefix + k: v for k, v in r.host.items() if k not in ("step", "mode")})
-            except Exception as error:  # noqa: BLE001 - any logger failure; KeyboardInterrupt passes
-                waiting = [w.step for w in self._records if not w.logged]
-                warnings.warn(f"fastdiag.attach: the logger raised {type(error).__name__}: {error}; the "
-                              f"records of steps {waiting} are not logged yet (kept in Monitor.history(), "
-                              "sent again at the next flush)", RuntimeWarning, stacklevel=2)
-                return
-            r.logged = True
+        """Send every record not yet logged to the logger (`fastdiag.records.Records.flush`)."""
+        self._records.flush()
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -539,7 +439,7 @@ class Monitor:
         if self._id not in _MONITORS:
             return
         try:
-            if self._log is not None:
+            if self._records.log is not None:
                 self.flush()
         finally:
             for handle in self._handles:
@@ -547,7 +447,8 @@ class Monitor:
             if self._mode_entered:  # detached inside a measured pass
                 self._mode_entered = False
                 self._mode.__exit__(None, None, None)
-            self._release_zoo_settings()
+            zoo.release(self._zoo, self._id)
+            self._zoo = []
             self._handles = []
             self._measuring = False
             _MONITORS.pop(self._id, None)
@@ -589,7 +490,7 @@ def attach(model: torch.nn.Module, every: int = 10, layers=None, backend: str = 
         statistics after a measured pass.
 
     Padding: `Monitor.set_padding` hands in a step's real-token mask; the attention masks themselves
-    are read too (SPEC §3). `Monitor.coverage` says what was found and how each layer is measured.
+    are read too (docs/attach.md, "Padding"). `Monitor.coverage` says what was found and how each layer is measured.
 
     Returns a `Monitor`, also a context manager; `Monitor.detach` undoes everything.
     """

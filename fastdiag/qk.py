@@ -9,7 +9,7 @@ the layer's `HeadStats` from Q, K and the masks without holding ``[B, H, Tq, Tk]
 
 Backends: ``"triton"`` (two fused kernels, `kernels/qk_stats_triton.py`; the default on CUDA),
 ``"torch"`` (chunked over query rows, keys sliced to the causal bound; the default elsewhere) and
-``"reference"`` (float64, the ground truth). Masking semantics (SPEC §3, the attach contract): see
+``"reference"`` (float64, the ground truth). Masking semantics (docs/attach.md, "Padding": the attach contract): see
 `kernels/qk_stats_ref.py`. Row validity is read from the masks, never from the LSE (a fully masked
 row has LSE 0 on the CPU flash op and inf on CUDA).
 """

@@ -1,6 +1,6 @@
 """`HeadStats`: the sufficient statistics of one attention layer's heads, and what derives from them.
 
-A layer's diagnostics (SPEC §3) are functions of three sums over valid query rows:
+A layer's diagnostics (definitions: README.md, "The diagnostics") are functions of three sums over valid query rows:
 ``gram[i, j] = <v_i, v_j>`` (head patterns flattened over batch, rows and keys), ``entropy_sum[h]``
 (sum of row entropies of head h) and ``rows`` (how many valid rows). Sums add, so statistics of two
 batches, micro-batches, steps or GPUs merge exactly with ``+``; s̄ and σ_H are read out afterwards.

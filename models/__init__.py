@@ -1,4 +1,4 @@
-"""Models for the grokking experiments (SPEC §4), installed as ``fastdiag.models``.
+"""Models for the grokking experiments (docs/experiments.md), installed as ``fastdiag.models``.
 
 ``build(arch, **config)`` builds ``transformer``, ``mlp``, ``lstm`` or ``mamba`` from the fields
 of that architecture's config dataclass (the transformer also takes ``preset=``, mamba ``device=``).
@@ -17,16 +17,15 @@ from .mamba import (MambaConfig, MambaLM, SelectiveSSM, mamba_ssm_available, mam
 from .mlp import MLP, MLPConfig
 from .transformer import PRESETS, CausalSelfAttention, Transformer, TransformerConfig
 
-ARCHS = ("transformer", "mlp", "lstm", "mamba")
-
 __all__ = [
-    "ARCHS", "PRESETS", "build", "build_from_run_config", "resolve_run_config", "attention_modules",
+    "ARCHS", "PRESETS", "build", "attention_modules",
     "count_parameters", "Transformer", "TransformerConfig", "CausalSelfAttention", "MLP", "MLPConfig",
     "LSTM", "LSTMConfig", "MambaLM", "MambaConfig", "SelectiveSSM", "selective_scan",
     "mamba_ssm_available", "mamba_ssm_missing", "selective_scan_members",
 ]
 
 _CONFIGS = {"transformer": TransformerConfig, "mlp": MLPConfig, "lstm": LSTMConfig, "mamba": MambaConfig}
+ARCHS = tuple(_CONFIGS)
 
 
 def build(arch: str, **config) -> nn.Module:
@@ -56,41 +55,6 @@ def build(arch: str, **config) -> nn.Module:
     if arch == "lstm":
         return LSTM(cfg)
     return MambaLM(cfg, device=device)
-
-
-def resolve_run_config(cfg, vocab_size: int, seq_len: int) -> dict:
-    """The ``build`` keyword arguments a ``fastdiag.config.RunConfig`` stands for (no device)."""
-    arch = cfg.arch
-    if arch not in _CONFIGS:
-        raise ValueError(f"arch: unknown architecture {arch!r}; expected one of {', '.join(ARCHS)}")
-    kwargs: dict = {"vocab_size": vocab_size, "seq_len": seq_len}
-    if arch == "transformer":
-        kwargs["preset"] = cfg.preset
-        for name in ("n_layers", "n_heads", "d_model", "d_ff"):
-            if getattr(cfg, name) is not None:
-                kwargs[name] = getattr(cfg, name)
-        return kwargs
-    if cfg.preset not in ("canonical", "custom"):
-        raise ValueError(f"preset: {cfg.preset!r} is a transformer preset; {arch} takes only 'canonical'")
-    for name in ("n_heads",) + (("d_ff",) if arch != "mlp" else ()):
-        if getattr(cfg, name) is not None:
-            raise ValueError(f"{name}: does not apply to arch {arch!r}")
-    if cfg.n_layers is not None:
-        kwargs["n_layers"] = cfg.n_layers
-    width = cfg.d_model if cfg.d_model is not None else (cfg.d_ff if arch == "mlp" else None)
-    if width is not None:
-        kwargs["hidden" if arch in ("mlp", "lstm") else "d_model"] = width
-    return kwargs
-
-
-def build_from_run_config(cfg, vocab_size: int, seq_len: int, device=None) -> nn.Module:
-    """Build the model of a run (``RunConfig``). ``n_layers``/``d_model`` override the defaults
-    (MLP and LSTM: ``d_model`` is the hidden width); ``n_heads`` and ``d_ff`` are transformer only
-    (``d_ff`` is also accepted as the MLP's hidden width)."""
-    kwargs = resolve_run_config(cfg, vocab_size, seq_len)
-    if cfg.arch == "mamba":
-        kwargs["device"] = device
-    return build(cfg.arch, **kwargs)
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:

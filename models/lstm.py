@@ -1,4 +1,4 @@
-"""An LSTM baseline for the grokking task (SPEC §4: 4 layers, hidden 512).
+"""An LSTM baseline for the grokking task (docs/experiments.md: 4 layers, hidden 512).
 
 Tokens are embedded (``d_embed``), run through a stacked ``nn.LSTM`` and the last position's
 hidden state is read out linearly. Output: logits ``[B, vocab]`` for the last position

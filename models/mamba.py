@@ -1,4 +1,4 @@
-"""A small Mamba (selective state-space) model for the grokking task (SPEC §4).
+"""A small Mamba (selective state-space) model for the grokking task (docs/experiments.md).
 
 ``n_layers`` residual blocks ``x + mixer(LayerNorm(x))`` over token + no position embeddings
 (the SSM is causal and position aware by itself), a final LayerNorm and a linear read-out.

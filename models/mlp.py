@@ -1,4 +1,4 @@
-"""An MLP baseline for the grokking task (SPEC §4: 4 layers, hidden 512).
+"""An MLP baseline for the grokking task (docs/experiments.md: 4 layers, hidden 512).
 
 The three tokens ``[a, b, =]`` are embedded (``d_embed`` each) and concatenated, then go through
 ``n_layers`` hidden layers ``Linear -> ReLU`` of width ``hidden`` and a linear read-out. Output:

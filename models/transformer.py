@@ -1,4 +1,4 @@
-"""A small decoder-only transformer for the grokking task (SPEC §4), nanoGPT style.
+"""A small decoder-only transformer for the grokking task (docs/experiments.md), nanoGPT style.
 
 Pre-LayerNorm blocks, causal self-attention, learned positions, GELU MLP, dropout 0, untied
 input and output embeddings (the untied canonical model has 818,816 parameters with vocabulary 98,
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from fastdiag.diagnostics import head_stats
 
 PRESETS: dict[str, dict[str, int]] = {
     "canonical": dict(n_layers=4, n_heads=8, d_model=128, d_ff=512),   # ≈ 0.82 M parameters
@@ -52,12 +54,7 @@ class TransformerConfig:
 
 
 def _head_stats(probs: torch.Tensor, backend: str):
-    import fastdiag  # late: fastdiag imports the models lazily, and attach may be loaded later
-
-    fn = getattr(fastdiag, "head_stats", None)
-    if fn is None:  # package __init__ not exporting it (yet)
-        from fastdiag.diagnostics import head_stats as fn
-    return fn(probs, backend=backend, causal=True)   # the zoo's attention is causal: skip the masked keys
+    return head_stats(probs, backend=backend, causal=True)   # the zoo's attention is causal: skip the masked keys
 
 
 class CausalSelfAttention(nn.Module):
@@ -120,7 +117,7 @@ class Transformer(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         # PyTorch's default initialisation on purpose: with it the canonical run fits the training
-        # set by epoch ~30 and groks at ~150 (SPEC §7); nanoGPT's N(0, 0.02) fits far more slowly.
+        # set by epoch ~30 and groks at ~150, as in the paper; nanoGPT's N(0, 0.02) fits far more slowly.
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
 

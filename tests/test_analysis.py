@@ -9,21 +9,13 @@ import numpy as np
 import pytest
 from scipy import optimize, special, stats
 
-from fastdiag.analysis import (
-    REGIMES,
-    FitError,
-    auc_mann_whitney,
-    bootstrap_auc,
-    bootstrap_mae,
-    fit_lambda_c,
-    fit_nu,
-    fit_saturating,
-    holm_bonferroni,
-    median_t_grok,
-    paired_tests,
-    regime_table,
-    roc_curve,
-)
+from fastdiag.analysis.bootstrap import FitError
+from fastdiag.analysis.fits import fit_lambda_c, fit_nu
+from fastdiag.analysis.groups import median_t_grok, regime_table
+from fastdiag.analysis.headdim import fit_saturating
+from fastdiag.analysis.paired import holm_bonferroni, paired_tests
+from fastdiag.analysis.predict import auc_mann_whitney, bootstrap_auc, bootstrap_mae, roc_curve
+from fastdiag.grokking.config import REGIMES
 
 N_BOOT = 250
 TRUE_LAMBDA_C = 0.02
@@ -80,7 +72,7 @@ def test_lambda_c_bins_and_point_estimate_follow_the_spec(runs, lambda_c_fit):
     assert all(n == 40 for _, n, _ in bins)
     for lam, n, fraction in bins:
         assert fraction == pytest.approx(grokked[lambdas == lam].mean())
-    # SPEC §5: unweighted least squares of the fractions, start (log10 0.05, 5).
+    # docs/experiments.md "Setup": unweighted least squares of the fractions, start (log10 0.05, 5).
     x = np.log10([b[0] for b in bins])
     y = np.array([b[2] for b in bins])
     params, _ = optimize.curve_fit(

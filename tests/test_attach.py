@@ -1,7 +1,7 @@
 """fastdiag.attach: finds attention with no change to the model, measures it exactly, undoes itself.
 
 Every adapter is checked against eager attention written out here (probabilities in float64 from the
-same q and k) fed to `head_stats(backend="reference")`: SPEC §3, fp32 relative error ≤ 1e-5.
+same q and k) fed to `head_stats(backend="reference")`: fp32 relative error ≤ 1e-5.
 """
 import math
 
@@ -428,7 +428,7 @@ def test_zoo_transformer_is_measured_through_its_record_flag():
 
 def _mha_reference(mha, query, key, padding=None, **kw):
     """Per-head probabilities from MHA itself (need_weights, no averaging), eval, float64 stats;
-    padding: bool [N, T], True = real position (self-attention rows left out per SPEC §3)."""
+    padding: bool [N, T], True = real position (self-attention rows left out, docs/attach.md "Padding")."""
     mha.eval()
     with torch.no_grad():
         _, probs = mha(query, key, key, need_weights=True, average_attn_weights=False, **kw)

@@ -1,6 +1,6 @@
 """The attach matrix: real Hugging Face architectures from tiny random configs (nothing downloaded),
 eager and sdpa, padded and unpadded, each against float64 statistics of the probabilities the model
-really used (its eager twin's ``output_attentions``, same weights), padding rows left out (SPEC §3).
+really used (its eager twin's ``output_attentions``, same weights), padding rows left out (docs/attach.md, "Padding").
 Outputs and gradients must be unchanged by attach.
 
 ``python tests/test_attach_matrix.py`` prints the table shown in docs/attach.md.
@@ -260,7 +260,7 @@ def test_architectures_without_sdpa_are_refused_by_transformers(arch):
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama (GQA)", "bert", "bart"])
 def test_eager_and_sdpa_agree_on_a_padded_batch(arch):
-    """SPEC §3: the same batch gives the same statistics through the eager and the SDPA path
+    """The same batch gives the same statistics through the eager and the SDPA path
     (left-padded rows that eager masks with finfo.min included)."""
     batch = inputs(arch, padded=True)
     results = {}

@@ -160,7 +160,7 @@ def test_fit_max_lambda_keeps_collapse_runs_out_of_the_fits(synthetic_store, tmp
 
     everything, capped = canonical([]), canonical(["--fit-max-lambda", "5"])
     assert capped["fit_max_lambda"] == 5 and everything["fit_max_lambda"] is None
-    assert "6 run(s) with λ > 5 kept out of the λ_c and ν fits (--fit-max-lambda)" in capped["notes"]
+    assert "6 run(s) with λ > 5 kept out of the λ_c and ν fits" in capped["notes"]
     assert everything["lambda_c"]["n_runs"] - capped["lambda_c"]["n_runs"] == 6
     assert sum(r["n"] for r in capped["regimes"]) == sum(r["n"] for r in everything["regimes"])  # table keeps them
     assert capped["lambda_c"]["lambda_c"] != everything["lambda_c"]["lambda_c"]

@@ -4,11 +4,11 @@ import dataclasses
 import pytest
 import torch
 
-from fastdiag.config import RunConfig
-from fastdiag.ensemble import EnsembleAdamW, default_ensemble_size, pack_runs, train_ensemble
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.ensemble_train import EnsembleAdamW, default_ensemble_size, pack_runs, train_ensemble
 from fastdiag.models import build
 from fastdiag.models.ensemble import stack_models
-from fastdiag.train import train_run
+from fastdiag.grokking.train import train_run
 
 SMALL = dict(preset="custom", n_layers=2, n_heads=4, d_model=64, d_ff=256, p=31, train_frac=0.7,
              lr=3e-3, batch_size=128, eval_every=10, epochs=300, device="cpu")

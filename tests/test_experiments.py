@@ -1,4 +1,4 @@
-"""fastdiag.experiments: stage segmentation, retention, per-head dimension, predictive value; and the
+"""fastdiag.analysis.experiments: stage segmentation, retention, per-head dimension, predictive value; and the
 `fastdiag analyze` / `plot` / `headdim` sections built on them (synthetic data, no training)."""
 import json
 import math
@@ -8,7 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from fastdiag import experiments as ex
+from fastdiag.analysis import headdim as hd
+from fastdiag.analysis import predict as pred
+from fastdiag.analysis import trajectories as traj
+from fastdiag.grokking.build import heads_width
 from fastdiag import sweep as sw
 from fastdiag.cli import main
 from fastdiag.store import Store
@@ -42,8 +45,8 @@ def five_stage_trace(seed=0, collapse=True, noise=0.002, eval_every=10, horizon=
 
 @pytest.mark.parametrize("seed,noise", [(0, 0.002), (1, 0.004), (2, 0.001)])
 def test_five_stages_found_at_the_known_boundaries(seed, noise):
-    seg = ex.segment_stages(five_stage_trace(seed, noise=noise))
-    assert [s["stage"] for s in seg["stages"]] == list(ex.STAGES), seg
+    seg = traj.segment_stages(five_stage_trace(seed, noise=noise))
+    assert [s["stage"] for s in seg["stages"]] == list(traj.STAGES), seg
     for st in seg["stages"]:
         lo, hi = TRUE[st["stage"]]
         assert abs(math.log10(st["start_epoch"]) - lo) <= 0.1, st
@@ -52,7 +55,7 @@ def test_five_stages_found_at_the_known_boundaries(seed, noise):
 
 
 def test_two_phase_run_has_two_stages_and_no_collapse():
-    seg = ex.segment_stages(five_stage_trace(3, collapse=False, stages=2))
+    seg = traj.segment_stages(five_stage_trace(3, collapse=False, stages=2))
     assert [s["stage"] for s in seg["stages"]] == ["coordination", "differentiation"]
     assert seg["collapse_epoch"] is None and seg["note"] is None
 
@@ -61,16 +64,16 @@ def test_flat_noise_has_no_stage_and_short_traces_are_refused():
     rng = np.random.default_rng(0)
     flat = [{"epoch": e, "test_acc": 1.0, "s_bar": 0.95 + rng.normal(0, 0.001),
              "sigma_h": 0.05 + rng.normal(0, 0.0005)} for e in range(10, 20001, 10)]
-    seg = ex.segment_stages(flat)
+    seg = traj.segment_stages(flat)
     assert seg["stages"] == [] and "no stage found" in seg["note"]
     short = five_stage_trace(0)[:20]                  # epochs 10..200: 1.3 decades
-    seg = ex.segment_stages(short)
+    seg = traj.segment_stages(short)
     assert seg["stages"] == [] and seg["note"].startswith("too short")
     # a dip in test accuracy that recovers is not a collapse
     dip = five_stage_trace(0, collapse=False)
     for r in dip[1500:1520]:
         r["test_acc"] = 0.2
-    assert ex.segment_stages(dip)["collapse_epoch"] is None
+    assert traj.segment_stages(dip)["collapse_epoch"] is None
 
 
 def _run(rid, lam, seed, regime, final, t_grok=100, **cfg):
@@ -81,7 +84,7 @@ def _run(rid, lam, seed, regime, final, t_grok=100, **cfg):
 def test_retention_by_lambda():
     runs = [_run("a", 1.0, 0, "grok", 1.0), _run("b", 1.0, 1, "anti-grok", 0.3), _run("c", 1.0, 2, "grok", 0.95),
             _run("d", 0.1, 0, "memorization", 0.4, None), _run("e", 0.1, 1, "grok", 0.85)]
-    table = {row["lambda"]: row for row in ex.retention_by_lambda(runs, threshold=0.9)}
+    table = {row["lambda"]: row for row in traj.retention_by_lambda(runs, threshold=0.9)}
     assert table[1.0] == {"lambda": 1.0, "n": 3, "grokked": 3, "retained": 2, "retention": 2 / 3,
                           "median_final_test_acc": 0.95, "anti_grok": 1, "threshold": 0.9}
     assert table[0.1]["grokked"] == 1 and table[0.1]["retained"] == 0 and table[0.1]["retention"] == 0.0
@@ -89,7 +92,7 @@ def test_retention_by_lambda():
 
 def test_phase2_peak_and_headdim_fit_recover_a_saturating_curve():
     trace = [{"epoch": 10, "sigma_h": 0.5}, {"epoch": 20, "sigma_h": 0.1}, {"epoch": 30, "sigma_h": 0.2}]
-    assert ex.phase2_peak_sigma_h(trace, 20) == 0.2 and ex.phase2_peak_sigma_h(trace, None) is None
+    assert traj.phase2_peak_sigma_h(trace, 20) == 0.2 and traj.phase2_peak_sigma_h(trace, None) is None
     rng = np.random.default_rng(0)
     runs, traces = [], {}
     for d in (16, 32, 64, 128):
@@ -104,12 +107,12 @@ def test_phase2_peak_and_headdim_fit_recover_a_saturating_curve():
     runs.append(_run("nogrok", 1.0, 0, "memorization", 0.2, t_grok=None, preset="custom", d_model=32, n_heads=4))
     runs.append(_run("onehead", 1.0, 0, "grok", 1.0, t_grok=50, preset="custom", d_model=64, n_heads=1))
     traces["onehead"] = [{"epoch": 60, "sigma_h": 0.0}]
-    a = ex.headdim_analysis(runs, traces, n_boot=200)
+    a = hd.headdim_analysis(runs, traces, heads_width, n_boot=200)
     assert a["n_points"] == 36 and a["n_skipped"] == 1 and a["n_single_head"] == 1
     fit = a["fit"]
     assert abs(fit["plateau"] - 0.11) < 0.01 and fit["ci"]["plateau"][0] <= fit["plateau"] <= fit["ci"]["plateau"][1]
     assert [b["d_per_head"] for b in a["bins"]][:3] == [2.0, 4.0, 8.0]
-    assert len(ex.headdim_sets(runs)) == 1
+    assert len(hd.headdim_sets(runs, heads_width)) == 1
 
 
 def _predict_runs(signal: str, n_seeds=16, n_lambda=6, seed=0):
@@ -137,7 +140,7 @@ def _predict_runs(signal: str, n_seeds=16, n_lambda=6, seed=0):
 
 def test_predictive_value_known_answers():
     runs, traces = _predict_runs("baseline")
-    p = ex.predictive_analysis(runs, traces, t0=50, n_boot=300)
+    p = pred.predictive_analysis(runs, traces, t0=50, n_boot=300)
     assert p["t0"] == 50 and set(p["train_seeds"]).isdisjoint(p["test_seeds"])
     assert p["n_train"] + p["n_test"] == p["n_cases"] == len(runs)
     c = p["groks_by_horizon"]
@@ -145,13 +148,13 @@ def test_predictive_value_known_answers():
     assert c["diff_ci"][0] <= 0 <= c["diff_ci"][1]
     assert p["log_t_grok"]["verdict"] == "adds no measurable value"
     runs, traces = _predict_runs("attention")
-    c = ex.predictive_analysis(runs, traces, t0=50, n_boot=300)["groks_by_horizon"]
+    c = pred.predictive_analysis(runs, traces, t0=50, n_boot=300)["groks_by_horizon"]
     assert c["auc_full"] > c["auc_baseline"] + 0.2 and c["verdict"] == "adds measurable value", c
     # runs that grokked by t0 are left out, and too few seeds is an error, not a number
-    p = ex.predictive_analysis(runs, traces, t0=50, n_boot=50)
+    p = pred.predictive_analysis(runs, traces, t0=50, n_boot=50)
     assert p["excluded"]["grokked by t0"] == 0
     one = [r for r in runs if r["config"]["seed"] == 0]
-    assert "error" in ex.predictive_analysis(one, traces, t0=50, n_boot=50)
+    assert "error" in pred.predictive_analysis(one, traces, t0=50, n_boot=50)
 
 
 # ------------------------------------------------------------------ CLI on synthetic stores
@@ -185,7 +188,7 @@ def test_analyze_and_plot_long_horizon_store(tmp_path, capsys):
     g = json.loads(capsys.readouterr().out)["groups"][0]
     assert g["retention"][0]["anti_grok"] == 2
     anti = [s for s in g["stages"] if s["regime"] == "anti-grok"]
-    assert all([x["stage"] for x in s["stages"]] == list(ex.STAGES) for s in anti)
+    assert all([x["stage"] for x in s["stages"]] == list(traj.STAGES) for s in anti)
     main(["plot", str(path), "--out", str(tmp_path / "f"), "--n-boot", "20", "--format", "png"])
     assert (tmp_path / "f" / "stages.png").stat().st_size > 5000
 
@@ -201,8 +204,8 @@ def _headdim_fake_train(cfg, progress=None):   # train_run's signature
 
 
 def test_headdim_command_fits_and_draws(tmp_path, capsys, monkeypatch):
-    import fastdiag.train
-    monkeypatch.setattr(fastdiag.train, "train_run", _headdim_fake_train)
+    import fastdiag.grokking.train
+    monkeypatch.setattr(fastdiag.grokking.train, "train_run", _headdim_fake_train)
     store, out = tmp_path / "hd.sqlite", tmp_path / "hd"
     args = ["headdim", "--d-model", "16,32,64,128", "--heads", "2,4,8,3", "--wd", "1", "--seeds", "3",
             "--p", "11", "--epochs", "40", "--store", str(store), "--out", str(out), "--workers", "1",
@@ -263,18 +266,18 @@ def test_phase_values_reads_the_two_phase_landmarks():
     h = {1: 0.04, 10: 0.06, 20: 0.05, 30: 0.05, 40: 0.03, 60: 0.04, 80: 0.07, 120: 0.095, 160: 0.05}
     trace = [{"epoch": e, "s_bar": s[e], "sigma_h": h[e]} for e in s]
     trace.insert(3, {"epoch": 25, "s_bar": None, "sigma_h": None})      # an evaluation without diagnostics
-    v = ex.phase_values(trace, t_mem_epoch=20, t_grok_epoch=40)
+    v = traj.phase_values(trace, t_mem_epoch=20, t_grok_epoch=40)
     assert v["s_bar_init"] == 0.93 and v["init_epoch"] == 1
     assert v["s_bar_mem"] == 0.95 and v["s_bar_grok"] == 0.98
     assert (v["s_bar_min_after_grok"], v["s_bar_min_epoch"]) == (0.88, 120)
     assert (v["sigma_h_peak_after_grok"], v["sigma_h_peak_epoch"]) == (0.095, 120)
     assert v["s_bar_peak_phase1"] == 0.995 and v["epochs_after_grok"] == 120
     # Stopped at grokking: nothing after t_grok, the Phase-1 peak only up to t_grok.
-    stopped = ex.phase_values([r for r in trace if r["epoch"] <= 40], 20, 40)
+    stopped = traj.phase_values([r for r in trace if r["epoch"] <= 40], 20, 40)
     assert stopped["epochs_after_grok"] == 0 and stopped["s_bar_min_after_grok"] is None
     assert stopped["sigma_h_peak_after_grok"] is None and stopped["s_bar_peak_phase1"] == 0.98
     # Never grokked / t_mem not an evaluation of the trace: those landmarks are None.
-    never = ex.phase_values(trace, t_mem_epoch=None, t_grok_epoch=None)
+    never = traj.phase_values(trace, t_mem_epoch=None, t_grok_epoch=None)
     assert never["s_bar_init"] == 0.93 and never["s_bar_mem"] is None and never["s_bar_grok"] is None
     assert never["epochs_after_grok"] is None and never["s_bar_peak_phase1"] is None
-    assert ex.phase_values([], 20, 40)["s_bar_init"] is None
+    assert traj.phase_values([], 20, 40)["s_bar_init"] is None

@@ -1,4 +1,4 @@
-"""Hostile inputs and faults (issue 16): bad values, damaged and read-only stores, full disks, signals.
+"""Hostile inputs and faults: bad values, damaged and read-only stores, full disks, signals.
 
 Every CLI failure is one line on stderr with exit status 2 (130 for Ctrl-C), before any training
 where the input alone decides it, and nothing finished is lost. Faults are real: a full disk is a
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fastdiag.cli import main
-from fastdiag.config import RunConfig
+from fastdiag.grokking.config import RunConfig
 from fastdiag.store import Store, StoreError, open_existing
 
 TINY_RUN = ["--p", "7", "--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "16",
@@ -56,7 +56,7 @@ def small_store(path, n=3):
     """A store with ``n`` done runs (tiny fake results and traces)."""
     cfgs = [RunConfig(weight_decay=0.1 * (i + 1), seed=i, epochs=5, p=11) for i in range(n)]
     with Store(path) as st:
-        st.add_runs([c.to_dict() for c in cfgs])
+        st.add_runs(cfgs)
         for c in cfgs:
             st.record_done(c.run_id(), {"regime": "grok", "t_grok_epoch": 3, "n_params": 10},
                            [{"epoch": e, "step": e, "test_acc": 0.5, "train_acc": 1.0, "s_bar": 0.9,
@@ -110,7 +110,7 @@ def test_run_values_checked_before_training(capsys, tmp_path, argv, needle):
 
 
 def test_modulus_limit_comes_from_memory():
-    from fastdiag.tasks import check_task, max_modulus
+    from fastdiag.grokking.tasks import check_task, max_modulus
 
     assert max_modulus(8 * 2**30) > 5_000                     # 8 GiB: every p of the paper and far beyond
     with pytest.raises(ValueError, match=r"^p: .*50021.*GiB"):
@@ -196,7 +196,7 @@ def test_store_disk_full_is_one_line_not_cannot_rollback(tmp_path):
     src = tmp_path / "big.sqlite"
     cfgs = [RunConfig(weight_decay=0.1 * (i + 1), seed=i, epochs=5, p=11) for i in range(40)]
     with Store(src) as st:
-        st.add_runs([c.to_dict() for c in cfgs])
+        st.add_runs(cfgs)
         for c in cfgs:
             st.record_done(c.run_id(), {"regime": "grok"}, [{"epoch": e, "pad": "x" * 200} for e in range(100)])
     with tmpfs(tmp_path / "full", "256k") as full:
@@ -252,7 +252,7 @@ def test_damaged_store_content_names_store_and_run(tmp_path, sql, needle):
 
 
 def _intervention_store(path, experiment):
-    from fastdiag.exp_intervene import ensure_tables
+    from fastdiag.store.interventions import ensure_tables
 
     with Store(path) as st:
         ensure_tables(st)

@@ -1,4 +1,4 @@
-"""Sweeps under faults (issue 16): signals to the driver only, dead pool workers, attempts, and
+"""Sweeps under faults: signals to the driver only, dead pool workers, attempts, and
 concurrent sweeps sharing one store. Real processes, real signals, real SQLite; the trainers are
 small fakes in a module the spawned workers import, so each test takes seconds."""
 import os
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from fastdiag.config import RunConfig
+from fastdiag.grokking.config import RunConfig
 from fastdiag.store import Lease, Store
 
 TINY = ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "32", "--d-ff", "64", "--p", "11"]
@@ -158,7 +158,7 @@ def test_claims_of_dead_or_silent_sweeps_are_taken_over(tmp_path):
     cfgs = [RunConfig(weight_decay=w, seed=0, epochs=2, p=11) for w in (0.1, 1.0, 3.0)]
     ids = [c.run_id() for c in cfgs]
     with Store(tmp_path / "s.sqlite") as st:
-        st.add_runs([c.to_dict() for c in cfgs])
+        st.add_runs(cfgs)
         with Lease(st) as first, Lease(st) as second:
             assert first.claim(ids[:1]) == ids[:1]
             assert second.claim(ids) == ids[1:]                # a live claim is respected

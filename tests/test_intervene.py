@@ -1,4 +1,4 @@
-"""fastdiag.exp_intervene and `fastdiag intervene`: the arms differ exactly as designed, the control
+"""fastdiag.grokking.interventions and `fastdiag intervene`: the arms differ exactly as designed, the control
 is the un-branched run bit for bit, the statistics match scipy, results land in the store."""
 import dataclasses
 import json
@@ -8,12 +8,15 @@ import pytest
 import torch
 from scipy import stats
 
-from fastdiag import exp_intervene as iv
+from fastdiag.analysis.paired import compare_arms
+from fastdiag.cli.analyze import format_comparison
+from fastdiag.grokking import interventions as iv
+from fastdiag.store import interventions as tables
 from fastdiag.cli import main
-from fastdiag.config import RunConfig
-from fastdiag.models import build_from_run_config
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.build import build_model
 from fastdiag.store import open_existing
-from fastdiag.train import train_run
+from fastdiag.grokking.train import train_run
 
 # A 2-layer, 4-head model on a+b mod 11; "grokking" at test accuracy 0.6 comes within ~150 epochs,
 # so the peak search, the branch and 3 arms of 10 epochs take ~3 s per seed on one core.
@@ -27,13 +30,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _model(seed=0):
     cfg = RunConfig(**SMALL, seed=seed)
     torch.manual_seed(seed)
-    return cfg, build_from_run_config(cfg, 12, 3)
+    return cfg, build_model(cfg)
 
 
 def test_reinit_changes_exactly_the_chosen_heads():
     cfg, model = _model(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    fresh = iv.fresh_model(cfg, 12, 3, seed=123, device="cpu")
+    fresh = iv.fresh_model(cfg, seed=123, device="cpu")
     state = torch.random.get_rng_state()
     heads = iv.choose_heads(model, 2, seed=0)
     assert len(heads) == 4 and {h["layer"] for h in heads} == {"blocks.0.attn", "blocks.1.attn"}
@@ -122,7 +125,7 @@ def test_compare_arms_matches_scipy_and_holm():
             rows.append({"seed": seed, "arm": arm, "metrics": {
                 "peak_sigma_h_after": base + shift + 0.005 * rng.normal(), "final_test_acc": 1.0}})
     rows.append({"seed": 99, "arm": "control", "metrics": {"peak_sigma_h_after": 0.5, "final_test_acc": 1.0}})
-    cmp = iv.compare_arms(rows)
+    cmp = compare_arms(rows)
     assert cmp["seeds"] == list(range(8)), "a seed without all arms is left out"
     by = {(t["arm"], t["metric"]): t for t in cmp["tests"]}
     ctrl = [r["metrics"]["peak_sigma_h_after"] for r in rows if r["arm"] == "control" and r["seed"] < 99]
@@ -142,7 +145,7 @@ def test_compare_arms_matches_scipy_and_holm():
     assert holm == pytest.approx([min(1, 2 * lo), max(min(1, 2 * lo), hi)])
     assert by[("reinit", "peak_sigma_h_after")]["mean_diff"] < -0.02 and by[("reinit", "peak_sigma_h_after")]["t_p"] < 1e-3
     assert "error" in by[("clip", "final_test_acc")], "identical arms: no test, not a fake p-value"
-    assert "no test" in iv.format_comparison(cmp)
+    assert "no test" in format_comparison(cmp)
 
 
 def test_intervene_command_store_json_analyze_plot(tmp_path, capsys):
@@ -161,12 +164,12 @@ def test_intervene_command_store_json_analyze_plot(tmp_path, capsys):
     assert all(len(r["intervention"]["heads"]) == 2 for r in reinit)          # 1 per layer × 2 layers
     assert (out / "intervention.png").stat().st_size > 5000
     with open_existing(store) as st:
-        exps = iv.load_experiments(st)
+        exps = tables.load_experiments(st)
         assert len(exps) == 1 and len(next(iter(exps.values()))) == 6
         assert st.runs() == [], "the sweep runs table is left alone"
         row = next(iter(exps.values()))[0]
         assert row["branch_of"] == RunConfig.from_dict({**row["config"], "epochs": 300}).run_id()
-        assert len(iv.arm_trace(st, row["arm_id"])) > 0
+        assert len(tables.arm_trace(st, row["arm_id"])) > 0
     main(args)                                               # rerun: seeds already stored are skipped
     assert cap.err.count("seed 0:") >= 1 and "already in" in capsys.readouterr().err
     main(["analyze", str(store), "--n-boot", "20"])

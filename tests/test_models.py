@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 import fastdiag
 import fastdiag.models as M
-from fastdiag.config import RunConfig
+from fastdiag.grokking.build import build_model
+from fastdiag.grokking.config import RunConfig
 
 
 @pytest.mark.parametrize("preset, target", [("canonical", 0.82e6), ("19m", 19e6), ("85m", 85e6)])
@@ -128,20 +129,20 @@ def test_build_errors():
         M.build("lstm", n_layers=0)
 
 
-def test_build_from_run_config():
+def test_build_model_of_a_run_config():
     with torch.device("meta"):
-        m = M.build_from_run_config(RunConfig(), 98, 3)
+        m = build_model(RunConfig())
         assert isinstance(m, M.Transformer) and m.config.n_layers == 4 and m.config.d_ff == 512
-        m = M.build_from_run_config(RunConfig(preset="custom", n_layers=2, d_model=64, n_heads=4), 98, 3)
+        m = build_model(RunConfig(preset="custom", n_layers=2, d_model=64, n_heads=4))
         assert (m.config.n_layers, m.config.d_model, m.config.n_heads, m.config.d_ff) == (2, 64, 4, 256)
-        m = M.build_from_run_config(RunConfig(arch="lstm", d_model=64), 24, 3)
+        m = build_model(RunConfig(arch="lstm", d_model=64))
         assert m.config.hidden == 64 and m.config.n_layers == 4
-        m = M.build_from_run_config(RunConfig(arch="mamba"), 98, 3)
+        m = build_model(RunConfig(arch="mamba"))
         assert (m.config.d_model, m.config.expand, m.config.d_state, m.config.d_conv) == (128, 4, 16, 4)
     with pytest.raises(ValueError, match="n_heads"):
-        M.build_from_run_config(RunConfig(arch="mlp", n_heads=4), 98, 3)
+        build_model(RunConfig(arch="mlp", n_heads=4))
     with pytest.raises(ValueError, match="preset"):
-        M.build_from_run_config(RunConfig(arch="lstm", preset="19m"), 98, 3)
+        build_model(RunConfig(arch="lstm", preset="19m"))
 
 
 def test_default_cross_architecture_sizes():

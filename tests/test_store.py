@@ -3,7 +3,7 @@ import sqlite3
 
 import pytest
 
-from fastdiag.config import RunConfig
+from fastdiag.grokking.config import RunConfig
 from fastdiag.store import APPLICATION_ID, SCHEMA_VERSION, Lease, Store, StoreError, open_existing
 
 
@@ -14,8 +14,8 @@ def _cfgs(n=3):
 def test_new_store_is_marked_and_wal(tmp_path):
     path = tmp_path / "s.sqlite"
     with Store(path) as st:
-        assert st.add_runs([c.to_dict() for c in _cfgs()]) == 3
-        assert st.add_runs([c.to_dict() for c in _cfgs()]) == 0          # known runs left alone
+        assert st.add_runs(_cfgs()) == 3
+        assert st.add_runs(_cfgs()) == 0          # known runs left alone
         assert st.counts() == {"pending": 3, "running": 0, "done": 0, "failed": 0}
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
@@ -27,7 +27,7 @@ def test_new_store_is_marked_and_wal(tmp_path):
 def test_done_run_roundtrip_and_nan_cleaned(tmp_path):
     cfg = _cfgs(1)[0]
     with Store(tmp_path / "s.sqlite") as st:
-        st.add_runs([cfg.to_dict()])
+        st.add_runs([cfg])
         with Lease(st) as lease:
             assert lease.claim([cfg.run_id()]) == [cfg.run_id()]
         trace = [{"epoch": 1, "step": 1, "test_loss": float("nan"), "s_bar": 0.9},
@@ -44,7 +44,7 @@ def test_done_run_roundtrip_and_nan_cleaned(tmp_path):
 def test_finished_run_is_one_transaction(tmp_path):
     cfg = _cfgs(1)[0]
     with Store(tmp_path / "s.sqlite") as st:
-        st.add_runs([cfg.to_dict()])
+        st.add_runs([cfg])
         bad_trace = [{"epoch": 1, "step": 1}, {"epoch": 2, "step": 2, "oops": object()}]
         with pytest.raises(TypeError):
             st.record_done(cfg.run_id(), {"regime": "grok"}, bad_trace)
@@ -99,9 +99,9 @@ def test_merge_is_idempotent_and_prefers_done(tmp_path):
     a, b, c = _cfgs(3)
     with Store(tmp_path / "a.sqlite") as sa, Store(tmp_path / "b.sqlite") as sb, \
             Store(tmp_path / "out.sqlite") as out:
-        sa.add_runs([a.to_dict(), b.to_dict()])
+        sa.add_runs([a, b])
         sa.record_done(a.run_id(), {"regime": "grok"}, [{"epoch": 1, "step": 1}])
-        sb.add_runs([b.to_dict(), c.to_dict()])
+        sb.add_runs([b, c])
         sb.record_done(b.run_id(), {"regime": "collapse"}, [{"epoch": 1, "step": 1}, {"epoch": 2, "step": 2}])
         sb.record_failed(c.run_id(), "boom")
         first = out.merge_from(sa)
@@ -119,7 +119,7 @@ def test_merge_is_idempotent_and_prefers_done(tmp_path):
 
 
 def test_merge_copies_intervention_arms_once(tmp_path):
-    from fastdiag.exp_intervene import ensure_tables
+    from fastdiag.store.interventions import ensure_tables
 
     with Store(tmp_path / "a.sqlite") as sa, Store(tmp_path / "out.sqlite") as out:
         ensure_tables(sa)

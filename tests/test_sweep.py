@@ -1,4 +1,5 @@
 """Sweep grid parsing, sharding, resuming and failure handling (fast: fake trainers, no real training)."""
+import io
 import math
 import random
 import textwrap
@@ -7,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from fastdiag import sweep as sw
+from fastdiag.analysis.groups import analyze_group, load_groups
 from fastdiag.store import Lease, Store
 
 TINY = dict(preset="custom", n_layers=1, n_heads=2, d_model=32, d_ff=64, p=11, epochs=3)
@@ -122,7 +124,7 @@ def test_resume_skips_done_and_redoes_unfinished(tmp_path):
         s1 = sw.run_sweep(grid[:4], st, workers=1, train_fn=counting, progress=False)
         assert (s1.total, s1.done, s1.skipped) == (4, 4, 0)
         # A crash mid-way leaves a run 'running': it is redone, the finished ones are not.
-        st.add_runs([grid[4].to_dict()])
+        st.add_runs([grid[4]])
         with Lease(st) as lease:                 # its sweep died: status running, claim freed
             lease.claim([grid[4].run_id()])
         before = {r["run_id"]: r["finished_at"] for r in st.runs("done")}
@@ -187,15 +189,48 @@ def test_local_pool_retries_lost_worker_and_records_failure(tmp_path, monkeypatc
         assert summary.failed == 1 and summary.done == 3 and st.counts()["done"] == 3
 
 
-def test_progress_line():
-    import io
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
 
-    out = io.StringIO()
+
+def _last_frame(text: str) -> str:
+    return text.replace("\r", "\n").strip().splitlines()[-1]
+
+
+def test_progress_bar_on_a_terminal_has_rate_eta_and_the_status():
+    out = _Terminal()
     bar = sw.Progress(total=4, skipped=1, stream=out)
     bar.update("grok", force=True)
     bar.update(failed=True, force=True)
-    lines = out.getvalue().splitlines()
-    assert lines[-1].startswith("sweep: 3/4 runs | ETA") and "1 failed" in lines[-1] and "grok 1" in lines[-1]
+    bar.close()
+    last = _last_frame(out.getvalue())
+    assert last.startswith("sweep: 3/4 runs | 1 failed | grok 1") and " 75%|" in last
+    assert "run/s]" in last and "<" in last                          # rate, elapsed<remaining
+
+
+def test_progress_is_quiet_when_stderr_is_not_a_terminal():
+    out = io.StringIO()
+    bar = sw.Progress(total=4, stream=out)
+    bar.epoch("a", 10, 100)
+    bar.update("grok", force=True, run_id="a")
+    bar.close()
+    run = sw.RunProgress(3, stream=out)
+    run({"epoch": 1, "train_acc": 0.5, "test_acc": 0.1, "s_bar": 0.9, "sigma_h": 0.01})
+    run.close()
+    assert out.getvalue() == ""
+    bar = sw.Progress(total=4, stream=out)
+    bar.note("ensembles: 4 runs as 1 vectorised ensemble(s) of 4 members")      # notes are lines of their own
+    assert out.getvalue().strip() == "ensembles: 4 runs as 1 vectorised ensemble(s) of 4 members"
+
+
+def test_run_progress_on_a_terminal():
+    out = _Terminal()
+    run = sw.RunProgress(3, stream=out)
+    run({"epoch": 1, "train_acc": 0.5, "test_acc": 0.1, "s_bar": 0.9, "sigma_h": None})
+    run.close()
+    last = _last_frame(out.getvalue())
+    assert "epoch 1/3" in last and "s̄ 0.900" in last and "σ_H –" in last and "epoch/s" in last
 
 
 def test_progress_line_shows_runs_in_flight():
@@ -209,7 +244,7 @@ def test_progress_line_shows_runs_in_flight():
     assert bar.line().endswith("running: epoch 1200/10000, 3400/10000")
     bar.epoch("c", 500, 1000)
     assert bar.line().endswith("3 running, median at 34% of their epochs")
-    assert "ETA ?" not in bar.line()                 # estimated from the epochs in flight
+    assert bar.bar.n == pytest.approx(0.34 + 0.12 + 0.5)      # the rate and ETA count the epochs in flight
     bar.update("grok", run_id="c")
     bar.update(failed=True, run_id="b")
     assert bar.line().endswith("running: epoch 3400/10000") and "2/5 runs" in bar.line()
@@ -217,7 +252,7 @@ def test_progress_line_shows_runs_in_flight():
 
 def test_epoch_reports_reach_the_progress_line_in_process(tmp_path, monkeypatch):
     """workers = 1 trains in this process: the real trainer's epochs reach the bar as they happen."""
-    monkeypatch.setattr(sw, "EPOCH_REPORT_S", 0.0)
+    monkeypatch.setattr("fastdiag.sweep.execute.EPOCH_REPORT_S", 0.0)
     seen = []
 
     class Recording(sw.Progress):
@@ -225,7 +260,6 @@ def test_epoch_reports_reach_the_progress_line_in_process(tmp_path, monkeypatch)
             seen.append((run_id, epoch, epochs))
             super().epoch(run_id, epoch, epochs)
 
-    import io
     bar = Recording(total=1, stream=io.StringIO())
     grid = sw.build_grid({**TINY, "epochs": 6, "stop_at_grok": False}, [1.0], [0])
     with Store(tmp_path / "p.sqlite") as st:
@@ -240,9 +274,9 @@ def test_analyze_group_recovers_lambda_c_and_nu(tmp_path):
     grid = sw.build_grid(TINY, [0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3, 1, 3, 10], range(8))
     with Store(tmp_path / "s.sqlite") as st:
         sw.run_sweep(grid, st, workers=1, train_fn=fake_train, progress=False)
-        groups, counts = sw.load_groups(st)
+        groups, counts = load_groups(st)
     assert counts["done"] == len(grid) and len(groups) == 1
-    report = sw.analyze_group(groups[0], n_boot=200, seed=0)
+    report = analyze_group(groups[0], n_boot=200, seed=0)
     assert report["n_zero_lambda"] == 8 and "λ = 0" in report["notes"][0]
     lc = report["lambda_c"]
     assert lc["ci"][0] < lc["lambda_c"] < lc["ci"][1] and 0.005 < lc["lambda_c"] < 0.08
@@ -259,7 +293,7 @@ def test_analyze_group_too_little_data_says_why(tmp_path):
     grid = sw.build_grid(TINY, [0.1, 1.0], [0, 1])
     with Store(tmp_path / "s.sqlite") as st:
         sw.run_sweep(grid, st, workers=1, train_fn=fake_train, progress=False)
-        (group,), _ = sw.load_groups(st)
-    report = sw.analyze_group(group, n_boot=50)
+        (group,), _ = load_groups(st)
+    report = analyze_group(group, n_boot=50)
     assert "lambda_c" not in report["lambda_c"] and "3 distinct weight decays" in report["lambda_c"]["error"]
     assert "nu" not in report["nu"] and "error" in report["nu_joint"]

@@ -2,10 +2,12 @@
 shards + merge, and the one-line CLI errors of impossible grids."""
 import json
 import os
+import pty
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -20,6 +22,33 @@ def fastdiag_cli(*args, timeout=240):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "fastdiag.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env=env)
+
+
+def fastdiag_cli_on_terminal(*args, timeout=240):
+    """Run the CLI with stderr on a pseudo-terminal (the progress bar draws only on a terminal);
+    returns (exit status, what it wrote to the terminal)."""
+    master, slave = pty.openpty()
+    chunks: list[bytes] = []
+
+    def read() -> None:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:                  # the child side is closed
+                return
+            if not data:
+                return
+            chunks.append(data)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fastdiag.cli", *map(str, args)], stdout=subprocess.DEVNULL,
+                              stderr=slave, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:
+        os.close(slave)
+        reader.join(timeout=10)
+        os.close(master)
+    return proc.returncode, b"".join(chunks).decode(errors="replace")
 
 
 def finished(path):
@@ -188,11 +217,11 @@ def test_kill_9_mid_ensemble_keeps_members_that_finished_early(tmp_path):
 
 @pytest.mark.parametrize("ensemble", ["1", "auto"])
 def test_long_runs_report_their_epochs_from_worker_processes(tmp_path, ensemble):
-    """Pool workers (one by one) and packed ensembles both send their epochs to the progress line."""
+    """Pool workers (one by one) and packed ensembles both send their epochs to the progress bar."""
     store = tmp_path / f"ep{ensemble}.sqlite"
-    proc = fastdiag_cli("sweep", "--wd", "0.3,1", "--seeds", "1", *TINY, "--epochs", "3000", "--no-stop-at-grok",
-                        "--eval-every", "10", "--workers", "2", "--threads", "1", "--ensemble", ensemble,
-                        "--store", store)
-    assert proc.returncode == 0, proc.stderr
-    assert "running: epoch " in proc.stderr and "/3000" in proc.stderr
+    code, terminal = fastdiag_cli_on_terminal(
+        "sweep", "--wd", "0.3,1", "--seeds", "1", *TINY, "--epochs", "3000", "--no-stop-at-grok", "--eval-every",
+        "10", "--workers", "2", "--threads", "1", "--ensemble", ensemble, "--store", store)
+    assert code == 0, terminal
+    assert "running: epoch " in terminal and "/3000" in terminal and "run/s" in terminal
     assert len(finished(store)) == 2

@@ -1,8 +1,8 @@
-"""The modular-arithmetic task: targets, vocabulary, split (fastdiag.tasks)."""
+"""The modular-arithmetic task: targets, vocabulary, split (fastdiag.grokking.tasks)."""
 import pytest
 import torch
 
-from fastdiag.tasks import OPS, all_pairs, is_prime, make_task
+from fastdiag.grokking.tasks import OPS, all_pairs, is_prime, make_task
 
 PYTHON_OPS = {
     "+": lambda a, b, p: (a + b) % p,

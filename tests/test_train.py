@@ -1,4 +1,4 @@
-"""fastdiag.train: the grokking phenomenon end to end, determinism, diagnostics, regimes, outputs."""
+"""fastdiag.grokking.train: the grokking phenomenon end to end, determinism, diagnostics, regimes, outputs."""
 import csv
 import json
 import math
@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import fastdiag.stats
-from fastdiag.config import RunConfig
-from fastdiag.train import REGIMES, train_run, write_outputs
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.config import REGIMES
+from fastdiag.grokking.train import train_run
+from fastdiag.plots.run import write_outputs
 
 # A configuration small enough for CI that still shows the phenomenon (measured on 2 CPU cores,
 # seeds 0-2): a 2-layer, 4-head, width-64 transformer on a + b mod 31 with 70 % of the pairs for
@@ -151,7 +153,7 @@ def test_write_outputs_without_attention(tmp_path):
 
 
 def test_auto_device_picks_cuda_when_available():
-    from fastdiag.train import resolve_device
+    from fastdiag.grokking.build import resolve_device
 
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cpu").type == "cpu"

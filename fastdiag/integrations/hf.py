@@ -7,7 +7,7 @@ after this one, and ``trainer.state.log_history``, see them) as ``fastdiag/s_bar
 ``fastdiag/sigma_h``, ``fastdiag/sync/<layer>`` and ``fastdiag/spread/<layer>``. Every record is in
 ``callback.monitor.history()``; pass ``log=SummaryWriter(...)`` to write each one to TensorBoard.
 Each forward's ``attention_mask`` is handed to `Monitor.set_padding`, so padded positions are left
-out of the statistics (SPEC §3) even where the attention itself does not mask them.
+out of the statistics (docs/attach.md, "Padding") even where the attention itself does not mask them.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ device tensors (Lightning moves them to the host when it writes to its logger), 
 With ``measure_eval=True`` validation batches are measured too and kept in ``callback.monitor``
 (``history(mode="eval")``), not logged. A batch that is a mapping with an ``attention_mask``
 (``[batch, seq]``, 1 = real token) has it handed to `Monitor.set_padding` for its step, so padded
-positions are left out of the statistics (SPEC §3).
+positions are left out of the statistics (docs/attach.md, "Padding").
 """
 from __future__ import annotations
 

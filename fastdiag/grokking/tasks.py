@@ -1,4 +1,4 @@
-"""The modular-arithmetic task of the grokking experiments (SPEC §4).
+"""The modular-arithmetic task of the grokking experiments (docs/experiments.md).
 
 Every pair (a, b) with a, b in [0, p) (b != 0 for ÷) becomes the sequence ``[a, b, =]`` with target
 ``c = a ∘ b mod p``; the "=" token is ``p``, so the vocabulary has ``p + 1`` tokens. The pairs are
@@ -11,12 +11,18 @@ from dataclasses import dataclass
 
 import torch
 
-OPS = ("+", "-", "*", "/")
+from fastdiag.grokking.config import OPS
+
 SEQ_LEN = 3
 # Peak host bytes per (a, b) pair while the task is built: a, b, the "=" column and the stacked
 # [N, 3] sequences (int64), the targets and their temporaries, the permutation and the split copies:
 # about ten int64 values per pair. The pairs grow as p², so this, not the model, bounds p.
 TASK_BYTES_PER_PAIR = 80
+
+
+def task_shape(p: int) -> tuple[int, int]:
+    """(vocabulary size, sequence length) of the task mod ``p``: tokens 0..p-1 and "=", ``[a, b, =]``."""
+    return p + 1, SEQ_LEN
 
 
 def is_prime(n: int) -> bool:
@@ -88,11 +94,11 @@ class Task:
 
     @property
     def vocab_size(self) -> int:
-        return self.p + 1
+        return task_shape(self.p)[0]
 
     @property
     def seq_len(self) -> int:
-        return SEQ_LEN
+        return task_shape(self.p)[1]
 
     @property
     def eq_token(self) -> int:

@@ -1,4 +1,4 @@
-"""Vectorised ensembles: K runs of one architecture and size trained as one model (issue 7).
+"""Vectorised ensembles: K runs of one architecture and size trained as one model.
 
 Members differ only in their seed (initialisation, split, batch order) and weight decay λ_k. Each
 member is built exactly as the single run with its seed is built, then the K models are stacked on a
@@ -11,14 +11,19 @@ diverged) are dropped from every stacked tensor at the next evaluation, so they 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from fastdiag.config import RunConfig
-from fastdiag.tasks import make_task
-from fastdiag.train import RunOutcome, RunTracker, resolve_device, summary_values
+from fastdiag.grokking.build import build_model, parameter_count, resolve_device
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.tasks import make_task
+from fastdiag.grokking.tracking import RunTracker, eval_chunk, evaluate, summary_values
+from fastdiag.grokking.train import RunOutcome
+from fastdiag.models import attention_modules, count_parameters, mamba_ssm_available
+from fastdiag.models.ensemble import VECTORISED, stack_models, vectorisable
 
 # Members may differ in these fields only; everything else shapes the shared computation.
 MEMBER_FIELDS = ("seed", "weight_decay")
@@ -31,9 +36,6 @@ def pack_key(cfg: RunConfig) -> tuple:
 
 def why_one_by_one(cfg: RunConfig) -> str | None:
     """Why runs like ``cfg`` cannot be packed into an ensemble, or None when they can."""
-    from fastdiag.models import mamba_ssm_available
-    from fastdiag.models.ensemble import VECTORISED, vectorisable
-
     if not vectorisable(cfg.arch):
         return f"{cfg.arch} cannot be vectorised; only {', '.join(VECTORISED)} can"
     if cfg.arch == "mamba" and resolve_device(cfg.device).type == "cuda" and mamba_ssm_available():
@@ -109,9 +111,6 @@ def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], No
     ``progress(member_index, row)`` receives every member's trace rows; ``on_finish(member_index,
     outcome)`` is called as soon as a member is done, so a caller can store it before the others end.
     """
-    from fastdiag.models import attention_modules, build_from_run_config, count_parameters
-    from fastdiag.models.ensemble import stack_models
-
     cfgs = [c.validate() for c in cfgs]
     _check_pack(cfgs)
     started = time.perf_counter()
@@ -121,7 +120,7 @@ def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], No
     for cfg in cfgs:   # each member exactly as its single run: task split, then seeded initialisation
         task = make_task(cfg.op, cfg.p, cfg.train_frac, seed=cfg.seed, device=device)
         torch.manual_seed(cfg.seed)
-        models.append(build_from_run_config(cfg, task.vocab_size, task.seq_len, device=device).to(device))
+        models.append(build_model(cfg, device=device).to(device))
         tasks.append(task)
     layer_names = list(attention_modules(models[0]))
     n_params = count_parameters(models[0])
@@ -136,7 +135,7 @@ def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], No
     trackers = [RunTracker(c, layer_names) for c in cfgs]
     active = list(range(len(cfgs)))        # positions in cfgs of the members still in the model
     outcomes: dict[int, RunOutcome] = {}
-    eval_chunk = 512 if device.type == "cpu" else 16384
+    chunk = eval_chunk(device)
     n_train = train_x.shape[1]
     step = epoch = 0
     loss_sum = torch.zeros(len(cfgs), device=device)
@@ -174,7 +173,7 @@ def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], No
             step += 1
         if epoch % shared.eval_every and epoch != shared.epochs:
             continue
-        metrics = _evaluate(model, train_x, train_y, test_x, test_y, eval_chunk)
+        metrics = _evaluate(model, train_x, train_y, test_x, test_y, chunk)
         metrics["loss_sum"] = loss_sum
         metrics.update(summary_values(pending, layer_names))
         names = list(metrics)
@@ -205,16 +204,8 @@ def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], No
 def _evaluate(model, train_x, train_y, test_x, test_y, chunk: int) -> dict[str, torch.Tensor]:
     model.eval()
     out = {}
-    for split, x, y in (("train", train_x, train_y), ("test", test_x, test_y)):
-        k, n = y.shape
-        loss = torch.zeros(k, device=y.device)
-        correct = torch.zeros(k, device=y.device)
-        for start in range(0, n, chunk):
-            logits = model(x[:, start:start + chunk])
-            target = y[:, start:start + chunk]
-            loss += F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(k, -1).sum(1)
-            correct += (logits.argmax(-1) == target).sum(1)
-        out[f"{split}_loss"], out[f"{split}_acc"] = loss / n, correct / n
+    out["train_loss"], out["train_acc"] = evaluate(model, train_x, train_y, chunk)
+    out["test_loss"], out["test_acc"] = evaluate(model, test_x, test_y, chunk)
     out["weight_norm"] = torch.stack([p.detach().float().flatten(1).norm(dim=1) for p in model.parameters()], 1).norm(dim=1)
     return out
 
@@ -241,8 +232,6 @@ def pack_runs(cfgs: Sequence[RunConfig], size: int | None) -> list[list[RunConfi
 
 def describe_packs(packs: list[list[RunConfig]]) -> list[str]:
     """What a sweep is about to do with its runs, in lines for the user."""
-    from collections import Counter
-
     lines = []
     multi = [p for p in packs if len(p) > 1]
     if multi:
@@ -267,8 +256,6 @@ def default_ensemble_size(cfg: RunConfig) -> int:
     ~0.45 M parameters, fewer above (canonical 0.82 M: 4), one by one from ~2.5 M."""
     if resolve_device(cfg.device).type == "cuda":
         return 32
-    from fastdiag.sweep import parameter_count
-
     n = parameter_count(cfg) or 1_000_000
     return max(1, min(8, round(3.5e6 / n)))
 

@@ -25,19 +25,19 @@ raises a StoreError that names the store and the run.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
-import socket
 import sqlite3
-import threading
 import time
 import urllib.parse
-import uuid
 from contextlib import contextmanager, suppress
+from importlib import metadata
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
+
+from fastdiag.store.checks import StoreError, check_result, checked_config
+from fastdiag.store.interventions import merge_tables
+from fastdiag.store.rows import dumps
 
 APPLICATION_ID = 0x46446967          # "FDig"
 SCHEMA_VERSION = 1
@@ -83,13 +83,6 @@ CREATE TABLE IF NOT EXISTS claims (
     expires REAL NOT NULL
 )
 """
-LEASE_S = 60.0     # a claim not renewed for this long (its sweep hung or its host died) can be taken over
-
-
-class StoreError(ValueError):
-    """The file is not a usable fastdiag result store (the message says why, in one line)."""
-
-
 class SQLiteFailure(StoreError):
     """SQLite failed on the store: disk full, damaged pages, a read-only file, a lock held too long."""
 
@@ -139,7 +132,7 @@ class _Connection(sqlite3.Connection):
             raise _sqlite_error(self.store_path, exc) from None
 
 
-def _connect(path: Path, readonly: bool) -> _Connection:
+def connect(path: Path, readonly: bool) -> _Connection:
     if readonly:
         # mode=ro never writes. A WAL store on a read-only mount has no -shm file and cannot get one;
         # there nothing can change the file either, so it is opened as immutable.
@@ -157,36 +150,23 @@ def _connect(path: Path, readonly: bool) -> _Connection:
     return conn
 
 
-def _clean(value):
-    """JSON-able copy with non-finite floats turned into None (JSON has no NaN)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    if hasattr(value, "item") and callable(value.item):      # numpy / torch scalars
-        try:
-            return _clean(value.item())
-        except (TypeError, ValueError):
-            pass
-    return value
-
-
-def dumps(value) -> str:
-    return json.dumps(_clean(value), allow_nan=False, separators=(",", ":"))
-
-
 class Store:
     """A fastdiag result store. ``Store(path)`` opens it, creating it when ``create`` is true.
+
+    The store keeps run configurations as JSON objects and knows nothing of their fields: a reader
+    passes ``check_config`` (e.g. ``RunConfig.check_stored``, which raises ValueError saying why a
+    config is not valid) to have every config it reads checked; a bad one raises a StoreError naming
+    the store and the run.
 
     Raises ``FileNotFoundError`` (missing and not ``create``) or ``StoreError`` (not SQLite,
     corrupt, a foreign SQLite database, or a newer schema) with a one-line message.
     """
 
-    def __init__(self, path: str | os.PathLike, create: bool = True, readonly: bool = False):
+    def __init__(self, path: str | os.PathLike, create: bool = True, readonly: bool = False,
+                 check_config: Callable[[dict], None] | None = None):
         self.path = Path(path)
         self.readonly = readonly
+        self.check_config = check_config
         if self.path.is_dir():
             raise StoreError(f"store {self.path}: is a directory, not a result store")
         exists = self.path.exists() and self.path.stat().st_size > 0
@@ -197,7 +177,7 @@ class Store:
         elif not self.path.parent.exists():
             raise FileNotFoundError(f"store {self.path}: directory {self.path.parent} does not exist")
         try:
-            self.conn = _connect(self.path, readonly)
+            self.conn = connect(self.path, readonly)
             self.conn.execute("PRAGMA busy_timeout = 60000")
             self._init_or_check(create=not exists)
         except (sqlite3.DatabaseError, SQLiteFailure) as exc:
@@ -237,8 +217,7 @@ class Store:
                 conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
                 try:
-                    from importlib.metadata import version as _version  # noqa: PLC0415
-                    version = _version("fastdiag")
+                    version = metadata.version("fastdiag")
                 except Exception:  # noqa: BLE001 - not installed: still a valid store
                     version = "unknown"
                 conn.executemany("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", [
@@ -283,14 +262,11 @@ class Store:
         self.conn.execute("COMMIT")
 
     # ------------------------------------------------------------------ writing
-    def add_runs(self, configs: Iterable[dict]) -> int:
-        """Register runs as pending (those already known are left alone); returns how many are new."""
+    def add_runs(self, configs: Iterable) -> int:
+        """Register runs as pending (those already known are left alone); returns how many are new.
+        Each config has ``run_id()`` (its identity) and ``to_dict()`` (what is stored), like RunConfig."""
         now = time.time()
-        rows = []
-        for cfg in configs:
-            from fastdiag.config import RunConfig  # noqa: PLC0415
-            rid = RunConfig.from_dict(cfg).run_id()
-            rows.append((rid, dumps(cfg), now))
+        rows = [(cfg.run_id(), dumps(cfg.to_dict()), now) for cfg in configs]
         with self.transaction() as conn:
             before = conn.total_changes
             conn.executemany(
@@ -331,10 +307,10 @@ class Store:
     def _run_dict(self, row: tuple) -> dict:
         """A runs row as a dict, its JSON parsed and checked: store content is untrusted."""
         (run_id, config, status, result, error, attempts, created, started, finished, worker) = row
-        config = _checked_config(self._json(config, "config", run_id), self.path, run_id)
+        config = checked_config(self._json(config, "config", run_id), self.path, run_id, self.check_config)
         result = self._json(result, "result", run_id) if result is not None else None
         if status == "done":
-            _check_result(result, self.path, run_id)
+            check_result(result, self.path, run_id)
         return {
             "run_id": run_id, "config": config, "status": status, "result": result, "error": error,
             "attempts": attempts, "created_at": created, "started_at": started, "finished_at": finished,
@@ -411,98 +387,11 @@ class Store:
                                  [(rid, i, r.get("epoch"), r.get("step"), dumps(r)) for i, r in enumerate(trace)])
             stats["added" if here is None else "updated"] += 1
             mine[rid] = run["status"]
-        from .exp_intervene import merge_tables   # experiments keep their own tables
-
-        stats["intervention_arms_added"] = merge_tables(self, other)
+        stats["intervention_arms_added"] = merge_tables(self, other)   # experiments keep their own tables
         return stats
 
 
-def _claim_is_live(host: str, pid: int, expires: float, now: float) -> bool:
-    """A claim holds while it is renewed; on this host also only while its process exists (so a
-    sweep killed with ``kill -9`` frees its runs at once, not after the lease)."""
-    if expires < now:
-        return False
-    if host != socket.gethostname():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:      # exists, another user's
-        return True
-    return True
-
-
-class Lease:
-    """This process's claims on runs of a store, renewed by a heartbeat thread while it is open.
-
-    ``claim`` takes the runs no live sweep holds and marks them running (one more attempt each: a
-    claim is taken right before a run starts). Finishing a run (`Store.record_done`/`record_failed`)
-    drops its claim; closing the lease drops the rest, so an interrupted sweep's runs are free again.
-    A claim whose process died (same host) or that was not renewed for ``lease_s`` (another host) is
-    taken over."""
-
-    def __init__(self, store: Store, lease_s: float = LEASE_S):
-        self.store, self.lease_s = store, lease_s
-        self.host, self.pid = socket.gethostname(), os.getpid()
-        self.owner = f"{self.host}:{self.pid}:{uuid.uuid4().hex[:8]}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._heartbeat, name="fastdiag-lease", daemon=True)
-
-    def __enter__(self) -> "Lease":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        with suppress(StoreError):      # a full disk must not hide the error that ended the sweep
-            with self.store.transaction() as conn:
-                conn.execute("DELETE FROM claims WHERE owner = ?", (self.owner,))
-
-    def _heartbeat(self) -> None:
-        conn = _connect(self.store.path, readonly=False)     # a connection is not shared between threads
-        try:
-            while not self._stop.wait(self.lease_s / 4):
-                with suppress(StoreError):  # missed beats only let another sweep take over later
-                    conn.execute("UPDATE claims SET expires = ? WHERE owner = ?",
-                                 (time.time() + self.lease_s, self.owner))
-        finally:
-            conn.close()
-
-    def claim(self, run_ids: Iterable[str], statuses: Iterable[str] = ("pending", "running", "failed"),
-              worker: str | None = None) -> list[str]:
-        """Claim those of ``run_ids`` whose status is in ``statuses`` and that no live sweep holds;
-        returns the ids claimed (in the given order)."""
-        now, wanted, got = time.time(), tuple(statuses), []
-        with self.store.transaction() as conn:
-            for rid in run_ids:
-                row = conn.execute("SELECT status FROM runs WHERE run_id = ?", (rid,)).fetchone()
-                if row is None or row[0] not in wanted:
-                    continue
-                held = conn.execute("SELECT owner, host, pid, expires FROM claims WHERE run_id = ?", (rid,)).fetchone()
-                if held is not None and held[0] != self.owner and _claim_is_live(*held[1:], now):
-                    continue
-                got.append(rid)
-            conn.executemany("INSERT OR REPLACE INTO claims (run_id, owner, host, pid, expires) VALUES (?, ?, ?, ?, ?)",
-                             [(rid, self.owner, self.host, self.pid, now + self.lease_s) for rid in got])
-            conn.executemany("UPDATE runs SET status = 'running', started_at = ?, attempts = attempts + 1, "
-                             "worker = ?, error = NULL WHERE run_id = ?",
-                             [(now, worker or self.host, rid) for rid in got])
-        return got
-
-    def held_elsewhere(self, run_ids: Iterable[str]) -> dict[str, str]:
-        """run id → owner, for those of ``run_ids`` a live sweep other than this one holds."""
-        now, out = time.time(), {}
-        for rid in run_ids:
-            held = self.store.conn.execute("SELECT owner, host, pid, expires FROM claims WHERE run_id = ?",
-                                           (rid,)).fetchone()
-            if held is not None and held[0] != self.owner and _claim_is_live(*held[1:], now):
-                out[rid] = held[0]
-        return out
-
-
-def open_existing(path: str | os.PathLike) -> Store:
+def open_existing(path: str | os.PathLike, check_config: Callable[[dict], None] | None = None) -> Store:
     """Open a store that must already exist, read-only (analyze, plot, export, merge inputs): it may
     sit on a read-only mount or belong to another user, and a reader never changes it."""
     p = Path(path)
@@ -510,68 +399,4 @@ def open_existing(path: str | os.PathLike) -> Store:
         raise FileNotFoundError(f"store {p}: no such file")
     if p.is_file() and p.stat().st_size == 0:
         raise StoreError(f"store {p}: empty file, not a fastdiag result store")
-    return Store(p, create=False, readonly=True)
-
-
-# ---------------------------------------------------------------------- checking what was read
-
-def _config_types() -> dict[str, tuple[type, ...]]:
-    from fastdiag.config import RunConfig  # noqa: PLC0415
-
-    types = {}
-    for f in dataclasses.fields(RunConfig):
-        default = f.default
-        if default is None:
-            types[f.name] = (int, type(None))
-        elif isinstance(default, bool):
-            types[f.name] = (bool,)
-        elif isinstance(default, float):
-            types[f.name] = (int, float)
-        else:
-            types[f.name] = (type(default),)
-    return types
-
-
-def _checked_config(config, path, run_id: str) -> dict:
-    """The config of a stored run: every RunConfig field, of its type, valid (else StoreError)."""
-    def damaged(why: str) -> StoreError:
-        return StoreError(f"store {path}: run {run_id}: damaged config ({why})")
-
-    if not isinstance(config, dict):
-        raise damaged(f"a JSON {type(config).__name__}, not an object")
-    types = _config_types()
-    missing = sorted(set(types) - set(config))
-    if missing:
-        raise damaged(f"missing key(s) {', '.join(missing)}")
-    for key, value in config.items():
-        allowed = types.get(key)
-        if allowed is None:
-            raise damaged(f"unknown key {key!r}")
-        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-            raise damaged(f"{key} is {value!r}, expected {' or '.join(t.__name__ for t in allowed)}")
-    from fastdiag.config import RunConfig  # noqa: PLC0415
-
-    try:
-        RunConfig.from_dict(config).validate()
-    except ValueError as exc:
-        raise damaged(str(exc)) from None
-    return config
-
-
-# Result fields that analysis reads, and what they must be.
-_RESULT_NUMBERS = ("t_grok_epoch", "t_grok_step", "t_mem_epoch", "t_mem_step", "anti_grok_epoch", "n_params",
-                   "final_train_acc", "final_test_acc", "peak_s_bar", "peak_sigma_h", "epochs_run", "steps")
-
-
-def _check_result(result, path, run_id: str) -> None:
-    if result is None:
-        raise StoreError(f"store {path}: run {run_id}: damaged result (a done run with no result)")
-    if not isinstance(result, dict):
-        raise StoreError(f"store {path}: run {run_id}: damaged result (a JSON {type(result).__name__}, not an object)")
-    if not isinstance(result.get("regime"), str):
-        raise StoreError(f"store {path}: run {run_id}: damaged result (regime is {result.get('regime')!r}, "
-                         "expected a string)")
-    for key in _RESULT_NUMBERS:
-        value = result.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise StoreError(f"store {path}: run {run_id}: damaged result ({key} is {value!r}, expected a number)")
+    return Store(p, create=False, readonly=True, check_config=check_config)

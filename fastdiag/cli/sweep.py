@@ -8,8 +8,13 @@ from pathlib import Path
 
 import click
 
-from .cli import CLIError
-from .config import RunConfig
+from fastdiag.cli.app import CLIError, create_store, open_store, option_errors
+from fastdiag.cli.options import run_fields, run_options
+from fastdiag.grokking.config import ARCHS, RunConfig
+from fastdiag.store.files import atomic_path
+from fastdiag.sweep.grid import build_grid, parse_list, parse_seeds, parse_shard, parse_wd
+from fastdiag.sweep.grid import shard as shard_grid
+from fastdiag.sweep.run import BACKENDS, run_sweep
 
 _DEFAULTS = RunConfig()
 
@@ -33,31 +38,14 @@ def _parse_ensemble(spec: str) -> int | None:
 @click.option("--seeds", default="1", show_default=True, metavar="N|LIST",
               help="A count N (seeds 0..N-1) or a comma list of seeds.")
 @click.option("--arch", default=_DEFAULTS.arch, show_default=True, metavar="ARCH[,ARCH...]",
-              help="transformer, mlp, lstm, mamba (comma list: one grid per architecture).")
+              help=f"{', '.join(ARCHS)} (comma list: one grid per architecture).")
 @click.option("--preset", default=_DEFAULTS.preset, show_default=True, metavar="NAME[,NAME...]",
               help="Transformer size: canonical, 19m, 85m, custom (comma list: one grid per size).")
-@click.option("--layers", "n_layers", type=int, default=None, help="Number of layers (overrides the preset).")
-@click.option("--heads", "n_heads", type=int, default=None, help="Attention heads (transformer).")
-@click.option("--d-model", "d_model", type=int, default=None, help="Model width (MLP/LSTM: hidden width).")
-@click.option("--d-ff", "d_ff", type=int, default=None, help="Feed-forward width (transformer).")
-@click.option("--op", default=_DEFAULTS.op, show_default=True, type=click.Choice(["+", "-", "*", "/"]),
-              help="The operation of c = a ∘ b mod p.")
-@click.option("--p", "p", type=int, default=_DEFAULTS.p, show_default=True, help="The modulus p.")
-@click.option("--epochs", type=int, default=_DEFAULTS.epochs, show_default=True, help="Horizon in epochs.")
-@click.option("--lr", type=float, default=_DEFAULTS.lr, show_default=True, help="AdamW learning rate.")
-@click.option("--batch-size", "--batch", "batch_size", type=int, default=_DEFAULTS.batch_size, show_default=True,
-              help="Minibatch size.")
-@click.option("--train-frac", type=float, default=_DEFAULTS.train_frac, show_default=True)
-@click.option("--eval-every", type=int, default=_DEFAULTS.eval_every, show_default=True, help="Epochs.")
-@click.option("--diag-every", type=int, default=_DEFAULTS.diag_every, show_default=True, help="Steps.")
-@click.option("--grok-threshold", type=float, default=_DEFAULTS.grok_threshold, show_default=True)
-@click.option("--stop-at-grok/--no-stop-at-grok", default=_DEFAULTS.stop_at_grok, show_default=True)
-@click.option("--patience", type=int, default=_DEFAULTS.patience, show_default=True,
-              help="Epochs to keep training after grokking.")
-@click.option("--device", default=_DEFAULTS.device, show_default=True, help="auto, cpu, cuda, cuda:N.")
+@run_options(skip=("arch", "preset", "weight_decay", "seed"))
 @click.option("--store", "store_path", default="sweep.sqlite", show_default=True, type=click.Path(),
               help="The SQLite result store (created if missing; finished runs in it are skipped).")
-@click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="local", show_default=True,
+              help="Where the runs execute: local processes or a Ray cluster.")
 @click.option("--workers", type=int, default=None,
               help="Local processes (default: what the cores and memory hold).")
 @click.option("--threads", type=int, default=None, help="Torch threads per local worker (default cores/workers).")
@@ -74,15 +62,9 @@ def _parse_ensemble(spec: str) -> int | None:
                    "~0.45 M parameters, 4 for canonical, 1 from ~2.5 M.")
 @click.option("--dry-run", is_flag=True, help="Print the grid size and exit without running.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line.")
-def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, epochs, lr, batch_size,
-              train_frac, eval_every, diag_every, grok_threshold, stop_at_grok, patience, device,
-              store_path, backend, workers, threads, address, max_retries, shard, retry_failed,
-              ensemble, dry_run, quiet):
+def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, address, max_retries, shard,
+              retry_failed, ensemble, dry_run, quiet, **fields):
     """Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."""
-    from . import sweep as sw
-    from .cli import RUN_FLAGS, option_errors
-    from .store import Store
-
     if workers is not None and workers < 1:
         raise CLIError(f"--workers: must be >= 1, got {workers}")
     if threads is not None and threads < 1:
@@ -90,20 +72,16 @@ def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, 
     if max_retries < 0:
         raise CLIError(f"--max-retries: must be >= 0, got {max_retries}")
     ensemble_size = _parse_ensemble(ensemble)
-    with option_errors(RUN_FLAGS):
-        weight_decays = sw.parse_wd(wd)
-        seed_list = sw.parse_seeds(seeds)
-        archs = sw.parse_list(arch, "archs")
-        presets = sw.parse_list(preset, "presets")
-        shard_spec = sw.parse_shard(shard)
-        base = dict(n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff, op=op, p=p, epochs=epochs,
-                    lr=lr, batch_size=batch_size, train_frac=train_frac, eval_every=eval_every,
-                    diag_every=diag_every, grok_threshold=grok_threshold, stop_at_grok=stop_at_grok,
-                    patience=patience, device=device)
-        configs = sw.build_grid(base, weight_decays, seed_list, archs, presets)
+    with option_errors():
+        weight_decays = parse_wd(wd)
+        seed_list = parse_seeds(seeds)
+        archs = parse_list(arch, "archs")
+        presets = parse_list(preset, "presets")
+        shard_spec = parse_shard(shard)
+        configs = build_grid(run_fields(fields), weight_decays, seed_list, archs, presets)
     if shard_spec is not None:
         grid_size = len(configs)
-        configs = sw.shard(configs, *shard_spec)
+        configs = shard_grid(configs, *shard_spec)
         if not configs:
             click.echo(f"sweep: shard {shard} of a {grid_size}-run grid is empty; nothing to do", err=True)
             return
@@ -113,10 +91,10 @@ def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, 
                    + (f", shard {shard}" if shard_spec else ""))
         click.echo("λ: " + ", ".join(f"{w:g}" for w in weight_decays))
         return
-    store = Store(store_path, create=True)
+    store = create_store(store_path)
     try:
-        with option_errors(RUN_FLAGS):
-            summary = sw.run_sweep(configs, store, backend=backend, workers=workers, threads=threads,
+        with option_errors():
+            summary = run_sweep(configs, store, backend=backend, workers=workers, threads=threads,
                                    address=address, max_retries=max_retries, retry_failed=retry_failed,
                                    ensemble=ensemble_size, progress=not quiet)
     finally:
@@ -142,12 +120,10 @@ def sweep_cmd(wd, seeds, arch, preset, n_layers, n_heads, d_model, d_ff, op, p, 
 def merge_cmd(out, inputs):
     """Merge shard stores IN... into OUT (created if missing). Idempotent: no run is duplicated, and a
     finished run is never replaced by an unfinished copy."""
-    from .store import Store, open_existing
-
     sources = []
     for path in inputs:                       # check every input before touching OUT
-        sources.append(open_existing(path))
-    target = Store(out, create=True)
+        sources.append(open_store(path))
+    target = create_store(out)
     total = {"added": 0, "updated": 0, "unchanged": 0, "intervention_arms_added": 0}
     try:
         for src in sources:
@@ -195,8 +171,6 @@ def flatten_runs(runs: list[dict]) -> tuple[list[str], list[dict]]:
 
 
 def _write_table(columns: list[str], rows: list[dict], path: Path, fmt: str) -> None:
-    from .train import atomic_path
-
     if fmt == "csv":
         with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
@@ -235,8 +209,6 @@ def _write_table(columns: list[str], rows: list[dict], path: Path, fmt: str) -> 
               help="Only runs with this status (default: all).")
 def export_cmd(store_path, fmt, out, trace_out, status):
     """Export a store's runs table (config and result flattened into columns), optionally its traces."""
-    from .store import open_existing
-
     outputs = [("--out", Path(out))] + ([("--trace-out", Path(trace_out))] if trace_out else [])
     for flag, path in outputs:               # before reading anything: no half-done export
         if path.is_dir():
@@ -244,7 +216,7 @@ def export_cmd(store_path, fmt, out, trace_out, status):
         if not path.parent.is_dir():
             raise CLIError(f"{flag}: directory {path.parent} does not exist")
     out_path = outputs[0][1]
-    with open_existing(store_path) as store:
+    with open_store(store_path) as store:
         runs = store.runs(status)
         columns, rows = flatten_runs(runs)
         _write_table(columns, rows, out_path, fmt)

@@ -1,4 +1,9 @@
-"""Configuration of one training run (SPEC §4). A run is identified by its full configuration."""
+"""Configuration of one training run and the experiments' vocabulary (torch-free).
+
+A run is identified by its full configuration (``RunConfig.run_id``); the task, the model zoo and the
+grokking definitions are described in docs/experiments.md. Everything that names an architecture,
+an operation, a regime or an intervention arm takes the name from here.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +14,18 @@ from dataclasses import dataclass
 
 ARCHS = ("transformer", "mlp", "lstm", "mamba")
 OPS = ("+", "-", "*", "/")
+
+# How a run ended: grokked (test accuracy reached the threshold), grokked then lost it (test accuracy
+# fell below ANTI_GROK_BELOW), memorised only, learned nothing, or a non-finite loss or weight norm.
+REGIMES = ("grok", "memorization", "collapse", "anti-grok", "diverged")
+GROKKED = ("grok", "anti-grok")          # reached t_grok within the horizon
+ANTI_GROK_BELOW = 0.5                    # test accuracy that, after grokking, marks an anti-grok run
+
+# The causal interventions at the Phase-2 peak: the arms, and the per-arm metrics (the tested ones
+# compared with the control by paired tests).
+ARMS = ("control", "reinit", "clip")
+METRICS = ("peak_sigma_h_after", "mean_sigma_h_after", "final_test_acc", "min_test_acc_after", "regrok_epochs")
+TESTED_METRICS = ("peak_sigma_h_after", "final_test_acc")
 
 
 @dataclass(frozen=True)
@@ -63,6 +80,24 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
+    def check_stored(cls, config) -> None:
+        """Raise ValueError saying why ``config`` (read back from a store) is not a valid
+        ``to_dict()``: not an object, a key missing or unknown, a value of the wrong type or invalid."""
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+        types = _field_types()
+        missing = sorted(set(types) - set(config))
+        if missing:
+            raise ValueError(f"missing key(s) {', '.join(missing)}")
+        for key, value in config.items():
+            allowed = types.get(key)
+            if allowed is None:
+                raise ValueError(f"unknown key {key!r}")
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+                raise ValueError(f"{key} is {value!r}, expected {' or '.join(t.__name__ for t in allowed)}")
+        cls.from_dict(config).validate()
+
+    @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
@@ -76,3 +111,19 @@ class RunConfig:
         d.pop("device")
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _field_types() -> dict[str, tuple[type, ...]]:
+    """RunConfig field → the JSON types its value may have (read from the defaults)."""
+    types = {}
+    for f in dataclasses.fields(RunConfig):
+        default = f.default
+        if default is None:
+            types[f.name] = (int, type(None))
+        elif isinstance(default, bool):
+            types[f.name] = (bool,)
+        elif isinstance(default, float):
+            types[f.name] = (int, float)
+        else:
+            types[f.name] = (type(default),)
+    return types

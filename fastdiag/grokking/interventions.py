@@ -1,6 +1,6 @@
-"""Causal interventions at the Phase-2 peak (issue 8, part 1).
+"""Causal interventions at the Phase-2 peak (docs/experiments.md).
 
-For each seed: train (``fastdiag.train.Trainer``, stop_at_grok off) until the Phase-2 peak, the
+For each seed: train (``fastdiag.grokking.train.Trainer``, stop_at_grok off) until the Phase-2 peak, the
 evaluation of maximal σ_H after grokking, found online: after t_grok, σ_H is tracked per evaluation
 and a checkpoint (``Trainer.branch()``) is kept at its running maximum; the peak is confirmed when
 σ_H has not exceeded that maximum for ``peak_patience`` evaluations (or the search horizon is reached:
@@ -24,57 +24,31 @@ AdamW's moment estimates are left as they are in every arm. Per arm, from the ev
 branch epoch: ``peak_sigma_h_after`` (max σ_H), ``mean_sigma_h_after``, ``final_test_acc``,
 ``min_test_acc_after`` and ``regrok_epochs`` (epochs from the branch until test accuracy is back at
 the grokking threshold, 0 if it never fell below, None if it never came back). Arms are compared with
-the control by paired tests across seeds (``analysis.paired_tests``); the t-test p-values of all
-(arm, metric) comparisons form one Holm–Bonferroni family, the Wilcoxon p-values another.
+the control by paired tests across seeds (``fastdiag.analysis.paired.compare_arms``); the t-test
+p-values of all (arm, metric) comparisons form one Holm–Bonferroni family, the Wilcoxon p-values another.
 
-Arms are stored in the result store in two extra tables (``intervention_runs``,
-``intervention_trace``), so the sweep ``runs`` table and everything that reads it are unchanged.
+Arms are stored in the result store in two extra tables (``fastdiag.store.interventions``), so the
+sweep ``runs`` table and everything that reads it are unchanged.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-import math
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from .config import RunConfig
+from fastdiag.grokking.build import build_model
+from fastdiag.grokking.config import ARMS, RunConfig
+from fastdiag.grokking.train import Trainer
+from fastdiag.models import attention_modules
+from fastdiag.store import interventions as tables
 
-ARMS = ("control", "reinit", "clip")
 CLIP_SCOPES = ("all-2d", "attention")
 REINIT_INITS = ("default",)
-METRICS = ("peak_sigma_h_after", "mean_sigma_h_after", "final_test_acc", "min_test_acc_after", "regrok_epochs")
-TESTED_METRICS = ("peak_sigma_h_after", "final_test_acc")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS intervention_runs (
-    arm_id       TEXT PRIMARY KEY,
-    experiment   TEXT NOT NULL,
-    seed         INTEGER NOT NULL,
-    arm          TEXT NOT NULL,
-    branch_of    TEXT NOT NULL,
-    branch_epoch INTEGER,
-    config       TEXT NOT NULL,
-    settings     TEXT NOT NULL,
-    intervention TEXT NOT NULL,
-    result       TEXT NOT NULL,
-    metrics      TEXT NOT NULL,
-    created_at   REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS intervention_trace (
-    arm_id TEXT NOT NULL,
-    idx    INTEGER NOT NULL,
-    epoch  INTEGER,
-    step   INTEGER,
-    row    TEXT NOT NULL,
-    PRIMARY KEY (arm_id, idx)
-) WITHOUT ROWID;
-"""
-
 
 @dataclasses.dataclass(frozen=True)
 class InterventionSettings:
@@ -89,17 +63,17 @@ class InterventionSettings:
 
     def validate(self) -> "InterventionSettings":
         if self.heads_to_reinit < 1 and not self.reinit_heads:
-            raise ValueError(f"--heads-to-reinit: must be >= 1, got {self.heads_to_reinit}")
+            raise ValueError(f"heads_to_reinit: must be >= 1, got {self.heads_to_reinit}")
         if self.reinit_init not in REINIT_INITS:
-            raise ValueError(f"--reinit-init: expected one of {', '.join(REINIT_INITS)}, got {self.reinit_init!r}")
+            raise ValueError(f"reinit_init: expected one of {', '.join(REINIT_INITS)}, got {self.reinit_init!r}")
         if self.clip not in CLIP_SCOPES:
-            raise ValueError(f"--clip: expected one of {', '.join(CLIP_SCOPES)}, got {self.clip!r}")
+            raise ValueError(f"clip: expected one of {', '.join(CLIP_SCOPES)}, got {self.clip!r}")
         if self.after_peak_epochs < 1:
-            raise ValueError(f"--after-peak-epochs: must be >= 1, got {self.after_peak_epochs}")
+            raise ValueError(f"after_peak_epochs: must be >= 1, got {self.after_peak_epochs}")
         if self.peak_patience < 1:
-            raise ValueError(f"--peak-patience: must be >= 1, got {self.peak_patience}")
+            raise ValueError(f"peak_patience: must be >= 1, got {self.peak_patience}")
         if self.max_epochs < 1:
-            raise ValueError(f"--epochs: must be >= 1, got {self.max_epochs}")
+            raise ValueError(f"max_epochs: must be >= 1, got {self.max_epochs}")
         return self
 
     def to_dict(self) -> dict:
@@ -116,7 +90,7 @@ def parse_heads(spec: str | None) -> tuple:
     for item in str(spec).split(","):
         parts = item.strip().split(":")
         if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-            raise ValueError(f"--reinit-heads: expected LAYER:HEAD pairs like 0:1,1:3, got {item.strip()!r}")
+            raise ValueError(f"reinit_heads: expected LAYER:HEAD pairs like 0:1,1:3, got {item.strip()!r}")
         out.append((int(parts[0]), int(parts[1])))
     return tuple(dict.fromkeys(out))
 
@@ -125,8 +99,6 @@ def parse_heads(spec: str | None) -> tuple:
 
 
 def _attention_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    from fastdiag.models import attention_modules
-
     layers = list(attention_modules(model).items())
     for name, m in layers:
         if not all(hasattr(m, a) for a in ("qkv", "proj", "n_heads")):
@@ -145,15 +117,15 @@ def choose_heads(model: torch.nn.Module, k: int, seed: int, explicit: Sequence =
     if explicit:
         for li, h in explicit:
             if not 0 <= li < len(layers):
-                raise ValueError(f"--reinit-heads: layer {li} out of range (the model has {len(layers)} attention layers)")
+                raise ValueError(f"reinit_heads: layer {li} out of range (the model has {len(layers)} attention layers)")
             if not 0 <= h < layers[li][1].n_heads:
-                raise ValueError(f"--reinit-heads: head {h} out of range (layer {li} has {layers[li][1].n_heads} heads)")
+                raise ValueError(f"reinit_heads: head {h} out of range (layer {li} has {layers[li][1].n_heads} heads)")
             chosen.append((li, h))
     else:
         rng = np.random.default_rng(seed)
         for li, (_, m) in enumerate(layers):
             if k > m.n_heads:
-                raise ValueError(f"--heads-to-reinit: {k} heads per layer, but the layers have {m.n_heads}")
+                raise ValueError(f"heads_to_reinit: {k} heads per layer, but the layers have {m.n_heads}")
             chosen += [(li, int(h)) for h in rng.choice(m.n_heads, size=k, replace=False)]
     return [{"layer": layers[li][0], "layer_index": li, "head": h} for li, h in sorted(chosen)]
 
@@ -184,18 +156,16 @@ def reinit_heads(model: torch.nn.Module, fresh: torch.nn.Module, heads: Sequence
                        "part = q, k, v; columns [h·d/H, (h+1)·d/H) of proj.weight; proj.bias untouched"}
 
 
-def fresh_model(cfg: RunConfig, vocab_size: int, seq_len: int, seed: int, device) -> torch.nn.Module:
+def fresh_model(cfg: RunConfig, seed: int, device) -> torch.nn.Module:
     """A newly built model of ``cfg`` with the global RNG seeded ``seed`` (the caller's RNG state is kept)."""
-    from fastdiag.models import build_from_run_config
-
     with torch.random.fork_rng(devices=[] if torch.device(device).type == "cpu" else None):
         torch.manual_seed(seed)
-        return build_from_run_config(cfg, vocab_size, seq_len, device=device).to(device)
+        return build_model(cfg, device=device).to(device)
 
 
 def clip_matrices(model: torch.nn.Module, scope: str = "all-2d") -> list[tuple[str, torch.nn.Parameter]]:
     if scope not in CLIP_SCOPES:
-        raise ValueError(f"--clip: expected one of {', '.join(CLIP_SCOPES)}, got {scope!r}")
+        raise ValueError(f"scope: expected one of {', '.join(CLIP_SCOPES)}, got {scope!r}")
     if scope == "all-2d":
         return [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
     out = []
@@ -274,8 +244,6 @@ def arm_metrics(trace: Sequence[dict], branch_epoch: int, grok_threshold: float)
 def run_seed(cfg: RunConfig, settings: InterventionSettings, progress: Callable[[str], None] | None = None) -> dict:
     """One seed of the experiment: the search for the peak, then the three arms. Returns a dict with
     ``info`` and (if a peak was found) ``arms`` = {arm: {"outcome", "intervention", "metrics"}}."""
-    from fastdiag.train import Trainer
-
     settings.validate()
     search_cfg = dataclasses.replace(cfg, stop_at_grok=False, epochs=settings.max_epochs, patience=0).validate()
     trainer = Trainer(search_cfg)
@@ -298,7 +266,7 @@ def run_seed(cfg: RunConfig, settings: InterventionSettings, progress: Callable[
         elif arm == "reinit":
             heads = choose_heads(t.model, settings.heads_to_reinit, cfg.seed, settings.reinit_heads)
             reinit_seed = cfg.seed + settings.reinit_seed_offset
-            fresh = fresh_model(t.cfg, t.task.vocab_size, t.task.seq_len, reinit_seed, t.device)
+            fresh = fresh_model(t.cfg, reinit_seed, t.device)
             intervention = {"kind": "reinit_heads", "init": settings.reinit_init,
                             "init_source": f"a freshly built model of the same config, torch seed {reinit_seed}",
                             "optimizer_state": "kept", **reinit_heads(t.model, fresh, heads)}
@@ -335,143 +303,12 @@ def experiment_id(cfg: RunConfig, settings: InterventionSettings) -> str:
     return "iv-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def ensure_tables(store) -> None:
-    with store.transaction() as conn:
-        for statement in _SCHEMA.split(";"):
-            if statement.strip():
-                conn.execute(statement)
-
-
-def has_tables(store) -> bool:
-    names = {r[0] for r in store.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    return "intervention_runs" in names
-
-
-def stored_seeds(store, experiment: str) -> set[int]:
-    if not has_tables(store):
-        return set()
-    rows = store.conn.execute("SELECT seed, COUNT(*) FROM intervention_runs WHERE experiment = ? GROUP BY seed",
-                              (experiment,)).fetchall()
-    return {seed for seed, n in rows if n == len(ARMS)}
-
-
 def record_seed(store, experiment: str, cfg: RunConfig, settings: InterventionSettings, seed_out: dict) -> None:
-    """The three arms of one seed in one transaction."""
-    from .store import dumps
-
-    ensure_tables(store)
+    """The three arms of one seed, in one transaction."""
     now = time.time()
-    with store.transaction() as conn:
-        for arm, a in seed_out["arms"].items():
-            arm_id = f"{experiment}-s{cfg.seed}-{arm}"
-            conn.execute("DELETE FROM intervention_trace WHERE arm_id = ?", (arm_id,))
-            conn.execute(
-                "INSERT OR REPLACE INTO intervention_runs (arm_id, experiment, seed, arm, branch_of, branch_epoch, "
-                "config, settings, intervention, result, metrics, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (arm_id, experiment, cfg.seed, arm, cfg.run_id(), seed_out["info"]["branch_epoch"],
-                 dumps(a["outcome"].config.to_dict()), dumps(settings.to_dict()), dumps(a["intervention"]),
-                 dumps({**a["outcome"].result, "search": seed_out["info"]}), dumps(a["metrics"]), now))
-            conn.executemany("INSERT INTO intervention_trace (arm_id, idx, epoch, step, row) VALUES (?, ?, ?, ?, ?)",
-                             [(arm_id, i, r.get("epoch"), r.get("step"), dumps(r))
-                              for i, r in enumerate(a["outcome"].trace)])
-
-
-def merge_tables(dst, src) -> int:
-    """Copy the intervention arms of store ``src`` missing from ``dst`` (with their traces); idempotent.
-    Returns how many arms were added."""
-    if not has_tables(src):
-        return 0
-    ensure_tables(dst)
-    have = {r[0] for r in dst.conn.execute("SELECT arm_id FROM intervention_runs")}
-    # The input's column names are untrusted text: copy only the columns this schema has, quoted.
-    known = [r[1] for r in dst.conn.execute("PRAGMA table_info(intervention_runs)")]
-    present = {r[1] for r in src.conn.execute("PRAGMA table_info(intervention_runs)")}
-    cols = [c for c in known if c in present]
-    quoted = ", ".join('"' + c.replace('"', '""') + '"' for c in cols)
-    added = 0
-    for row in src.conn.execute(f"SELECT {quoted} FROM intervention_runs").fetchall():
-        arm_id = row[cols.index("arm_id")]
-        if arm_id in have:
-            continue
-        trace = src.conn.execute("SELECT arm_id, idx, epoch, step, row FROM intervention_trace WHERE arm_id = ?",
-                                 (arm_id,)).fetchall()
-        with dst.transaction() as conn:
-            conn.execute(f"INSERT INTO intervention_runs ({quoted}) VALUES ({', '.join('?' * len(cols))})", row)
-            conn.executemany("INSERT INTO intervention_trace (arm_id, idx, epoch, step, row) VALUES (?, ?, ?, ?, ?)", trace)
-        added += 1
-    return added
-
-
-def load_experiments(store) -> dict[str, list[dict]]:
-    """experiment id → arm rows (dicts with parsed JSON), ordered by seed and arm."""
-    if not has_tables(store):
-        return {}
-    out: dict[str, list[dict]] = {}
-    cols = ("arm_id", "experiment", "seed", "arm", "branch_of", "branch_epoch", "config", "settings",
-            "intervention", "result", "metrics")
-    for row in store.conn.execute(f"SELECT {', '.join(cols)} FROM intervention_runs ORDER BY experiment, seed, arm"):
-        d = dict(zip(cols, row))
-        for k in ("config", "settings", "intervention", "result", "metrics"):
-            d[k] = json.loads(d[k])
-        out.setdefault(d["experiment"], []).append(d)
-    return out
-
-
-def arm_trace(store, arm_id: str) -> list[dict]:
-    return [json.loads(r[0]) for r in store.conn.execute(
-        "SELECT row FROM intervention_trace WHERE arm_id = ? ORDER BY idx", (arm_id,))]
-
-
-# ============================================================================ statistics
-
-
-def compare_arms(rows: Sequence[dict]) -> dict:
-    """Paired tests of each treated arm against the control over the seeds that have all arms."""
-    from fastdiag import analysis
-
-    by_seed: dict[int, dict[str, dict]] = {}
-    for r in rows:
-        by_seed.setdefault(r["seed"], {})[r["arm"]] = r["metrics"]
-    seeds = sorted(s for s, arms in by_seed.items() if all(a in arms for a in ARMS))
-    tests = []
-    for arm in ARMS[1:]:
-        for metric in TESTED_METRICS:
-            pairs = [(by_seed[s]["control"].get(metric), by_seed[s][arm].get(metric)) for s in seeds]
-            pairs = [(c, t) for c, t in pairs if c is not None and t is not None]
-            entry = {"arm": arm, "metric": metric, "n": len(pairs),
-                     "control_mean": float(np.mean([c for c, _ in pairs])) if pairs else None,
-                     "arm_mean": float(np.mean([t for _, t in pairs])) if pairs else None}
-            try:
-                pt = analysis.paired_tests([c for c, _ in pairs], [t for _, t in pairs])
-                entry.update({"mean_diff": pt.mean_diff, "t": pt.t_statistic, "t_p": pt.t_pvalue,
-                              "wilcoxon": pt.wilcoxon_statistic, "wilcoxon_p": pt.wilcoxon_pvalue,
-                              "cohens_d": pt.cohens_d})
-            except ValueError as exc:
-                entry["mean_diff"] = (float(np.mean([t - c for c, t in pairs])) if pairs else None)
-                entry["error"] = " ".join(str(exc).split())
-            tests.append(entry)
-    for key in ("t_p", "wilcoxon_p"):
-        family = [e for e in tests if e.get(key) is not None and math.isfinite(e[key])]
-        if family:
-            adjusted = analysis.holm_bonferroni([e[key] for e in family])
-            for e, p in zip(family, adjusted):
-                e[key + "_holm"] = float(p)
-    return {"seeds": seeds, "n_seeds": len(seeds), "tests": tests,
-            "holm_families": "t-test p-values of all (arm, metric) tests; Wilcoxon p-values likewise"}
-
-
-def format_comparison(cmp: dict) -> str:
-    lines = [f"paired over {cmp['n_seeds']} seed(s); differences are arm − control; Holm–Bonferroni over "
-             f"{sum(1 for t in cmp['tests'] if 't_p' in t)} t-tests (and separately the Wilcoxon tests)"]
-    lines.append(f"  {'arm':<7} {'metric':<19} {'n':>3} {'control':>9} {'arm':>9} {'Δ mean':>9} "
-                 f"{'t p':>9} {'t p_Holm':>9} {'W p':>9} {'W p_Holm':>9} {'Cohen d':>8}")
-    for t in cmp["tests"]:
-        if "error" in t:
-            lines.append(f"  {t['arm']:<7} {t['metric']:<19} {t['n']:>3} {_f(t['control_mean']):>9} "
-                         f"{_f(t['arm_mean']):>9} {_f(t['mean_diff']):>9}   no test: {t['error']}")
-            continue
-        lines.append(f"  {t['arm']:<7} {t['metric']:<19} {t['n']:>3} {_f(t['control_mean']):>9} "
-                     f"{_f(t['arm_mean']):>9} {t['mean_diff']:>+9.4f} {t['t_p']:>9.2g} "
-                     f"{t.get('t_p_holm', float('nan')):>9.2g} {t['wilcoxon_p']:>9.2g} "
-                     f"{t.get('wilcoxon_p_holm', float('nan')):>9.2g} {t['cohens_d']:>+8.2f}")
-    return "\n".join(lines)
+    arms = [{"arm_id": f"{experiment}-s{cfg.seed}-{arm}", "experiment": experiment, "seed": cfg.seed, "arm": arm,
+             "branch_of": cfg.run_id(), "branch_epoch": seed_out["info"]["branch_epoch"],
+             "config": a["outcome"].config.to_dict(), "settings": settings.to_dict(), "intervention": a["intervention"],
+             "result": {**a["outcome"].result, "search": seed_out["info"]}, "metrics": a["metrics"], "created_at": now}
+            for arm, a in seed_out["arms"].items()]
+    tables.record_arms(store, arms, [a["outcome"].trace for a in seed_out["arms"].values()])

@@ -9,6 +9,10 @@ from contextlib import contextmanager
 
 import click
 
+from fastdiag.cli.options import PARAM_FLAGS
+from fastdiag.grokking.config import RunConfig
+from fastdiag.store import Store, open_existing
+
 
 class CLIError(click.ClickException):
     """An error the user can fix: printed as one line, exit status 2."""
@@ -21,23 +25,8 @@ def cli() -> None:
     """fastdiag: cheap, exact, online diagnostics of attention heads."""
 
 
-def _register_commands() -> None:
-    # Each command lives in its own module; importing them here keeps `fastdiag --help` complete.
-    import importlib
-
-    for module in ("run", "sweep", "analyze", "plot", "bench", "intervene"):
-        try:
-            mod = importlib.import_module(f"fastdiag.cmd_{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"fastdiag.cmd_{module}":
-                continue
-            raise
-        for command in getattr(mod, "COMMANDS", ()):
-            cli.add_command(command)
-
-
 @contextmanager
-def option_errors(flags: dict[str, str]):
+def option_errors(flags: dict[str, str] = PARAM_FLAGS):
     """Library errors name parameters ("weight_decay: must be finite"); the user typed flags. Re-raise
     a ValueError/TypeError whose message starts with a parameter in ``flags`` as a CLIError naming the
     flag ("--wd: must be finite")."""
@@ -51,16 +40,14 @@ def option_errors(flags: dict[str, str]):
         raise
 
 
-# RunConfig fields and sweep parameters → the flags `run` and `sweep` take for them.
-RUN_FLAGS = {
-    "arch": "--arch", "archs": "--arch", "preset": "--preset", "presets": "--preset", "n_layers": "--layers",
-    "n_heads": "--heads", "d_model": "--d-model", "d_ff": "--d-ff", "op": "--op", "p": "--p",
-    "weight_decay": "--wd", "weight_decays": "--wd", "seeds": "--seeds", "lr": "--lr", "batch_size": "--batch",
-    "epochs": "--epochs", "train_frac": "--train-frac", "eval_every and diag_every": "--eval-every and --diag-every",
-    "grok_threshold": "--grok-threshold", "patience": "--patience", "device": "--device",
-    "weight_decays, seeds": "--wd, --seeds", "shard": "--shard", "workers": "--workers", "threads": "--threads",
-    "backend": "--backend", "max_retries": "--max-retries", "ensemble": "--ensemble",
-}
+def open_store(path) -> Store:
+    """An existing store, read-only, every run config it holds checked against RunConfig."""
+    return open_existing(path, check_config=RunConfig.check_stored)
+
+
+def create_store(path) -> Store:
+    """A store to write into (created if missing), every run config it holds checked against RunConfig."""
+    return Store(path, create=True, check_config=RunConfig.check_stored)
 
 
 class Terminated(BaseException):
@@ -87,7 +74,6 @@ def _fail(message: str, status: int = 2) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    _register_commands()
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
@@ -110,7 +96,3 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-
-
-if __name__ == "__main__":
-    main()

@@ -5,65 +5,20 @@ import json
 
 import click
 
+from fastdiag.analysis.report import PredictSettings, Report, build_report
+from fastdiag.cli.app import CLIError, open_store
+from fastdiag.grokking.build import heads_width
+
 
 def _fmt(x, digits: int = 4) -> str:
     return "-" if x is None else f"{x:.{digits}g}"
 
 
-def analyze_store(store_path: str, n_boot: int = 1500, seed: int = 0, retention_threshold: float = 0.9,
-                  predict: bool = False, t0: float | None = None, test_frac: float = 0.5,
-                  split_seed: int = 0, fit_max_lambda: float | None = None) -> dict:
-    from .store import open_existing
-    from .sweep import analyze_group, load_groups
-
-    with open_existing(store_path) as store:
-        groups, counts = load_groups(store)
-        failed = [{"run_id": r["run_id"], "error": r["error"]} for r in store.runs("failed")]
-        extra = _experiments(store, groups, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
-                             predict=predict, t0=t0, test_frac=test_frac, split_seed=split_seed)
-    report = {"store": str(store_path), "counts": counts, "n_boot": n_boot, "seed": seed,
-              "groups": [analyze_group(g, n_boot=n_boot, seed=seed, fit_max_lambda=fit_max_lambda) for g in groups],
-              "failed_runs": failed}
-    for g, (retention, stages) in zip(report["groups"], extra.pop("per_group")):
-        if retention is not None:
-            g["retention"] = retention
-        if stages is not None:
-            g["stages"] = stages
-    report.update(extra)
-    return report
-
-
-def _experiments(store, groups, *, n_boot, seed, retention_threshold, predict, t0, test_frac, split_seed) -> dict:
-    """The issue-8 sections: retention and stages of groups trained to the horizon (stop_at_grok off),
-    peak σ_H against d/H, intervention experiments and (``predict``) the held-out predictive test."""
-    from . import exp_intervene
-    from .experiments import headdim_analysis, headdim_sets, predictive_analysis, retention_by_lambda, stage_table
-
-    per_group = []
-    for g in groups:
-        if g.config.get("stop_at_grok", True):
-            per_group.append((None, None))
-            continue
-        traces = {r["run_id"]: store.trace(r["run_id"]) for r in g.runs}
-        per_group.append((retention_by_lambda(g.runs, retention_threshold), stage_table(g.runs, traces)))
-    out: dict = {"per_group": per_group}
-    runs = store.runs("done")
-    sets = headdim_sets(runs)
-    if sets:
-        out["headdim"] = []
-        for shared, members in sets:
-            traces = {r["run_id"]: store.trace(r["run_id"]) for r in members}
-            out["headdim"].append({"config": shared, **headdim_analysis(members, traces, n_boot=n_boot, seed=seed)})
-    experiments = exp_intervene.load_experiments(store)
-    if experiments:
-        out["interventions"] = [{"experiment": exp_id, "config": rows[0]["config"], "settings": rows[0]["settings"],
-                                 "comparison": exp_intervene.compare_arms(rows)}
-                                for exp_id, rows in experiments.items()]
-    if predict:
-        traces = {r["run_id"]: store.trace(r["run_id"]) for r in runs}
-        out["predict"] = predictive_analysis(runs, traces, t0=t0, test_frac=test_frac, split_seed=split_seed,
-                                             n_boot=n_boot, seed=seed)
-    return out
+def store_report(store, n_boot: int = 1500, seed: int = 0, retention_threshold: float = 0.9,
+                 predict: PredictSettings | None = None, fit_max_lambda: float | None = None) -> Report:
+    """The report of an open store, with the model zoo's head counts for the per-head-dimension sets."""
+    return build_report(store, heads_width, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
+                        fit_max_lambda=fit_max_lambda, predict=predict)
 
 
 def _fmt3(x) -> str:
@@ -94,9 +49,6 @@ def format_experiments(report: dict) -> list[str]:
         for s in long_runs:
             parts = ", ".join(f"{st['stage']} {st['start_epoch']}–{st['end_epoch']}" for st in s["stages"])
             lines.append(f"    λ {s['weight_decay']:g} seed {s['seed']} ({s['regime']}): {parts}")
-    from .cmd_intervene import format_headdim
-    from .exp_intervene import format_comparison
-
     for h in report.get("headdim", []):
         lines += ["", f"== per-head dimension (λ = {h['config'].get('weight_decay')})"]
         lines += ["  " + line for line in format_headdim(h).splitlines()]
@@ -107,6 +59,50 @@ def format_experiments(report: dict) -> list[str]:
     if "predict" in report:
         lines += [""] + format_predict(report["predict"])
     return lines
+
+
+def format_comparison(cmp: dict) -> str:
+    lines = [f"paired over {cmp['n_seeds']} seed(s); differences are arm − control; Holm–Bonferroni over "
+             f"{sum(1 for t in cmp['tests'] if 't_p' in t)} t-tests (and separately the Wilcoxon tests)"]
+    lines.append(f"  {'arm':<7} {'metric':<19} {'n':>3} {'control':>9} {'arm':>9} {'Δ mean':>9} "
+                 f"{'t p':>9} {'t p_Holm':>9} {'W p':>9} {'W p_Holm':>9} {'Cohen d':>8}")
+    for t in cmp["tests"]:
+        if "error" in t:
+            lines.append(f"  {t['arm']:<7} {t['metric']:<19} {t['n']:>3} {_f4(t['control_mean']):>9} "
+                         f"{_f4(t['arm_mean']):>9} {_f4(t['mean_diff']):>9}   no test: {t['error']}")
+            continue
+        lines.append(f"  {t['arm']:<7} {t['metric']:<19} {t['n']:>3} {_f4(t['control_mean']):>9} "
+                     f"{_f4(t['arm_mean']):>9} {t['mean_diff']:>+9.4f} {t['t_p']:>9.2g} "
+                     f"{t.get('t_p_holm', float('nan')):>9.2g} {t['wilcoxon_p']:>9.2g} "
+                     f"{t.get('wilcoxon_p_holm', float('nan')):>9.2g} {t['cohens_d']:>+8.2f}")
+    return "\n".join(lines)
+
+
+def _f4(x, spec=".4f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def format_headdim(a: dict) -> str:
+    lines = [f"peak σ_H after grokking against d/H: {a['n_points']} grokked run(s)"
+             + (f", {a['n_skipped']} left out (did not grok or no σ_H after t_grok)" if a["n_skipped"] else "")
+             + (f", {a['n_single_head']} single-head run(s) left out (σ_H of one head is 0)"
+                if a.get("n_single_head") else "")]
+    lines.append(f"  {'d/H':>6} {'runs':>5} {'mean':>8} {'median':>8} {'std':>8}  (d, H)")
+    for b in a["bins"]:
+        lines.append(f"  {b['d_per_head']:>6g} {b['n']:>5} {b['mean']:>8.4f} {b['median']:>8.4f} "
+                     f"{'-' if b['std'] is None else format(b['std'], '.4f'):>8}  "
+                     + " ".join(f"({d},{h})" for d, h in b["configs"]))
+    fit = a["fit"]
+    if "error" in fit:
+        lines.append(f"  saturating fit: no fit — {fit['error']}")
+    else:
+        ci = fit["ci"]
+        lines.append(f"  saturating fit σ_max = c + a(1 − exp(−b·d/H)): c = {fit['c']:.4g} [{ci['c'][0]:.4g}, "
+                     f"{ci['c'][1]:.4g}], a = {fit['a']:.4g} [{ci['a'][0]:.4g}, {ci['a'][1]:.4g}], "
+                     f"b = {fit['b']:.4g} [{ci['b'][0]:.4g}, {ci['b'][1]:.4g}]; plateau c + a = "
+                     f"{fit['plateau']:.4g} [{ci['plateau'][0]:.4g}, {ci['plateau'][1]:.4g}] "
+                     f"(95% bootstrap CIs, {fit['n_boot_ok']}/{fit['n_boot']} resamples)")
+    return "\n".join(lines)
 
 
 def format_predict(p: dict) -> list[str]:
@@ -207,8 +203,6 @@ def analysis_options(command):
 
 
 def check_analysis_options(fit_max_lambda: float | None, t0: float | None, test_frac: float) -> None:
-    from .cli import CLIError
-
     if fit_max_lambda is not None and not fit_max_lambda > 0:
         raise CLIError(f"--fit-max-lambda: must be > 0, got {fit_max_lambda}")
     if not 0 < test_frac < 1:
@@ -229,14 +223,13 @@ def analyze_cmd(store_path, as_json, n_boot, seed, fit_max_lambda, retention_thr
                 split_seed):
     """Critical weight decay λ_c, exponent ν (with bootstrap CIs), regime table and median t_grok
     per architecture/size group of a sweep store."""
-    from .cli import CLIError
-
     if n_boot < 1:
         raise CLIError(f"--n-boot: must be >= 1, got {n_boot}")
     check_analysis_options(fit_max_lambda, t0, test_frac)
-    report = analyze_store(store_path, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
-                           predict=predict, t0=t0, test_frac=test_frac, split_seed=split_seed,
-                           fit_max_lambda=fit_max_lambda)
+    with open_store(store_path) as store:
+        report = store_report(store, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
+                              predict=PredictSettings(t0, test_frac, split_seed) if predict else None,
+                              fit_max_lambda=fit_max_lambda).to_dict()
     if as_json:
         click.echo(json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False))
     else:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import click
 
-from .cmd_analyze import analysis_options, check_analysis_options
+from fastdiag.analysis.report import PredictSettings
+from fastdiag.cli.analyze import analysis_options, check_analysis_options, store_report
+from fastdiag.cli.app import CLIError, open_store
 
 
 @click.command("plot")
@@ -20,9 +22,6 @@ def plot_cmd(store_path, out_dir, n_boot, n_band, seed, fit_max_lambda, predict,
     """Draw the sweep figures of STORE as PNG and SVG into DIR: regime diagram (λ × N), P(grok) with
     the logistic fit and its bootstrap band, t_grok against λ − λ_c with the power-law fit, and median/IQR
     trajectories of test accuracy, s̄ and σ_H per λ."""
-    from .cli import CLIError
-    from .store import open_existing
-
     if n_boot < 1 or n_band < 1:
         raise CLIError("--n-boot and --n-band: must be >= 1")
     check_analysis_options(fit_max_lambda, t0, test_frac)
@@ -30,17 +29,15 @@ def plot_cmd(store_path, out_dir, n_boot, n_band, seed, fit_max_lambda, predict,
     bad = [f for f in fmts if f not in ("png", "svg", "pdf")]
     if not fmts or bad:
         raise CLIError(f"--format: expected a comma list of png, svg, pdf, got {formats!r}")
-    import matplotlib
-    matplotlib.use("Agg", force=True)
-    from .sweep_plots import plot_store
+    from fastdiag.plots.render import plot_report     # matplotlib: loaded only when figures are drawn
 
-    with open_existing(store_path) as store:
-        paths, analyses = plot_store(store, out_dir, n_boot=n_boot, n_band=n_band, seed=seed, formats=fmts,
-                                     fit_max_lambda=fit_max_lambda,
-                                     predict=dict(t0=t0, test_frac=test_frac, split_seed=split_seed) if predict else None)
+    with open_store(store_path) as store:
+        report = store_report(store, n_boot=n_boot, seed=seed, fit_max_lambda=fit_max_lambda,
+                              predict=PredictSettings(t0, test_frac, split_seed) if predict else None)
+        paths = plot_report(report, out_dir, n_band=n_band, formats=fmts)
     for path in paths:
         click.echo(str(path))
-    for a in analyses:
+    for a in report.analyses:
         for key, name in (("lambda_c", "λ_c"), ("nu", "ν")):
             if "error" in a[key]:
                 click.echo(f"plot: {a['group']}: drawn without the {name} fit ({a[key]['error']})", err=True)

@@ -1,7 +1,16 @@
-"""Figures of one run: the two-phase trajectory (test accuracy, s̄ and σ_H against epoch, log x)."""
+"""The outputs of one run: ``result.json``, ``trace.csv`` and the two-phase trajectory figure (test
+accuracy, s̄ and σ_H against epoch, log x), each written whole or not at all."""
 from __future__ import annotations
 
+import csv
+import json
 import os
+from pathlib import Path
+
+from matplotlib.figure import Figure  # no pyplot: renders with Agg, no GUI backend, no global state
+from matplotlib.ticker import FuncFormatter, NullFormatter
+
+from fastdiag.store.files import atomic_path, prepare_out_dir
 
 
 def _series(trace, key):
@@ -25,9 +34,6 @@ def plot_trajectory(trace: list[dict], path: str | os.PathLike, result: dict | N
                     title: str | None = None) -> None:
     """Three stacked panels sharing a log epoch axis: accuracy, head synchronisation s̄ and entropy
     spread σ_H, with t_mem / t_grok marked. Runs without attention get the accuracy panel only."""
-    from matplotlib.figure import Figure  # no pyplot: renders with Agg, no GUI backend, no global state
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
     result = result or {}
     has_attention = result.get("has_attention", any(r.get("s_bar") is not None for r in trace))
     n_panels = 3 if has_attention else 1
@@ -75,3 +81,29 @@ def plot_trajectory(trace: list[dict], path: str | os.PathLike, result: dict | N
         title += " (no attention: accuracy only)"
     fig.suptitle(title, fontsize=10)
     fig.savefig(os.fspath(path), dpi=120)
+
+
+def trace_columns(trace: list[dict]) -> list[str]:
+    columns: list[str] = []
+    for row in trace:
+        for key in row:
+            if key not in columns:
+                columns.append(key)
+    return columns
+
+
+def write_outputs(outcome, out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write a run's (a ``RunOutcome``: ``result`` and ``trace``) ``result.json``, ``trace.csv`` and
+    ``trajectory.png`` into ``out_dir``; return their paths. Each file is written whole or not at all."""
+    out = prepare_out_dir(out_dir)
+    paths = {"result": out / "result.json", "trace": out / "trace.csv", "plot": out / "trajectory.png"}
+    with atomic_path(paths["result"]) as tmp:
+        tmp.write_text(json.dumps(outcome.result, indent=2, allow_nan=False) + "\n")
+    with atomic_path(paths["trace"]) as tmp, open(tmp, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=trace_columns(outcome.trace))
+        writer.writeheader()
+        for row in outcome.trace:
+            writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+    with atomic_path(paths["plot"]) as tmp:
+        plot_trajectory(outcome.trace, tmp, result=outcome.result)
+    return paths

@@ -1,0 +1,251 @@
+"""One run's trajectory read as phases and stages:
+
+* ``segment_stages``        the five stages of a long trajectory (coordination, differentiation,
+                            re-synchronisation, second differentiation, collapse) from s̄, σ_H and
+                            test accuracy, by a documented rule (see its docstring).
+* ``retention_by_lambda``   long horizons: per λ, how many grokked runs still generalise at the end.
+* ``phase_values``          one run's two-phase landmarks: s̄ at init / t_mem / t_grok, the
+                            Phase-1 peak, the Phase-2 s̄ trough and σ_H peak after grokking.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from fastdiag.grokking.config import ANTI_GROK_BELOW, GROKKED
+
+
+STAGES = ("coordination", "differentiation", "re-synchronisation", "second differentiation", "collapse")
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _moving_average(y: np.ndarray, window: int) -> np.ndarray:
+    if window <= 1:
+        return y.copy()
+    half = window // 2
+    padded = np.pad(y, (half, half), mode="edge")
+    kernel = np.ones(2 * half + 1) / (2 * half + 1)
+    return np.convolve(padded, kernel, mode="valid")
+
+
+def _collapse_index(test_acc: list[float | None], grok_index: int | None, below: float,
+                    persist: float = 0.75) -> int | None:
+    """First evaluation after grokking with test accuracy < ``below`` from which at least ``persist``
+    of the remaining evaluations are also below ``below`` (a collapse that lasts, not a dip)."""
+    if grok_index is None:
+        return None
+    acc = np.array([a if finite(a) else np.nan for a in test_acc], float)
+    low = acc < below
+    n = len(acc)
+    # fraction of evaluations from i to the end that are low
+    tail_low = np.cumsum(low[::-1])[::-1] / (n - np.arange(n))
+    for i in range(grok_index + 1, n):
+        if low[i] and tail_low[i] >= persist:
+            return i
+    return None
+
+
+def segment_stages(trace: Sequence[dict], *, grok_threshold: float = 0.99, n_grid: int = 256,
+                   smooth_decades: float = 0.1, rate_threshold: float = 0.5, min_decades: float = 0.05,
+                   min_change: float = 0.25, min_span_decades: float = 1.5,
+                   collapse_below: float = ANTI_GROK_BELOW, floors: tuple[float, float] = (0.02, 0.01)) -> dict:
+    """Segment one trajectory into the paper's stages.
+
+    The rule (all on a log-epoch axis, as the paper plots it):
+
+    1. Use the evaluations with epoch > 0 and finite s̄ and σ_H; the trajectory must span at least
+       ``min_span_decades`` decades of epochs (else ``stages`` is empty and ``note`` says why).
+    2. **Collapse** starts at the first evaluation after grokking (test accuracy ≥ ``grok_threshold``)
+       whose test accuracy is below ``collapse_below`` (0.5, the anti-grok mark) and from which at
+       least 75 % of the remaining evaluations are also below it. It lasts to the end.
+    3. Before the collapse, s̄ and σ_H are interpolated linearly in log10(epoch) onto ``n_grid``
+       evenly spaced points, smoothed by a centred moving average ``smooth_decades`` wide, and
+       differentiated in log10(epoch). Each rate is divided by the range of its smoothed series
+       (at least ``floors`` = (0.02, 0.01), so flat noisy series stay flat): r_s, r_h in
+       "ranges per decade". The synchronisation rate is z = (r_s − r_h) / 2.
+    4. Each grid point is labelled +1 (synchronising: z > ``rate_threshold``), −1 (differentiating:
+       z < −``rate_threshold``) or 0. A run of ±1 becomes 0 if it is shorter than ``min_decades`` or
+       moves the normalised signal by less than ``min_change`` (|∫ z dlog10 t| over the run, i.e.
+       (|Δs̄|/range + |Δσ_H|/range)/2 for a clean stage); runs of the same sign separated only by 0
+       merge.
+    5. The remaining runs are named in order: the first +1 run is **coordination**, the next −1
+       run **differentiation**, the next +1 **re-synchronisation**, the next −1 **second
+       differentiation**. A −1 run before any coordination is ignored; a run of the sign of the
+       stage in progress extends it; a +1 run after the second differentiation is ignored (noted).
+
+    Returns ``{"stages": [{"stage", "start_epoch", "end_epoch"}, ...], "t_grok_epoch",
+    "collapse_epoch", "note", "params"}``; epochs are those of the nearest evaluations.
+    """
+    rows = [r for r in trace if finite(r.get("epoch")) and r["epoch"] > 0
+            and finite(r.get("s_bar")) and finite(r.get("sigma_h"))]
+    params = dict(grok_threshold=grok_threshold, n_grid=n_grid, smooth_decades=smooth_decades,
+                  rate_threshold=rate_threshold, min_decades=min_decades, min_change=min_change,
+                  min_span_decades=min_span_decades,
+                  collapse_below=collapse_below, floors=list(floors))
+    out = {"stages": [], "t_grok_epoch": None, "collapse_epoch": None, "note": None, "params": params}
+    if len(rows) < 8:
+        out["note"] = f"too short: {len(rows)} evaluations with s̄ and σ_H (need 8)"
+        return out
+    epochs = np.array([float(r["epoch"]) for r in rows])
+    log_e = np.log10(epochs)
+    span = float(log_e[-1] - log_e[0])
+    if span < min_span_decades:
+        out["note"] = (f"too short: spans {span:.2f} decades of epochs ({epochs[0]:g}–{epochs[-1]:g}), "
+                       f"need {min_span_decades:g}")
+        return out
+    test_acc = [r.get("test_acc") for r in rows]
+    grok_index = next((i for i, a in enumerate(test_acc) if finite(a) and a >= grok_threshold), None)
+    out["t_grok_epoch"] = int(epochs[grok_index]) if grok_index is not None else None
+    collapse = _collapse_index(test_acc, grok_index, collapse_below)
+    end = collapse if collapse is not None else len(rows)
+    stages: list[dict] = []
+    notes: list[str] = []
+    if end >= 4 and log_e[end - 1] - log_e[0] > 4 * min_decades:
+        u = np.linspace(log_e[0], log_e[end - 1], n_grid)
+        du = u[1] - u[0]
+        s = np.interp(u, log_e[:end], [r["s_bar"] for r in rows[:end]])
+        h = np.interp(u, log_e[:end], [r["sigma_h"] for r in rows[:end]])
+        window = max(1, int(round(smooth_decades / du)))
+        window += 1 - window % 2
+        s, h = _moving_average(s, window), _moving_average(h, window)
+        r_s = np.gradient(s, u) / max(float(np.ptp(s)), floors[0])
+        r_h = np.gradient(h, u) / max(float(np.ptp(h)), floors[1])
+        z = (r_s - r_h) / 2.0
+        labels = np.where(z > rate_threshold, 1, np.where(z < -rate_threshold, -1, 0))
+        runs = _runs(labels)
+        runs = [(sign, a, b) if sign == 0 or ((u[b] - u[a] + du) >= min_decades
+                                              and abs(float(z[a:b + 1].sum()) * du) >= min_change)
+                else (0, a, b) for sign, a, b in runs]
+        merged: list[list[int]] = []
+        for sign, a, b in runs:
+            if sign == 0:
+                continue
+            if merged and merged[-1][0] == sign:
+                merged[-1][2] = b
+            else:
+                merged.append([sign, a, b])
+        expected = (1, -1, 1, -1)
+        k = 0
+        for sign, a, b in merged:
+            if k < 4 and sign == expected[k]:
+                stages.append({"stage": STAGES[k], "a": a, "b": b})
+                k += 1
+            elif k > 0 and sign == expected[k - 1]:
+                stages[-1]["b"] = b
+            elif k == 0:
+                continue                       # differentiating drift before any coordination
+            else:
+                notes.append(f"a further synchronising stretch at epoch ≈ {10 ** u[a]:.0f} is not named")
+        for st in stages:
+            st["start_epoch"] = _nearest_epoch(epochs, 10 ** u[st.pop("a")])
+            st["end_epoch"] = _nearest_epoch(epochs, 10 ** u[st.pop("b")])
+    if collapse is not None:
+        out["collapse_epoch"] = int(epochs[collapse])
+        stages.append({"stage": "collapse", "start_epoch": int(epochs[collapse]), "end_epoch": int(epochs[-1])})
+    out["stages"] = stages
+    if not stages:
+        notes.append("no stage found")
+    out["note"] = "; ".join(notes) or None
+    return out
+
+
+def _runs(labels: np.ndarray) -> list[tuple[int, int, int]]:
+    """(value, first index, last index) of each run of equal labels."""
+    runs = []
+    start = 0
+    for i in range(1, len(labels) + 1):
+        if i == len(labels) or labels[i] != labels[start]:
+            runs.append((int(labels[start]), start, i - 1))
+            start = i
+    return runs
+
+
+def _nearest_epoch(epochs: np.ndarray, value: float) -> int:
+    return int(epochs[int(np.argmin(np.abs(np.log10(epochs) - math.log10(value))))])
+
+
+def stage_table(runs: Iterable[dict], traces: dict[str, list[dict]], **kw) -> list[dict]:
+    """``segment_stages`` of each run (store run dicts) whose trace is long enough."""
+    out = []
+    for run in runs:
+        cfg = run["config"]
+        seg = segment_stages(traces.get(run["run_id"], []), grok_threshold=cfg.get("grok_threshold", 0.99), **kw)
+        out.append({"run_id": run["run_id"], "weight_decay": cfg.get("weight_decay"), "seed": cfg.get("seed"),
+                    "regime": (run.get("result") or {}).get("regime"), **seg})
+    return out
+
+
+def retention_by_lambda(runs: Iterable[dict], threshold: float = 0.9) -> list[dict]:
+    """Per λ over the given runs (store run dicts, status done): runs, grokked (t_grok reached),
+    retained (grokked and final test accuracy ≥ ``threshold``), retention = retained / grokked,
+    median final test accuracy of the grokked runs, anti-grok count."""
+    by_lambda: dict[float, list[dict]] = {}
+    for run in runs:
+        by_lambda.setdefault(float(run["config"]["weight_decay"]), []).append(run["result"] or {})
+    table = []
+    for lam in sorted(by_lambda):
+        results = by_lambda[lam]
+        grokked = [r for r in results if r.get("regime") in GROKKED]
+        finals = [r["final_test_acc"] for r in grokked if finite(r.get("final_test_acc"))]
+        retained = sum(1 for a in finals if a >= threshold)
+        table.append({
+            "lambda": lam, "n": len(results), "grokked": len(grokked), "retained": retained,
+            "retention": retained / len(grokked) if grokked else None,
+            "median_final_test_acc": float(np.median(finals)) if finals else None,
+            "anti_grok": sum(1 for r in results if r.get("regime") == "anti-grok"),
+            "threshold": threshold,
+        })
+    return table
+
+
+def phase2_peak_sigma_h(trace: Sequence[dict], t_grok_epoch: int | None) -> float | None:
+    """Largest σ_H at or after grokking (None if the run did not grok or has no σ_H there)."""
+    if t_grok_epoch is None:
+        return None
+    values = [r["sigma_h"] for r in trace if finite(r.get("epoch")) and r["epoch"] >= t_grok_epoch
+              and finite(r.get("sigma_h"))]
+    return max(values) if values else None
+
+
+def phase_values(trace: Sequence[dict], t_mem_epoch: int | None, t_grok_epoch: int | None) -> dict:
+    """The paper's two-phase landmarks of one run (its Fig. 2: s̄ ≈ 0.93 → 0.995 → 0.88, σ_H peak
+    ≈ 0.09–0.10), read off the trace rows with a finite value; a landmark the trace does not reach is
+    None, never a guess.
+
+    * ``s_bar_init``: s̄ of the first evaluation (with diag_every ≥ steps per epoch and eval_every 1
+      that is the forward pass of step 0, the initialised model).
+    * ``s_bar_mem`` / ``s_bar_grok``: s̄ at the evaluations of t_mem and t_grok.
+    * after grokking (rows with epoch > t_grok): ``s_bar_min_after_grok`` (Phase-2 trough) and
+      ``sigma_h_peak_after_grok`` (Phase-2 peak), each with its epoch; ``epochs_after_grok`` says
+      how far the trace reaches past t_grok (0 for a run stopped at grokking).
+    * ``s_bar_peak_phase1``: largest s̄ from t_mem up to the Phase-2 trough (or up to t_grok when
+      the run stopped there) — the top of the Phase-1 rise."""
+    rows = [r for r in trace if finite(r.get("epoch")) and finite(r.get("s_bar"))]
+    at = {r["epoch"]: r for r in rows}
+    out: dict = {"s_bar_init": rows[0]["s_bar"] if rows else None, "init_epoch": rows[0]["epoch"] if rows else None,
+                 "s_bar_mem": at[t_mem_epoch]["s_bar"] if t_mem_epoch in at else None,
+                 "s_bar_grok": at[t_grok_epoch]["s_bar"] if t_grok_epoch in at else None,
+                 "s_bar_min_after_grok": None, "s_bar_min_epoch": None,
+                 "sigma_h_peak_after_grok": None, "sigma_h_peak_epoch": None,
+                 "epochs_after_grok": None, "s_bar_peak_phase1": None}
+    if t_grok_epoch is None:
+        return out
+    after = [r for r in rows if r["epoch"] > t_grok_epoch]
+    out["epochs_after_grok"] = (after[-1]["epoch"] - t_grok_epoch) if after else 0
+    if after:
+        trough = min(after, key=lambda r: r["s_bar"])
+        out["s_bar_min_after_grok"], out["s_bar_min_epoch"] = trough["s_bar"], trough["epoch"]
+        with_h = [r for r in after if finite(r.get("sigma_h"))]
+        if with_h:
+            peak = max(with_h, key=lambda r: r["sigma_h"])
+            out["sigma_h_peak_after_grok"], out["sigma_h_peak_epoch"] = peak["sigma_h"], peak["epoch"]
+    if t_mem_epoch is not None:
+        end = out["s_bar_min_epoch"] if out["s_bar_min_epoch"] is not None else t_grok_epoch
+        phase1 = [r["s_bar"] for r in rows if t_mem_epoch <= r["epoch"] <= end]
+        out["s_bar_peak_phase1"] = max(phase1) if phase1 else None
+    return out

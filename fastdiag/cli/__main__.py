@@ -1,0 +1,3 @@
+from fastdiag.cli import main
+
+main()

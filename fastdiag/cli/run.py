@@ -1,0 +1,69 @@
+"""`fastdiag run`: train one grokking run (docs/experiments.md) with live diagnostics and write its outputs."""
+from __future__ import annotations
+
+import click
+import torch
+
+from fastdiag.cli.app import CLIError, option_errors, os_error_text
+from fastdiag.cli.options import run_fields, run_options
+from fastdiag.grokking.build import check_buildable
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.train import train_run
+from fastdiag.store.files import prepare_out_dir
+from fastdiag.sweep.progress import RunProgress
+
+
+def _fmt(value, spec=".3f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+@click.command("run")
+@run_options()
+@click.option("--threads", type=int, default=2, show_default=True, help="CPU threads for torch")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="output directory [default: runs/<run_id>]")
+@click.option("--quiet", is_flag=True, help="no progress bar")
+def run(threads, out_dir, quiet, **fields) -> None:
+    """Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."""
+    if threads < 1:
+        raise CLIError(f"--threads: must be >= 1, got {threads}")
+    # Check everything the run needs before any training: the values, the task (÷ needs a prime p,
+    # p² pairs must fit in memory), the model settings, the device, and the output directory.
+    with option_errors():
+        cfg = RunConfig(**run_fields(fields))
+        check_buildable(cfg, device=True)
+    out_dir = out_dir or f"runs/{cfg.run_id()}"
+    try:
+        prepare_out_dir(out_dir)
+    except OSError as exc:
+        raise CLIError(f"--out: cannot write to {out_dir}: {os_error_text(exc)}") from None
+
+    torch.set_num_threads(threads)
+    progress = None if quiet else RunProgress(cfg.epochs)
+    try:
+        outcome = train_run(cfg, progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    r = outcome.result
+
+    def when(kind: str) -> str:
+        epoch = r[f"t_{kind}_epoch"]
+        return "not reached" if epoch is None else f"epoch {epoch} (step {r[f't_{kind}_step']})"
+
+    # The summary first: if the outputs cannot be written (disk full), the run's outcome is still said.
+    click.echo(f"regime: {r['regime']}   t_mem: {when('mem')}   t_grok: {when('grok')}")
+    click.echo(f"final: train acc {_fmt(r['final_train_acc'])}  test acc {_fmt(r['final_test_acc'])}  "
+               f"peak s̄ {_fmt(r['peak_s_bar'])}  peak σ_H {_fmt(r['peak_sigma_h'])}  "
+               f"({r['epochs_run']} epochs, {r['steps']} steps, {r['wall_seconds']:.1f} s on {r['device']})")
+    from fastdiag.plots.run import write_outputs      # matplotlib: loaded only when a figure is drawn
+
+    try:
+        paths = write_outputs(outcome, out_dir)
+    except OSError as exc:
+        raise CLIError(f"--out: the run finished but its outputs could not be written to {out_dir}: "
+                       f"{os_error_text(exc)}") from None
+    click.echo("wrote: " + ", ".join(str(path) for path in paths.values()))
+
+
+COMMANDS = [run]

@@ -1,0 +1,146 @@
+"""One grokking training run (docs/experiments.md) with online head diagnostics.
+
+``train_run(cfg)`` trains the model of a ``RunConfig`` on its modular-arithmetic task with AdamW
+(betas 0.9/0.98, weight decay λ on all parameters), minibatches reshuffled every epoch, and returns a
+``RunOutcome``: the config, a JSON-able ``result`` dict and a ``trace`` (one JSON-able row per
+evaluation). Diagnostics come from the training step's own forward pass: every ``diag_every``
+optimizer steps the attention modules record their head statistics (``record = True`` for that
+forward only); the statistics of all diagnostic steps since the previous evaluation are merged with
+``+`` and summarised at evaluation time, which is the only moment anything is read to the host.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fastdiag.grokking.build import build_model, resolve_device
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.tasks import make_task
+from fastdiag.grokking.tracking import RunTracker, eval_chunk, evaluate, summary_values
+from fastdiag.models import attention_modules, count_parameters
+
+
+@dataclass
+class RunOutcome:
+    config: RunConfig
+    result: dict
+    trace: list[dict] = field(default_factory=list)
+
+
+class Trainer:
+    """One run, an epoch at a time: ``while not t.done: t.run_epoch()``, then ``t.outcome()``.
+
+    ``branch(**changes)`` deep-copies the whole state (model, optimizer, shuffle generator,
+    bookkeeping) so an experiment can continue several arms from one checkpoint.
+    """
+
+    def __init__(self, cfg: RunConfig, progress: Callable[[dict], None] | None = None) -> None:
+        self.cfg = cfg = cfg.validate()
+        self.progress = progress
+        self.started = time.perf_counter()
+        self.device = device = resolve_device(cfg.device)
+        self.task = make_task(cfg.op, cfg.p, cfg.train_frac, seed=cfg.seed, device=device)
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(cfg, device=device).to(device)
+        self.attn = attention_modules(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
+                                     weight_decay=cfg.weight_decay)
+        self.shuffle = torch.Generator().manual_seed(cfg.seed)
+        self.tracker = RunTracker(cfg, list(self.attn))
+        self.eval_chunk = eval_chunk(device)
+        self.epoch = 0
+        self.step = 0
+        self.loss_sum = torch.zeros((), device=device)  # minibatch losses since the last evaluation
+        self.pending: dict = {}                          # layer -> merged HeadStats since the last evaluation
+
+    @property
+    def done(self) -> bool:
+        return self.tracker.stopped or self.epoch >= self.cfg.epochs
+
+    def _train_step(self, idx: torch.Tensor) -> None:
+        record = bool(self.attn) and self.step % self.cfg.diag_every == 0
+        if record:
+            for m in self.attn.values():
+                m.record = True
+        try:
+            logits = self.model(self.task.train_x[idx])
+        finally:
+            if record:
+                for m in self.attn.values():
+                    m.record = False
+        if record:
+            for name, m in self.attn.items():
+                stats, m.stats = m.stats, None
+                self.pending[name] = stats if name not in self.pending else self.pending[name] + stats
+        loss = F.cross_entropy(logits, self.task.train_y[idx])
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.loss_sum += loss.detach()
+        self.step += 1
+
+    def run_epoch(self) -> dict | None:
+        """Train one epoch; evaluate when due. Returns the new trace row, or None."""
+        cfg = self.cfg
+        self.epoch += 1
+        self.model.train()
+        perm = torch.randperm(self.task.train_x.shape[0], generator=self.shuffle).to(self.device)
+        for start in range(0, perm.shape[0], cfg.batch_size):
+            self._train_step(perm[start:start + cfg.batch_size])
+        if self.epoch % cfg.eval_every and self.epoch != cfg.epochs:
+            return None
+        row = self.tracker.record(self.epoch, self.step, self._evaluate())
+        if self.progress is not None:
+            self.progress(dict(row))
+        return row
+
+    def _evaluate(self) -> dict[str, float]:
+        """The one host read-out of an evaluation interval."""
+        task, model = self.task, self.model
+        model.eval()
+        with torch.no_grad():
+            train_loss, train_acc = evaluate(model, task.train_x, task.train_y, self.eval_chunk)
+            test_loss, test_acc = evaluate(model, task.test_x, task.test_y, self.eval_chunk)
+            weight_norm = torch.stack([p.detach().float().norm() for p in model.parameters()]).norm()
+            values = {"train_loss": train_loss, "train_acc": train_acc, "test_loss": test_loss,
+                      "test_acc": test_acc, "weight_norm": weight_norm, "loss_sum": self.loss_sum,
+                      **summary_values(self.pending, list(self.attn))}
+            host = torch.stack([v.detach().to(torch.float64).reshape(()) for v in values.values()]).tolist()
+        self.loss_sum.zero_()
+        self.pending = {}
+        return dict(zip(values, host))
+
+    def outcome(self) -> RunOutcome:
+        result = self.tracker.result(epochs_run=self.epoch, steps=self.step,
+                                     wall_seconds=time.perf_counter() - self.started,
+                                     has_attention=bool(self.attn), n_params=count_parameters(self.model),
+                                     device=self.device)
+        return RunOutcome(config=self.cfg, result=result, trace=list(self.tracker.trace))
+
+    def branch(self, **changes) -> "Trainer":
+        """An independent copy continuing from this exact state; ``changes`` edit the config
+        (e.g. a later horizon ``epochs=`` or ``stop_at_grok=False``)."""
+        progress, self.progress = self.progress, None
+        try:
+            twin = copy.deepcopy(self)
+        finally:
+            self.progress = progress
+        twin.progress = progress
+        if changes:
+            twin.cfg = dataclasses.replace(self.cfg, **changes).validate()
+            twin.tracker.cfg = twin.cfg
+        return twin
+
+
+def train_run(cfg: RunConfig, progress: Callable[[dict], None] | None = None) -> RunOutcome:
+    """Train one run to its end (grokking + patience, divergence or the horizon)."""
+    trainer = Trainer(cfg, progress)
+    while not trainer.done:
+        trainer.run_epoch()
+    return trainer.outcome()

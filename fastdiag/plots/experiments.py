@@ -1,0 +1,181 @@
+"""Figures of the experiments beyond the sweep: the held-out predictive test, peak σ_H against d/H,
+the intervention arms, and the stages of one long trajectory."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib as mpl
+import numpy as np
+from matplotlib.ticker import NullFormatter
+
+from fastdiag.analysis.predict import roc_curve
+from fastdiag.plots.style import ARM_COLOURS, FORMATS, STAGE_COLOURS, STYLE, figure, no_data, save, why, wrap
+from fastdiag.plots.sweep import quantiles
+
+
+def predict_figure(pa: dict, stem: Path, formats=FORMATS) -> list[Path]:
+    """`experiments.predictive_analysis` on the held-out seeds: ROC curves of "groks by the horizon"
+    (baselines against baselines + s̄/σ_H) and predicted against true ln t_grok."""
+
+    models = (("baseline", "baselines", "#6c7a89"), ("full", "baselines + $\\bar{s}$, $\\sigma_H$", "#d35f0a"))
+    with mpl.rc_context(STYLE):
+        fig, axes = figure(9.0, 4.2, ncols=2)
+        ax, bx = axes[0, 0], axes[0, 1]
+        cls = pa.get("groks_by_horizon", {})
+        if "test_scores" in cls:
+            y = [c["grokked"] for c in cls["test_scores"]]
+            for key, label, colour in models:
+                fpr, tpr = roc_curve(y, [c[key] for c in cls["test_scores"]])
+                auc, ci = cls[f"auc_{key}"], cls[f"auc_{key}_ci"]
+                ax.plot(fpr, tpr, color=colour, linewidth=1.8,
+                        label=f"{label}: AUC {auc:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
+            ax.plot([0, 1], [0, 1], ":", color="#999999", linewidth=1)
+            ax.set_title(wrap(f"groks by the horizon ({cls['test_positives']} grokked, {cls['test_negatives']} not); "
+                               f"ΔAUC {cls['diff']:+.3f} [{cls['diff_ci'][0]:+.3f}, {cls['diff_ci'][1]:+.3f}]", 62))
+            ax.legend(loc="lower right")
+        else:
+            no_data(ax, cls.get("error", pa.get("error", "no data")))
+        ax.set_xlabel("false-positive rate")
+        ax.set_ylabel("true-positive rate")
+        reg = pa.get("log_t_grok", {})
+        if "test_predictions" in reg:
+            truth = np.array([c["log_t_grok"] for c in reg["test_predictions"]])
+            for key, label, colour in models:
+                pred = np.array([c[key] for c in reg["test_predictions"]])
+                mae, ci = reg[f"mae_{key}"], reg[f"mae_{key}_ci"]
+                bx.scatter(truth, pred, s=26, color=colour, alpha=0.75, linewidths=0,
+                           label=f"{label}: MAE {mae:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
+            lo, hi = float(truth.min()), float(truth.max())
+            pad = 0.1 * (hi - lo or 1.0)
+            bx.plot([lo - pad, hi + pad], [lo - pad, hi + pad], ":", color="#999999", linewidth=1)
+            bx.set_title(wrap(f"ln t_grok ({reg['n_test']} grokked test runs); ΔMAE {reg['diff']:+.3f} "
+                               f"[{reg['diff_ci'][0]:+.3f}, {reg['diff_ci'][1]:+.3f}]", 62))
+            bx.legend(loc="upper left")
+        else:
+            no_data(bx, reg.get("error", pa.get("error", "no data")))
+        bx.set_xlabel("true ln $t_{grok}$")
+        bx.set_ylabel("predicted ln $t_{grok}$")
+        fig.suptitle(f"Predictive value on held-out seeds at $t_0$ = {pa['t0']:g} epochs ({pa['t0_source']}); "
+                     f"train seeds {len(pa.get('train_seeds', []))}, test seeds {len(pa.get('test_seeds', []))}")
+        return save(fig, stem, formats)
+
+
+def headdim_figure(analysis: dict, stem: Path, title_note: str = "", formats=FORMATS) -> list[Path]:
+    """Peak σ_H after grokking against d/H (log x): runs as points, mean ± s.d. per d/H, the saturating
+    fit σ_max = c + a(1 − e^(−b·d/H)) and its plateau CI (``experiments.headdim_analysis``)."""
+
+    with mpl.rc_context(STYLE):
+        fig, axes = figure(5.6, 4.3)
+        ax = axes[0, 0]
+        pts = analysis["points"]
+        if pts:
+            rng = np.random.default_rng(0)
+            xs = np.array([p["d_per_head"] for p in pts], float)
+            ax.scatter(xs * 10 ** rng.normal(0, 0.01, len(xs)), [p["peak_sigma_h"] for p in pts], s=22,
+                       color="#3b8bc2", alpha=0.4, linewidths=0, label="runs", zorder=2)
+            bins = analysis["bins"]
+            bx = [b["d_per_head"] for b in bins]
+            ax.errorbar(bx, [b["mean"] for b in bins], yerr=[b["std"] or 0.0 for b in bins], fmt="-o",
+                        color="#0072b2", mfc="white", mew=1.8, capsize=4, linewidth=1.6, zorder=3,
+                        label=f"mean ± s.d. ({min(b['n'] for b in bins)}–{max(b['n'] for b in bins)} runs per d/H)")
+            fit = analysis["fit"]
+            if "error" not in fit:
+                grid = np.logspace(math.log10(min(bx) / 1.2), math.log10(max(bx) * 1.2), 200)
+                ax.plot(grid, fit["c"] + fit["a"] * -np.expm1(-fit["b"] * grid), "--", color="#d35f0a",
+                        linewidth=1.6, label="saturating fit", zorder=4)
+                ys = [p["peak_sigma_h"] for p in pts] + [b["mean"] + (b["std"] or 0.0) for b in bins] \
+                    + [b["mean"] - (b["std"] or 0.0) for b in bins]
+                pad = 0.1 * (max(ys) - min(ys) or abs(max(ys)) or 1e-3)
+                view = (min(ys) - pad, max(ys) + pad)       # the data set the axes, not a wild CI
+                lo, hi = fit["ci"]["plateau"]
+                clipped = lo < view[0] or hi > view[1]
+                ax.axhspan(max(lo, view[0]), min(hi, view[1]), color="#d35f0a", alpha=0.08, linewidth=0,
+                           label="plateau $c + a$: 95% CI" + (" (beyond the axes)" if clipped else ""))
+                ax.set_ylim(*view)
+                title = (f"$\\sigma_{{max}} = c + a(1 - e^{{-b\\,d/H}})$: plateau {fit['plateau']:.3g} "
+                         f"[{fit['ci']['plateau'][0]:.3g}, {fit['ci']['plateau'][1]:.3g}]")
+            else:
+                title = wrap(f"no saturating fit: {why(fit)}", 60)
+            ax.set_xscale("log")
+            ax.set_xticks(bx, [f"{x:g}" for x in bx])
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.legend(loc="best")
+        else:
+            title = "no grokked runs with σ_H after $t_{grok}$"
+            ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="#666666")
+        ax.set_xlabel("per-head dimension $d/H$")
+        ax.set_ylabel("peak $\\sigma_H$ after grokking (nats)")
+        ax.set_title("Per-head dimension and differentiation amplitude" + (f" ({title_note})" if title_note else "")
+                     + "\n" + title)
+        return save(fig, stem, formats)
+
+
+def intervention_figure(rows: list[dict], traces: dict[str, list[dict]], stem: Path, formats=FORMATS) -> list[Path]:
+    """Left: σ_H against epochs since the branch point, median and IQR over seeds per arm. Right: the
+    peak σ_H after the branch per seed and arm, paired lines (``exp_intervene`` store rows)."""
+
+    arms = [a for a in ARM_COLOURS if any(r["arm"] == a for r in rows)]
+    with mpl.rc_context(STYLE):
+        fig, axes = figure(9.0, 4.0, ncols=2)
+        ax, bx = axes[0, 0], axes[0, 1]
+        for arm in arms:
+            series = []
+            for r in rows:
+                if r["arm"] != arm:
+                    continue
+                b = r["branch_epoch"] or 0
+                pts = [(row["epoch"] - b, row["sigma_h"]) for row in traces.get(r["arm_id"], [])
+                       if row["epoch"] >= b and row.get("sigma_h") is not None]
+                if pts:
+                    series.append(pts)
+            q = quantiles(series)
+            if q is None:
+                continue
+            epochs, med, q25, q75 = q
+            ax.plot(epochs, med, color=ARM_COLOURS[arm], linewidth=1.6, label=f"{arm} ({len(series)} seeds)")
+            ax.fill_between(epochs, q25, q75, color=ARM_COLOURS[arm], alpha=0.15, linewidth=0)
+        ax.set_xlabel("epochs after the branch point (Phase-2 $\\sigma_H$ peak)")
+        ax.set_ylabel("$\\sigma_H$ (nats)")
+        ax.legend(loc="best")
+        by_seed: dict = {}
+        for r in rows:
+            by_seed.setdefault(r["seed"], {})[r["arm"]] = r["metrics"].get("peak_sigma_h_after")
+        for seed, vals in by_seed.items():
+            xs = [i for i, a in enumerate(arms) if vals.get(a) is not None]
+            bx.plot(xs, [vals[arms[i]] for i in xs], color="#999999", linewidth=0.8, alpha=0.6, marker="o",
+                    markersize=3)
+        for i, arm in enumerate(arms):
+            v = [vals[arm] for vals in by_seed.values() if vals.get(arm) is not None]
+            if v:
+                bx.scatter([i], [np.mean(v)], s=70, color=ARM_COLOURS[arm], zorder=4, marker="D")
+        bx.set_xticks(range(len(arms)), arms)
+        bx.set_ylabel("peak $\\sigma_H$ after the branch")
+        bx.set_title("per seed (lines) and mean (diamonds)")
+        fig.suptitle(f"Interventions at the Phase-2 peak: {len(by_seed)} seeds")
+        return save(fig, stem, formats)
+
+
+def stages_figure(trace: list[dict], segmentation: dict, stem: Path, title: str = "", formats=FORMATS) -> list[Path]:
+    """Test accuracy, s̄ and σ_H of one long run (log epochs) with its stages shaded."""
+
+    panels = [("test_acc", "test accuracy"), ("s_bar", "$\\bar{s}(t)$"), ("sigma_h", "$\\sigma_H(t)$")]
+    with mpl.rc_context(STYLE):
+        fig, axes = figure(7.5, 6.5, nrows=3, sharex=True)
+        for i, (key, label) in enumerate(panels):
+            ax = axes[i, 0]
+            pts = [(r["epoch"], r[key]) for r in trace if r.get(key) is not None and r.get("epoch", 0) > 0]
+            if pts:
+                ax.plot(*zip(*pts), color="#333333", linewidth=0.9)
+            for st in segmentation["stages"]:
+                ax.axvspan(st["start_epoch"], max(st["end_epoch"], st["start_epoch"] * 1.01),
+                           color=STAGE_COLOURS[st["stage"]], alpha=0.25, linewidth=0)
+                if i == 0:
+                    ax.text(math.sqrt(st["start_epoch"] * max(st["end_epoch"], st["start_epoch"])), 1.02,
+                            st["stage"].replace("second ", "2nd ").replace("re-synchronisation", "re-sync."),
+                            transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=7.5)
+            ax.set_ylabel(label)
+        axes[-1, 0].set_xscale("log")
+        axes[-1, 0].set_xlabel("training epoch")
+        fig.suptitle(wrap(title or "Stages of a long run", 80) + "\n")
+        return save(fig, stem, formats)

@@ -1,0 +1,312 @@
+"""Where a sweep's runs execute: ``local`` (this process, or a pool of spawned workers that survives a
+dying worker) or ``ray`` (one Ray task per run or ensemble). Either way only the driver writes the store."""
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import multiprocessing
+import time
+from multiprocessing.connection import wait
+from typing import Callable
+
+import torch
+
+from fastdiag.grokking.build import uses_cuda
+from fastdiag.grokking.config import RunConfig
+from fastdiag.sweep.execute import execute, execute_pack, init_worker, worker_main
+from fastdiag.sweep.plan import plan_packs
+
+HELD_RETRY_S = 5.0     # how often runs another sweep held are looked at again
+
+
+def _died(attempts: int) -> dict:
+    return {"ok": False, "error": f"worker process died (killed, crashed or out of memory) on each of "
+                                  f"{attempts} attempts"}
+
+
+def run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, threads, max_retries, train_fn,
+              report=None) -> None:
+    """Run ``tasks`` (one config: a run; more: an ensemble) in this process (one worker) or on a
+    `_WorkerPool`. Every task is claimed right before it starts; tasks a live concurrent sweep holds
+    are tried once more when everything else is done, and otherwise left to it."""
+    cfgs = [c for task in tasks for c in task]
+    if not cfgs:
+        return
+    n_workers, n_threads = plan_packs(cfgs, len(tasks), workers, threads)
+    queue: collections.deque = collections.deque(tasks)
+    held: list[list[RunConfig]] = []          # claimed by another sweep when we came to them
+    last_look = [-math.inf]
+    deaths: collections.Counter = collections.Counter()
+
+    def claim(task: list[RunConfig]) -> tuple[list[RunConfig], list[RunConfig]]:
+        """(members claimed now, members another sweep holds)."""
+        claimed = set(lease.claim([c.run_id() for c in task], statuses=redo))
+        return [c for c in task if c.run_id() in claimed], [c for c in task if c.run_id() not in claimed]
+
+    def next_task() -> list[RunConfig] | None:
+        """The claimed members of the next task that has any (None: nothing to claim now)."""
+        while queue:
+            members, others = claim(queue.popleft())
+            if others:
+                held.append(others)
+            if members:
+                return members
+        # Our own tasks are all out: look again (not too often) at those other sweeps held, which
+        # are free once their sweep died or stopped renewing its claims.
+        if held and time.monotonic() - last_look[0] >= HELD_RETRY_S:
+            last_look[0] = time.monotonic()
+            again, held[:] = list(held), []
+            for task in again:
+                members, others = claim(task)
+                if others:
+                    held.append(others)
+                if members:
+                    queue.append(members)
+            return next_task() if queue else None
+        return None
+
+    if n_workers == 1:
+        # In this process: no pool, the simplest and most debuggable path; an interrupt simply raises.
+        previous = torch.get_num_threads()
+        torch.set_num_threads(n_threads)
+        try:
+            while (task := next_task()) is not None:
+                if len(task) == 1:
+                    finish(task[0], execute(task[0].to_dict(), train_fn, report))
+                    continue
+                stored: set[int] = set()
+
+                def on_member(index: int, out: dict, task=task, stored=stored) -> None:
+                    finish(task[index], out)
+                    stored.add(index)
+                outs = execute_pack([c.to_dict() for c in task], report, on_member)
+                for index, (cfg, out) in enumerate(zip(task, outs)):
+                    if index not in stored:
+                        finish(cfg, out)
+        finally:
+            torch.set_num_threads(previous)
+        return
+
+    pool = _WorkerPool(n_workers, n_threads, cuda=any(uses_cuda(c) for c in cfgs))
+
+    def handle(worker: "_Worker", message: tuple) -> None:
+        kind, *msg = message
+        task = worker.task
+        if kind == "epoch":
+            if report is not None:
+                report(*msg)
+        elif kind == "member":               # an ensemble member finished before the others
+            index, out = msg
+            finish(task[index], out)
+            worker.stored.add(index)
+        elif kind == "result":
+            outs = [msg[0]] if len(task) == 1 else msg[0]
+            for index, (cfg, out) in enumerate(zip(task, outs)):
+                if index not in worker.stored:
+                    finish(cfg, out)
+        elif kind == "died":                  # only the task on that worker; the others go on
+            if len(task) > 1:                 # which member killed it is unknown: the rest one by one
+                queue.extend([cfg] for index, cfg in enumerate(task) if index not in worker.stored)
+                return
+            rid = task[0].run_id()
+            deaths[rid] += 1
+            if deaths[rid] > max_retries:
+                finish(task[0], _died(deaths[rid]))
+            else:
+                queue.appendleft(task)
+
+    try:
+        while True:
+            while pool.idle and (task := next_task()) is not None:
+                pool.submit(pool.idle[0], task, train_fn)
+            if not pool.busy:
+                break
+            for worker, message in pool.events(timeout=1.0):
+                handle(worker, message)
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM, an error storing a run): keep what finished and is waiting in
+        # the pipes, then stop the workers (finally). Their runs stay unfinished and unclaimed.
+        with contextlib.suppress(Exception):
+            for worker, message in pool.events(timeout=0, results_only=True):
+                handle(worker, message)
+        raise
+    finally:
+        pool.close()
+
+
+class _Worker:
+    """One spawned worker process, its pipe, and the task it holds (None: idle)."""
+
+    def __init__(self, ctx, slot: int, threads: int, cuda: bool) -> None:
+        self.slot = slot
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=worker_main, args=(child, threads, slot if cuda else None),
+                                   name=f"fastdiag-worker-{slot}")
+        self.process.start()
+        child.close()
+        self.task: list[RunConfig] | None = None
+        self.stored: set[int] = set()     # members of its ensemble already finished
+
+
+class _WorkerPool:
+    """``size`` spawned worker processes, each with its own pipe and one task at a time.
+
+    Unlike a ProcessPoolExecutor, which breaks as a whole when one worker dies, the driver knows
+    which task each worker holds: a dead worker costs only its own task (retried or failed), a fresh
+    worker takes its slot, and the others keep training. The driver reads every pipe continuously,
+    so a worker never blocks on a result nobody reads."""
+
+    def __init__(self, size: int, threads: int, cuda: bool) -> None:
+        self.ctx = multiprocessing.get_context("spawn")
+        self.threads, self.cuda = threads, cuda
+        self.workers = [_Worker(self.ctx, slot, threads, cuda) for slot in range(size)]
+
+    @property
+    def idle(self) -> list[_Worker]:
+        return [w for w in self.workers if w.task is None]
+
+    @property
+    def busy(self) -> list[_Worker]:
+        return [w for w in self.workers if w.task is not None]
+
+    def submit(self, worker: _Worker, task: list[RunConfig], train_fn: Callable | None) -> None:
+        worker.task, worker.stored = task, set()
+        dicts = [c.to_dict() for c in task]
+        try:
+            worker.conn.send(("run", dicts[0], train_fn) if len(task) == 1 else ("pack", dicts, None))
+        except OSError:                       # it died while idle: `events` reports it with this task
+            pass
+
+    def events(self, timeout: float, results_only: bool = False):
+        """Yield ``(worker, message)`` for what busy workers sent (``("epoch", …)``, ``("member", i,
+        out)``, ``("result", out)``) and ``(worker, ("died", exitcode))`` for a worker that died, which
+        is then replaced. A worker is idle again once its result or death has been handled."""
+        busy = self.busy
+        if not busy:
+            return
+        wait([w.conn for w in busy] + [w.process.sentinel for w in busy], timeout)
+        for w in busy:
+            while w.task is not None:
+                try:
+                    if not w.conn.poll():
+                        break
+                    message = w.conn.recv()
+                except (EOFError, OSError):   # the worker died mid-message
+                    break
+                if results_only and message[0] == "epoch":
+                    continue
+                yield w, message
+                if message[0] == "result":
+                    w.task = None
+            if w.task is not None and not w.process.is_alive() and not results_only:
+                yield w, ("died", w.process.exitcode)
+                self._replace(w)
+
+    def _replace(self, dead: _Worker) -> None:
+        dead.conn.close()
+        dead.process.join(timeout=5)
+        self.workers[self.workers.index(dead)] = _Worker(self.ctx, dead.slot, self.threads, self.cuda)
+
+    def close(self) -> None:
+        """Idle workers exit; workers still training (an interrupt) are terminated."""
+        for w in self.workers:
+            with contextlib.suppress(OSError, ValueError):
+                if w.task is None:
+                    w.conn.send(None)
+                else:
+                    w.process.terminate()
+        for w in self.workers:
+            w.process.join(timeout=10)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join()
+            w.conn.close()
+
+
+def _ray_execute_pack(cfg_dicts: list[dict]) -> list[dict]:
+    init_worker(1)
+    return execute_pack(cfg_dicts)
+
+
+@contextlib.contextmanager
+def _ray_session(address: str | None):
+    """Connect to (or start) Ray for the duration of a sweep; shut down only what was started here."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("backend: ray: the ray package is not installed (pip install 'ray[default]')") from None
+    started_here = False
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"backend: ray: cannot connect to the Ray cluster "
+                             f"{address or '(local)'}: {' '.join(str(exc).split())}") from None
+        started_here = True
+    try:
+        yield ray
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _ray_completed(ray, refs: dict):
+    """Yield ``(key, result, None)`` or ``(key, None, exception)`` for each Ray task as it completes
+    (tasks added to ``refs`` meanwhile included)."""
+    while refs:
+        ready, _ = ray.wait(list(refs), num_returns=1)
+        for ref in ready:
+            key = refs.pop(ref)
+            try:
+                result, error = ray.get(ref), None
+            except Exception as exc:  # noqa: BLE001 - the caller decides what a failure means
+                result, error = None, exc
+            yield key, result, error
+
+
+def run_ray(tasks: list[list[RunConfig]], lease, finish, *, redo, address, max_retries, train_fn) -> None:
+    """Every task a Ray task (``max_retries`` for lost workers); an ensemble lost after its retries
+    runs its members one by one. Ray schedules everything at once, so everything is claimed at once."""
+    claimed = set(lease.claim([c.run_id() for task in tasks for c in task], statuses=redo, worker="ray"))
+    tasks = [t for t in ([c for c in task if c.run_id() in claimed] for task in tasks) if t]
+    if not tasks:
+        return
+    with _ray_session(address) as ray:
+        gpus = ray.cluster_resources().get("GPU", 0)
+        run_task = ray.remote(_ray_execute)
+        pack_task = ray.remote(_ray_execute_pack).options(max_retries=max_retries, retry_exceptions=False,
+                                                          num_cpus=1)
+
+        def submit_run(cfg: RunConfig):
+            want_gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and gpus > 0)
+            opts = {"num_gpus": 1, "num_cpus": 1} if want_gpu else {"num_cpus": 1}
+            return run_task.options(max_retries=max_retries, retry_exceptions=False, **opts).remote(
+                cfg.to_dict(), train_fn)
+
+        refs = {(pack_task.remote([c.to_dict() for c in t]) if len(t) > 1 else submit_run(t[0])): t for t in tasks}
+        for task, out, exc in _ray_completed(ray, refs):
+            if len(task) > 1:
+                if exc is not None:           # lost after retries: its runs go one by one
+                    refs.update({submit_run(c): [c] for c in task})
+                    continue
+                for cfg, member in zip(task, out):
+                    finish(cfg, member)
+                continue
+            if exc is not None:               # lost worker after retries, task error, ...
+                msg = " ".join(str(exc).split())
+                if len(msg) > 500:
+                    msg = msg[:500] + "..."
+                out = {"ok": False, "error": f"ray task failed after {max_retries} retries: "
+                                             f"{type(exc).__name__}: {msg}"}
+            finish(task[0], out)
+
+
+def _ray_execute(cfg_dict: dict, train_fn=None) -> dict:
+    import ray
+    try:
+        cpus = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)) or 1
+    except Exception:  # noqa: BLE001
+        cpus = 1
+    init_worker(max(1, cpus))
+    return execute(cfg_dict, train_fn)

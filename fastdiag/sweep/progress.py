@@ -1,0 +1,117 @@
+"""Progress on stderr, drawn by tqdm: a bar with rate and ETA on a terminal, nothing at all when the
+stream is not a terminal (logs, pipes, batch jobs), where a redrawn line is only noise.
+
+``RunProgress`` follows one run's epochs (it is the trainer's ``progress`` callback); ``Progress``
+follows a sweep's runs, counting the epochs of runs in flight as fractions of a run so that the ETA
+is there before the first run ends."""
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+BAR_FORMAT = "{desc}  {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}, {rate_fmt}]"     # desc: the status
+
+
+def is_terminal(stream) -> bool:
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def _fmt(value, spec=".3f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+class RunProgress:
+    """One run: call it with each trace row (``epoch``, accuracies, s̄, σ_H)."""
+
+    def __init__(self, epochs: int, stream=None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.bar = tqdm(total=epochs, desc="run", unit="epoch", file=self.stream, disable=not is_terminal(self.stream),
+                        dynamic_ncols=True, bar_format=BAR_FORMAT)
+        self.text = ""
+
+    def __call__(self, row: dict) -> None:
+        self.text = (f"epoch {row['epoch']}/{self.bar.total}  train {_fmt(row['train_acc'])}  "
+                     f"test {_fmt(row['test_acc'])}  s̄ {_fmt(row['s_bar'])}  σ_H {_fmt(row['sigma_h'])}")
+        self.bar.set_description_str(self.text, refresh=False)
+        self.bar.update(row["epoch"] - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class Progress:
+    """A sweep: runs done / total, failures, counts per regime so far and the runs in flight."""
+
+    def __init__(self, total: int, skipped: int = 0, stream=None, enabled: bool = True,
+                 regimes: dict | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.total, self.skipped = total, skipped
+        self.done_now = self.failed = 0
+        self.regimes = dict(regimes or {})
+        self.running: dict[str, tuple[int, int]] = {}    # run id -> (epoch, horizon) of runs in flight
+        self.bar = tqdm(total=total, initial=skipped, desc="sweep", unit="run", file=self.stream, smoothing=0,
+                        disable=not (enabled and is_terminal(self.stream)), dynamic_ncols=True,
+                        bar_format=BAR_FORMAT)
+
+    def reset_counts(self, total: int, skipped: int) -> None:
+        """The grid's size and the runs finished before this sweep started (known once it is registered)."""
+        self.total, self.skipped = total, skipped
+        self.bar.reset(total=total)
+        self.bar.initial = skipped
+        self.show()
+
+    def line(self) -> str:
+        """The status: runs done / total, failures, regimes so far, runs in flight."""
+        done = self.skipped + self.done_now + self.failed
+        parts = [f"sweep: {done}/{self.total} runs"]
+        if self.failed:
+            parts.append(f"{self.failed} failed")
+        regimes = " ".join(f"{r} {n}" for r, n in self.regimes.items() if n)
+        if regimes:
+            parts.append(regimes)
+        if self.running:
+            at = sorted(self.running.values(), key=lambda eh: eh[0] / eh[1])
+            if len(at) <= 2:
+                parts.append("running: epoch " + ", ".join(f"{e}/{h}" for e, h in at))
+            else:
+                e, h = at[len(at) // 2]
+                parts.append(f"{len(at)} running, median at {100 * e // h}% of their epochs")
+        return " | ".join(parts)
+
+    def epoch(self, run_id: str, epoch: int, epochs: int) -> None:
+        """A run in flight reached ``epoch`` of ``epochs``."""
+        self.running[run_id] = (epoch, epochs)
+        self.show()
+
+    def update(self, regime: str | None = None, failed: bool = False, force: bool = False,
+               run_id: str | None = None) -> None:
+        """A run finished (``regime``) or failed; ``force`` redraws at once."""
+        self.running.pop(run_id, None)
+        if failed:
+            self.failed += 1
+        else:
+            self.done_now += 1
+            if regime:
+                self.regimes[regime] = self.regimes.get(regime, 0) + 1
+        self.show(force=force)
+
+    def note(self, message: str) -> None:
+        """A line of its own above the bar (shown wherever the stream goes, terminal or log)."""
+        if self.enabled:
+            self.bar.write(message, file=self.stream)
+
+    def show(self, force: bool = False) -> None:
+        # Runs in flight count as the fraction of their epochs done, so the rate and the ETA move
+        # before the first run of a long sweep finishes.
+        in_flight = sum(e / h for e, h in self.running.values())
+        self.bar.n = self.skipped + self.done_now + self.failed + in_flight
+        self.bar.set_description_str(self.line(), refresh=False)
+        if force:
+            self.bar.refresh()
+        else:
+            self.bar.update(0)          # redraws at most every mininterval
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,117 @@
+"""Running a sweep into a result store.
+
+``run_sweep`` registers the grid (`fastdiag.sweep.grid`) in a ``Store``, skips finished runs and
+executes the rest on a backend (`fastdiag.sweep.backends`):
+
+* ``local``: ``workers`` spawned processes with ``threads`` torch threads each (workers × threads ≤
+  cores, `fastdiag.sweep.plan`); ``workers = 1`` runs in the calling process. A worker that dies costs
+  only the run it held (retried up to ``max_retries`` times); the others go on.
+* ``ray``: each run a Ray task (``num_gpus=1`` for CUDA runs, else ``num_cpus=1``) with ``max_retries``
+  so a run on a lost worker is retried; results are written by the driver as tasks finish.
+
+Either way only driver processes write the store; a finished run's result and trace land in one
+transaction, so rerunning after a crash redoes only unfinished runs and never duplicates one. Each
+run is claimed in the store right before it starts (`fastdiag.store.Lease`), so concurrent sweeps on
+one store share the grid. A run whose trainer raises is recorded ``failed`` with its error; the
+sweep goes on. An interrupt of the driver (SIGINT, SIGTERM) stores what finished, stops the workers
+and propagates.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.ensemble_train import describe_packs, pack_runs
+from fastdiag.store import Lease, Store
+from fastdiag.sweep.backends import run_local, run_ray
+from fastdiag.sweep.progress import Progress
+
+BACKENDS = ("local", "ray")
+
+
+@dataclass
+class SweepSummary:
+    total: int = 0                 # runs in this (shard of the) grid
+    skipped: int = 0               # already done before this invocation
+    done: int = 0                  # finished in this invocation
+    failed: int = 0                # failed in this invocation (after retries)
+    regimes: dict = field(default_factory=dict)
+    failures: list = field(default_factory=list)   # (run_id, error)
+    elsewhere: int = 0             # unfinished, held by another live sweep on the same store
+    wall_seconds: float = 0.0
+
+
+def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "local",
+              workers: int | None = None, threads: int | None = None, address: str | None = None,
+              max_retries: int = 2, retry_failed: bool = True, ensemble: int | None = 1,
+              train_fn: Callable | None = None, progress: bool | Progress = True) -> SweepSummary:
+    """Register ``configs`` in ``store`` and run those not finished yet. Returns a SweepSummary.
+
+    ``ensemble`` > 1 trains compatible runs (same everything but seed and λ, an architecture that
+    vectorises) as vectorised ensembles of up to that many members (`fastdiag.grokking.ensemble_train`; None: the
+    size `default_ensemble_size` picks per group); the others, and the members of an ensemble whose
+    worker died, run one by one as usual.
+
+    Each run is claimed in the store (`Lease`) right before it starts, so sweeps running at the same
+    time on one store share the grid; runs a live sweep holds are left to it (``summary.elsewhere``).
+    An interrupt (KeyboardInterrupt, SystemExit) stops the workers, keeps every finished run and
+    frees the claims of the unfinished ones, then propagates."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if max_retries < 0:
+        raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
+    started = time.time()
+    by_id = {c.run_id(): c for c in configs}
+    store.add_runs(by_id.values())
+    status = store.status_of(by_id)
+    redo = ("pending", "running", "failed") if retry_failed else ("pending", "running")
+    todo = [by_id[rid] for rid in sorted(by_id) if status.get(rid) in redo]
+    summary = SweepSummary(total=len(by_id), skipped=len(by_id) - len(todo))
+    regimes_so_far: dict = {}
+    for run in store.runs("done"):
+        if run["run_id"] in by_id and run["result"]:
+            r = run["result"].get("regime")
+            regimes_so_far[r] = regimes_so_far.get(r, 0) + 1
+    if isinstance(progress, Progress):
+        bar = progress
+    else:
+        bar = Progress(summary.total, summary.skipped, enabled=bool(progress), regimes=regimes_so_far)
+    bar.reset_counts(summary.total, summary.skipped)
+
+    def finish(cfg: RunConfig, out: dict) -> None:
+        rid = cfg.run_id()
+        if out.get("ok"):
+            store.record_done(rid, out["result"], out["trace"], started_at=out.get("started"),
+                              finished_at=out.get("finished"), worker=out.get("worker"))
+            regime = out["result"].get("regime")
+            summary.done += 1
+            summary.regimes[regime] = summary.regimes.get(regime, 0) + 1
+            bar.update(regime, run_id=rid)
+        else:
+            store.record_failed(rid, out["error"])
+            summary.failed += 1
+            summary.failures.append((rid, out["error"]))
+            bar.update(failed=True, run_id=rid)
+
+    with Lease(store) as lease:
+        try:
+            tasks = [[c] for c in todo]
+            if todo and ensemble != 1 and train_fn is None:
+                tasks = pack_runs(todo, ensemble)
+                for line in describe_packs(tasks):
+                    bar.note(line)
+            if backend == "ray":
+                run_ray(tasks, lease, finish, redo=redo, address=address, max_retries=max_retries,
+                         train_fn=train_fn)
+            else:
+                run_local(tasks, lease, finish, redo=redo, workers=workers, threads=threads,
+                           max_retries=max_retries, train_fn=train_fn, report=bar.epoch)
+            unfinished = [rid for rid, st in store.status_of(by_id).items() if st in redo]
+            summary.elsewhere = len(lease.held_elsewhere(unfinished))
+        finally:
+            bar.show(force=True)
+            bar.close()
+    summary.wall_seconds = time.time() - started
+    return summary
