@@ -232,13 +232,22 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
     gram, entropy = torch.zeros(n, h, h, **f64), torch.zeros(n * h, **f64)
     invalid = torch.zeros(n, dtype=torch.float32, device=device)
     if grams:
-        owner = _expand(gram_first, gram_count, device)
-        gram.index_add_(0, owner, torch.cat(grams).double())
-        invalid.index_add_(0, owner, (~torch.cat(in_range)).float())
         keys_n = counts[:done].double().clamp_min_(1)
         row_entropy = (excess[:done].double() / keys_n).add_(1).mul_(keys_n.log_()).sub_(kl[:done])
-        lengths = torch.tensor(seg_rows, dtype=torch.long, device=device).repeat_interleave(
-            torch.tensor(seg_count, dtype=torch.long, device=device))
-        entropy.index_add_(0, _expand(seg_first, seg_count, device), _segment_sums(row_entropy, lengths))
+        if len(set(seg_rows)) == 1:                                     # e.g. one chunk (grokking)
+            seg_entropy = row_entropy.view(-1, seg_rows[0]).sum(-1)
+        else:
+            lengths = torch.tensor(seg_rows, dtype=torch.long, device=device).repeat_interleave(
+                torch.tensor(seg_count, dtype=torch.long, device=device))
+            seg_entropy = _segment_sums(row_entropy, lengths)
+        if len(grams) == 1:                                             # one chunk: problems 0..N-1 in order
+            gram += grams[0]
+            invalid += ~in_range[0]
+            entropy += seg_entropy
+        else:
+            owner = _expand(gram_first, gram_count, device)
+            gram.index_add_(0, owner, torch.cat(grams).double())
+            invalid.index_add_(0, owner, (~torch.cat(in_range)).float())
+            entropy.index_add_(0, _expand(seg_first, seg_count, device), seg_entropy)
     rows = valid.sum(dim=(1, 2)).to(torch.float32)
     return gram.float(), entropy.view(n, h), rows, (invalid > 0).to(torch.float32)
