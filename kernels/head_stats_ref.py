@@ -53,9 +53,9 @@ def head_stats_ref(probs: torch.Tensor, query_mask: torch.Tensor | None = None,
 # Elements per chunk: a chunk and its two work buffers stay in the core's L2/L3 cache (CPU). On a GPU
 # (the torch backend there is a fallback) one chunk is the whole problem.
 _CHUNK_ELEMENTS = {"cpu": 1 << 18}
-# log(n p) is taken as log1p(z), z = n p − 1 (the faster of torch's two logs here, exact at n p ≈ 1).
-# z rounds to −1 for n p < 2⁻²⁵; the floor keeps log1p finite there, and moves such a term
-# p·log(n p) by at most 2⁻²⁴/(e·n), the size of the rounding of z itself.
+# log(n p) is taken as log1p(n p − 1) (the faster of torch's two logs here, exact at n p ≈ 1).
+# n p − 1 rounds to −1 for n p < 2⁻²⁵; the floor keeps log1p finite there, and moves such a term
+# p·log(n p) by at most 2⁻²⁴/(e·n), the size of the rounding of n p − 1 itself.
 _Z_FLOOR = -1 + 2.0 ** -24
 _SHORT_ROW_KEYS = 16   # rows this short are laid out keys-major
 
@@ -174,8 +174,8 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
     read), so causal P takes the same path, and gives the same numbers, with and without the hint.
 
     Per chunk, for rows of ``n`` non-zero keys (all ``K`` when the chunk holds no zero), in float32:
-    ``z = n p − 1`` on the non-zero keys (0 elsewhere), ``e = Σ z`` and ``kl = Σ p log1p(z)``; then
-    in float64 ``h = log n · (1 + e / n) − kl`` (see the module docstring)."""
+    ``z = p − 1/n`` on the non-zero keys (0 elsewhere), ``e = Σ z`` and ``kl = Σ p log1p(n z)``;
+    then in float64 ``h = log n · (1 + e) − kl`` (see the module docstring)."""
     n, b, h, tq, tk = probs.shape
     device = probs.device
     valid = _valid_rows(probs, query_mask)
@@ -214,14 +214,20 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
         in_range.append((lo >= 0) & (hi <= 1))
         x2, z = c.matrix, c.like(z_buf)
         out = slice(done, done + c.rows)
+        # z = p − 1/n is exact (Sterbenz) on the non-zero keys, so Σ z = Σp − 1 keeps every digit, and
+        # n z = n p − 1 is exact to float32 rounding of a small number: log1p(n z) = log(n p).
         if lo.min().item() > 0:                                         # no zero: every row has K keys
             counts[out].fill_(c.k)
-            torch.add(minus_one, x2, alpha=c.k, out=z)
+            torch.sub(x2, 1.0 / c.k, out=z)
+            c.row_sums(z, ones, excess[out])
+            z.mul_(c.k)
         else:
             nonzero = torch.sign(x2, out=c.like(sign_buf))
             c.row_sums(nonzero, ones, counts[out])
-            torch.mul(x2, c.per_row(counts[out]), out=z).sub_(nonzero)
-        c.row_sums(z, ones, excess[out])                                # Σ (n p − 1): small terms
+            keys_n = c.per_row(counts[out]).clamp_min(1)                # rows without keys: z = 0
+            torch.sub(x2, nonzero.div_(keys_n), out=z)
+            c.row_sums(z, ones, excess[out])
+            z.mul_(keys_n)
         z.clamp_min_(_Z_FLOOR).log1p_().mul_(x2)                        # p log(n p), 0 where p = 0
         c.row_sums(z, ones, kl[out])                                    # Σ p log(n p): small terms
         seg_first.append(problems.start * h)
@@ -233,7 +239,7 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
     invalid = torch.zeros(n, dtype=torch.float32, device=device)
     if grams:
         keys_n = counts[:done].double().clamp_min_(1)
-        row_entropy = (excess[:done].double() / keys_n).add_(1).mul_(keys_n.log_()).sub_(kl[:done])
+        row_entropy = excess[:done].double().add_(1).mul_(keys_n.log_()).sub_(kl[:done])
         if len(set(seg_rows)) == 1:                                     # e.g. one chunk (grokking)
             seg_entropy = row_entropy.view(-1, seg_rows[0]).sum(-1)
         else:
