@@ -124,7 +124,7 @@ def _expand(first: list[int], count: list[int], device) -> torch.Tensor:
     first_t = torch.tensor(first, dtype=torch.long, device=device)
     count_t = torch.tensor(count, dtype=torch.long, device=device)
     start = count_t.cumsum(0) - count_t
-    return torch.repeat_interleave(first_t - start, count_t) + torch.arange(int(count_t.sum()), device=device)
+    return torch.repeat_interleave(first_t - start, count_t) + torch.arange(sum(count), device=device)
 
 
 def _segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -197,7 +197,8 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
         problems, batch, r0, rows = queue.pop()
         keys = max(0, min(tk, r0 + rows + offset))                      # the last row's visible keys
         x = probs[problems, batch, :, r0:r0 + rows]                     # [P, G, H, R, Tk]
-        if keys < tk and not causal and not _zero(x[..., keys:]):
+        # Under torch.compile (attach) no data-dependent branch: every key is read.
+        if keys < tk and not causal and (torch.compiler.is_compiling() or not _zero(x[..., keys:])):
             dense_rows = _chunk_rows(budget, h, r0, tq, tk, offset, causal=False)
             if dense_rows < rows:                                       # sized for causal rows: too large
                 queue += [(problems, batch, r0 + dense_rows, rows - dense_rows), (problems, batch, r0, dense_rows)]
@@ -216,7 +217,7 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
         out = slice(done, done + c.rows)
         # z = p − 1/n is exact (Sterbenz) on the non-zero keys, so Σ z = Σp − 1 keeps every digit, and
         # n z = n p − 1 is exact to float32 rounding of a small number: log1p(n z) = log(n p).
-        if lo.min().item() > 0:                                         # no zero: every row has K keys
+        if not torch.compiler.is_compiling() and lo.min().item() > 0:   # no zero: every row has K keys
             counts[out].fill_(c.k)
             torch.sub(x2, 1.0 / c.k, out=z)
             c.row_sums(z, ones, excess[out])
