@@ -150,7 +150,10 @@ class _Chunk:
             data.copy_(x.permute(order))
         else:                                                          # where, not multiply: padded rows may hold NaN
             keep = keep[:, :, None, :, None].expand(p, g, 1, r, 1).permute(order)
-            torch.where(keep, x.permute(order), zero, out=data)
+            if torch.compiler.is_compiling():                          # inductor rejects where(out=) on this view
+                data.copy_(torch.where(keep, x.permute(order), zero))
+            else:
+                torch.where(keep, x.permute(order), zero, out=data)
         self.flat = data.view(p, -1)
         self.matrix = data.view(p * h, k, g * r) if self.keys_major else data.view(-1, k)
 
