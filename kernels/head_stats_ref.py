@@ -76,7 +76,9 @@ _LINEAR = _fast_fp32_gram()
 
 def _gram(heads: torch.Tensor) -> torch.Tensor:
     """``heads [P, H, M]`` contiguous -> Gram ``[P, H, H]`` in the input dtype."""
-    if heads.shape[0] == 1 and heads.dtype == torch.float32 and heads.device.type == "cpu" and _LINEAR is not None:
+    # inductor cannot lower the oneDNN op: compiled graphs take bmm
+    if (heads.shape[0] == 1 and heads.dtype == torch.float32 and heads.device.type == "cpu" and _LINEAR is not None
+            and not torch.compiler.is_compiling()):
         return _LINEAR(heads[0], heads[0], None, "none", [], "")[None]
     return torch.bmm(heads, heads.transpose(1, 2))
 
