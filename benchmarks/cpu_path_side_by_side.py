@@ -1,10 +1,14 @@
 """The CPU path against its previous version and torch.compile of the reference, side by side.
 
-    python benchmarks/cpu_path_side_by_side.py SHAPE [REPEATS] [THREADS] [DTYPE] [OLD_COMMIT]
+    python benchmarks/cpu_path_side_by_side.py SHAPE [REPEATS] [THREADS] [DTYPE] [OLD_COMMIT] [INPUT]
 
 One process; per repeat, in this order: `head_stats_torch` as of OLD_COMMIT (read with `git show`),
-the current chunked pass, the current pass with ``causal=True``, and `torch.compile` of the float32
-reference. Prints medians and the median of the per-repeat ratios (issue 14)."""
+the current chunked pass, the current pass with ``causal=True`` (causal input only), and
+`torch.compile` of the float32 reference. INPUT is ``causal`` (the benchmark's P, as in `fastdiag
+bench`) or ``dense`` (no zero key: nothing to skip). Each sample repeats a call until it has run
+≥ 50 ms (grokking calls take ~1 ms). Prints, per method, the median wall time and the median CPU time
+of this process (on a machine shared with other jobs, CPU time is the steadier of the two), then the
+median over repeats of the per-repeat ratios, by CPU time and (in brackets) by wall time (issue 14)."""
 import statistics
 import subprocess
 import sys
@@ -28,30 +32,48 @@ def old_module(commit: str) -> types.ModuleType:
     return module
 
 
-def main(shape="gpt2-small", repeats="5", threads="1", dtype="float32", commit="0d19b91"):
+def sample(fn, calls: int) -> tuple[float, float]:
+    """(wall ms, CPU ms) per call, over ``calls`` back-to-back calls."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - w0) * 1e3 / calls, (time.process_time() - c0) * 1e3 / calls
+
+
+def main(shape="gpt2-small", repeats="5", threads="1", dtype="float32", commit="0d19b91", data="causal"):
+    if data not in ("causal", "dense"):
+        raise SystemExit(f"INPUT: expected causal or dense, got {data!r}")
     torch.set_num_threads(int(threads))
     old = old_module(commit)
     n, b, h, t = KERNEL_SHAPES[shape]
-    p = random_probs((n, b, h, t, t), seed=0, dtype=getattr(torch, dtype))
+    p = random_probs((n, b, h, t, t), seed=0, dtype=getattr(torch, dtype), causal=data == "causal")
     compiled = torch.compile(lambda x: head_stats_ref(x, None, acc_dtype=torch.float32))
-    fns = {"old": lambda: old.head_stats_torch(p), "new": lambda: head_stats_torch(p),
-           "new+causal": lambda: head_stats_torch(p, causal=True), "compiled-ref": lambda: compiled(p)}
-    for f in fns.values():
+    fns = {"old": lambda: old.head_stats_torch(p), "new": lambda: head_stats_torch(p)}
+    if data == "causal":
+        fns["new+causal"] = lambda: head_stats_torch(p, causal=True)
+    fns["compiled-ref"] = lambda: compiled(p)
+    calls = {}
+    for k, f in fns.items():
         f()
-    ts = {k: [] for k in fns}
+        calls[k] = max(1, int(50 / max(sample(f, 1)[0], 1e-3)))
+    wall = {k: [] for k in fns}
+    cpu = {k: [] for k in fns}
     for _ in range(int(repeats)):
         for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            ts[k].append((time.perf_counter() - t0) * 1e3)
+            w, c = sample(f, calls[k])
+            wall[k].append(w)
+            cpu[k].append(c)
 
-    def ratio(a, c):
-        return statistics.median(x / y for x, y in zip(ts[a], ts[c]))
+    def ratio(times, a, c):
+        return statistics.median(x / y for x, y in zip(times[a], times[c]))
 
-    print(f"{shape} {dtype} threads={threads} repeats={repeats} median ms: "
-          + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in ts.items())
-          + f" | old/new {ratio('old', 'new'):.2f}, old/new+causal {ratio('old', 'new+causal'):.2f}, "
-            f"compiled/new {ratio('compiled-ref', 'new'):.2f}")
+    pairs = [("old", "new")] + ([("old", "new+causal")] if "new+causal" in fns else []) + [("compiled-ref", "new")]
+    if "new+causal" in fns:
+        pairs.append(("compiled-ref", "new+causal"))
+    print(f"{shape} {dtype} {data} threads={threads} repeats={repeats} median wall / CPU ms: "
+          + ", ".join(f"{k} {statistics.median(wall[k]):.2f} / {statistics.median(cpu[k]):.2f}" for k in fns)
+          + " | CPU-time ratios (wall): "
+          + ", ".join(f"{a}/{c} {ratio(cpu, a, c):.2f} ({ratio(wall, a, c):.2f})" for a, c in pairs))
 
 
 if __name__ == "__main__":

@@ -50,88 +50,216 @@ def head_stats_ref(probs: torch.Tensor, query_mask: torch.Tensor | None = None,
     return gram, entropy_sum, rows, invalid
 
 
-# Rows per chunk: about this many elements, so a chunk's passes run from the L2 cache (CPU). On a
-# GPU (the torch backend there is a fallback) one chunk is the whole problem.
+# Elements per chunk: a chunk and its two work buffers stay in the core's L2/L3 cache (CPU). On a GPU
+# (the torch backend there is a fallback) one chunk is the whole problem.
 _CHUNK_ELEMENTS = {"cpu": 1 << 18}
-_TINY = 1e-30   # log(n p + tiny): finite at p = 0, where the term is 0 · finite = 0
-_SHORT_ROW_KEYS = 32
+# log(n p) is taken as log1p(n p − 1) (the faster of torch's two logs here, exact at n p ≈ 1).
+# n p − 1 rounds to −1 for n p < 2⁻²⁵; the floor keeps log1p finite there, and moves such a term
+# p·log(n p) by at most 2⁻²⁴/(e·n), the size of the rounding of n p − 1 itself.
+_Z_FLOOR = -1 + 2.0 ** -24
+_SHORT_ROW_KEYS = 16   # rows this short are laid out keys-major
 
 
-def _chunk_sums(x: torch.Tensor, keep: torch.Tensor | None, xb: torch.Tensor, wb: torch.Tensor):
-    """Sums of one chunk ``x [P, G, H, R, K]`` (P problems, G groups of R rows each): Gram [P, H, H]
-    (float32), entropy [P, H] (float64), min and max [P]. ``keep [P, G, R]``: valid rows; the others
-    are zeroed (they may hold NaN). ``xb``, ``wb``: reusable buffers of at least x's size (fresh large
-    allocations page-fault on every chunk)."""
-    p, _, h = x.shape[:3]
-    wb = wb[:x.numel()].view(x.shape)
-    if keep is None and x.dtype == xb.dtype:
-        xb = x                                                         # read in place
-    else:
-        xb = xb[:x.numel()].view(x.shape).copy_(x)
-        if keep is not None:
-            xb.masked_fill_(~keep[:, :, None, :, None], 0.0)           # not multiply: padded rows may hold NaN
-    heads = xb.transpose(1, 2).reshape(p, h, -1)                       # a view when G = 1
-    gram = torch.bmm(heads, heads.transpose(1, 2))
-    lo, hi = torch.stack([torch.stack(torch.aminmax(xb[i])) for i in range(p)]).unbind(1)   # NaN propagates
-    # Per-row reference: n = the row's non-zero keys (masked keys are exact zeros after softmax).
-    if x.shape[-1] <= _SHORT_ROW_KEYS:
-        # Short rows (grokking: T = 3): float64 costs little here and needs no per-row reference.
-        x64 = xb.double()
-        plogp = x64.clamp_min(_TINY).log_().mul_(x64)                      # p log p, 0 at p = 0
-        return gram, -plogp.transpose(1, 2).reshape(p, h, -1).sum(-1), lo, hi
-    ones = torch.ones(x.shape[-1], dtype=xb.dtype, device=xb.device)   # row sums as matvecs: fast for any K
-    nonzero = torch.sign(xb, out=wb)
-    keys = (nonzero @ ones).unsqueeze(-1)                              # [P, G, H, R, 1]
-    # Σp − 1 = Σ (p − 1/n) over the non-zero keys: small terms, exact enough in float32
-    inv = keys.clamp_min(1).reciprocal()
-    excess = torch.sub(xb, nonzero.mul_(inv), out=wb) @ ones              # (broadcast addcmul is slow)
-    log_np = torch.mul(xb, keys, out=wb).add_(_TINY).log_()
-    kl = log_np.mul_(xb) @ ones                                        # Σ p log(n p), small
-    c = keys.squeeze(-1).clamp_min(1).double().log()
-    entropy = (c * (1 + excess.double()) - kl.double()).sum((1, 3))    # [P, H]
-    return gram, entropy, lo, hi
+def _fast_fp32_gram():
+    """oneDNN's inner product computes the H×H Gram of a contiguous float32 ``[H, M]`` chunk about
+    twice as fast as MKL's sgemm does for this tall-skinny shape (float32 products and sums either
+    way). It is private to torch (inductor's), so `torch.bmm` stands in where it is missing."""
+    try:
+        op = torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+    return op if torch.backends.mkldnn.is_available() else None
 
 
-def _chunks(n: int, b: int, tq: int, chunk_rows: int):
-    """(problems, batch entries, query rows) slices covering ``[N, B, Tq]`` in cache-sized chunks:
-    several whole problems, several whole batch entries of one problem, or rows of one entry."""
-    if chunk_rows >= b * tq:                                            # grokking: T = 3
-        step = chunk_rows // (b * tq)
-        return [(slice(i, i + step), slice(0, b), slice(0, tq)) for i in range(0, n, step)]
-    if chunk_rows >= tq:
-        step = chunk_rows // tq
-        return [(slice(i, i + 1), slice(j, j + step), slice(0, tq)) for i in range(n) for j in range(0, b, step)]
-    return [(slice(i, i + 1), slice(j, j + 1), slice(q0, q0 + chunk_rows))
-            for i in range(n) for j in range(b) for q0 in range(0, tq, chunk_rows)]
+_LINEAR = _fast_fp32_gram()
+
+
+def _gram(heads: torch.Tensor) -> torch.Tensor:
+    """``heads [P, H, M]`` contiguous -> Gram ``[P, H, H]`` in the input dtype."""
+    # inductor cannot lower the oneDNN op: compiled graphs take bmm
+    if (heads.shape[0] == 1 and heads.dtype == torch.float32 and heads.device.type == "cpu" and _LINEAR is not None
+            and not torch.compiler.is_compiling()):
+        return _LINEAR(heads[0], heads[0], None, "none", [], "")[None]
+    return torch.bmm(heads, heads.transpose(1, 2))
+
+
+def _chunk_rows(budget: int, h: int, r0: int, tq: int, tk: int, offset: int, causal: bool) -> int:
+    """Rows from ``r0`` whose keys fill about ``budget`` elements; with causal rows only the keys up to
+    the chunk's last row count, so early rows come in larger chunks."""
+    rows = max(1, budget // (h * tk))
+    if causal:
+        a = max(0, r0 + offset)        # keys of rows r0..r0+R-1 are at most a + R
+        rows = max(rows, int((math.sqrt(a * a + 4 * budget / h) - a) / 2))
+    return min(rows, tq - r0)
+
+
+def _plan(n: int, b: int, h: int, tq: int, tk: int, budget: int, causal: bool):
+    """(problems, batch entries, first row, row count) chunks covering ``[N, B, Tq]``: several whole
+    problems, several whole batch entries of one problem, or rows of one entry."""
+    per_problem = b * tq * h * tk
+    if per_problem <= budget:                                          # grokking: T = 3
+        step = budget // per_problem
+        return [(slice(i, min(n, i + step)), slice(0, b), 0, tq) for i in range(0, n, step)]
+    if tq * h * tk <= budget:
+        step = budget // (tq * h * tk)
+        return [(slice(i, i + 1), slice(j, min(b, j + step)), 0, tq) for i in range(n) for j in range(0, b, step)]
+    offset, plan = causal_keys(tq, tk), []
+    r0 = 0
+    while r0 < tq:
+        rows = _chunk_rows(budget, h, r0, tq, tk, offset, causal)
+        plan.extend((slice(i, i + 1), slice(j, j + 1), r0, rows) for i in range(n) for j in range(b))
+        r0 += rows
+    return plan
+
+
+def _zero(region: torch.Tensor) -> bool:
+    """Every entry exactly 0 (NaN and ±inf are not; -0.0 is)."""
+    if region.numel() == 0:
+        return True
+    if region[(0,) * region.dim()].item() != 0:                          # dense rows fail here at once
+        return False
+    return torch.amax(region).item() == 0 and torch.amin(region).item() == 0
+
+
+def _expand(first: list[int], count: list[int], device) -> torch.Tensor:
+    """``[first_i, first_i + 1, ..., first_i + count_i - 1 for each i]`` as one tensor."""
+    first_t = torch.tensor(first, dtype=torch.long, device=device)
+    count_t = torch.tensor(count, dtype=torch.long, device=device)
+    start = count_t.cumsum(0) - count_t
+    return torch.repeat_interleave(first_t - start, count_t) + torch.arange(sum(count), device=device)
+
+
+def _segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sums of consecutive runs of ``values`` (float64) of these ``lengths``."""
+    totals = torch.cat([values.new_zeros(1), values.cumsum(0)])
+    ends = lengths.cumsum(0)
+    return totals[ends] - totals[ends - lengths]
+
+
+class _Chunk:
+    """One chunk's entries ``[P, H, ...]`` in a reusable float32 buffer, head-major (fresh large
+    allocations page-fault on every chunk), with its rows as a matrix: ``[rows, K]`` for long rows;
+    for short rows (grokking: T = 3) keys-major ``[P·H, K, rows]``, so that the per-row sums and
+    broadcasts run along contiguous memory instead of K-element rows."""
+
+    def __init__(self, x: torch.Tensor, keep: torch.Tensor | None, buffer: torch.Tensor, zero: torch.Tensor):
+        p, g, h, r, k = x.shape                                         # x: [P, G, H, R, K]
+        self.p, self.h, self.k, self.rows = p, h, k, p * h * g * r
+        self.keys_major = k < _SHORT_ROW_KEYS
+        order = (0, 2, 4, 1, 3) if self.keys_major else (0, 2, 1, 3, 4)
+        data = buffer[:x.numel()].view([x.shape[i] for i in order])
+        if keep is None:
+            data.copy_(x.permute(order))
+        else:                                                          # where, not multiply: padded rows may hold NaN
+            keep = keep[:, :, None, :, None].expand(p, g, 1, r, 1).permute(order)
+            if torch.compiler.is_compiling():                          # inductor rejects where(out=) on this view
+                data.copy_(torch.where(keep, x.permute(order), zero))
+            else:
+                torch.where(keep, x.permute(order), zero, out=data)
+        self.flat = data.view(p, -1)
+        self.matrix = data.view(p * h, k, g * r) if self.keys_major else data.view(-1, k)
+
+    def like(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[:self.matrix.numel()].view(self.matrix.shape)
+
+    def row_sums(self, t: torch.Tensor, ones: torch.Tensor, out: torch.Tensor) -> None:
+        if self.keys_major:
+            torch.sum(t, dim=1, out=out.view(self.p * self.h, -1))
+        else:
+            torch.mv(t, ones[:self.k], out=out)
+
+    def per_row(self, v: torch.Tensor) -> torch.Tensor:
+        return v.view(self.p * self.h, 1, -1) if self.keys_major else v.view(-1, 1)
 
 
 def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None, causal: bool = False):
-    """Fast path: one chunked pass (rows that fit the cache: Gram, entropy and range check), float64
-    final sums. ``causal``: keys after the causal diagonal are zero and are not read."""
+    """Fast path: one chunked pass over P (cache-sized chunks: Gram, range check, entropy), float64
+    final sums. ``causal``: keys after the causal diagonal are zero and are not read. Without the hint
+    a chunk's keys after its last row's diagonal are skipped too when they are all exactly zero (one
+    read), so causal P takes the same path, and gives the same numbers, with and without the hint.
+
+    Per chunk, for rows of ``n`` non-zero keys (all ``K`` when the chunk holds no zero), in float32:
+    ``z = p − 1/n`` on the non-zero keys (0 elsewhere), ``e = Σ z`` and ``kl = Σ p log1p(n z)``;
+    then in float64 ``h = log n · (1 + e) − kl`` (see the module docstring)."""
     n, b, h, tq, tk = probs.shape
     device = probs.device
     valid = _valid_rows(probs, query_mask)
-    budget = _CHUNK_ELEMENTS.get(device.type, probs.numel())
-    chunk_rows = max(1, budget // (h * tk))
-    offset = causal_keys(tq, tk)
     work_dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
-    work = [torch.empty(min(probs.numel(), max(chunk_rows, b * tq) * h * tk), dtype=work_dtype, device=device)
-            for _ in range(2)]
+    budget = _CHUNK_ELEMENTS.get(device.type, probs.numel())
+    offset = causal_keys(tq, tk)
+    work = dict(dtype=work_dtype, device=device)
+    capacity = min(probs.numel(), max(budget, h * tk))                # one row may exceed the budget
+    data_buf, z_buf, sign_buf = (torch.empty(capacity, **work) for _ in range(3))
+    ones = torch.ones(tk, **work)
+    minus_one = torch.full((), -1.0, **work)
+    zero = torch.zeros(1, **work)                                        # 1-d: where() then promotes bf16 to float32
+    counts, excess, kl = (torch.empty(n * b * h * tq, **work) for _ in range(3))
+    grams, gram_first, gram_count, in_range = [], [], [], []
+    seg_first, seg_count, seg_rows = [], [], []
+    done = 0
+    queue = list(reversed(_plan(n, b, h, tq, tk, budget, causal=True)))   # dense rows are re-split below
+    while queue:
+        problems, batch, r0, rows = queue.pop()
+        keys = max(0, min(tk, r0 + rows + offset))                      # the last row's visible keys
+        x = probs[problems, batch, :, r0:r0 + rows]                     # [P, G, H, R, Tk]
+        # Under torch.compile (attach) no data-dependent branch: every key is read.
+        if keys < tk and not causal and (torch.compiler.is_compiling() or not _zero(x[..., keys:])):
+            dense_rows = _chunk_rows(budget, h, r0, tq, tk, offset, causal=False)
+            if dense_rows < rows:                                       # sized for causal rows: too large
+                queue += [(problems, batch, r0 + dense_rows, rows - dense_rows), (problems, batch, r0, dense_rows)]
+                continue
+            keys = tk
+        if keys == 0:
+            continue                                                    # rows that see no key
+        keep = None if query_mask is None else valid[problems, batch, r0:r0 + rows]
+        c = _Chunk(x[..., :keys], keep, data_buf, zero)
+        grams.append(_gram(c.flat.view(c.p, h, -1)))
+        gram_first.append(problems.start)
+        gram_count.append(c.p)
+        lo, hi = torch.amin(c.flat, dim=1), torch.amax(c.flat, dim=1)  # NaN propagates
+        in_range.append((lo >= 0) & (hi <= 1))
+        x2, z = c.matrix, c.like(z_buf)
+        out = slice(done, done + c.rows)
+        # z = p − 1/n is exact (Sterbenz) on the non-zero keys, so Σ z = Σp − 1 keeps every digit, and
+        # n z = n p − 1 is exact to float32 rounding of a small number: log1p(n z) = log(n p).
+        if not torch.compiler.is_compiling() and lo.min().item() > 0:   # no zero: every row has K keys
+            counts[out].fill_(c.k)
+            torch.sub(x2, 1.0 / c.k, out=z)
+            c.row_sums(z, ones, excess[out])
+            z.mul_(c.k)
+        else:
+            nonzero = torch.sign(x2, out=c.like(sign_buf))
+            c.row_sums(nonzero, ones, counts[out])
+            keys_n = c.per_row(counts[out]).clamp_min(1)                # rows without keys: z = 0
+            torch.sub(x2, nonzero.div_(keys_n), out=z)
+            c.row_sums(z, ones, excess[out])
+            z.mul_(keys_n)
+        z.clamp_min_(_Z_FLOOR).log1p_().mul_(x2)                        # p log(n p), 0 where p = 0
+        c.row_sums(z, ones, kl[out])                                    # Σ p log(n p): small terms
+        seg_first.append(problems.start * h)
+        seg_count.append(c.p * h)
+        seg_rows.append(c.rows // (c.p * h))
+        done += c.rows
     f64 = dict(dtype=torch.float64, device=device)
-    gram, entropy = torch.zeros(n, h, h, **f64), torch.zeros(n, h, **f64)
-    lo, hi = torch.full((n,), math.inf, **f64), torch.full((n,), -math.inf, **f64)
-    for problems, batch, rows in _chunks(n, b, tq, chunk_rows):
-        keys = tk
-        if causal:
-            keys = max(0, min(tk, min(rows.stop, tq) + offset))           # the last row's visible keys
-            if keys == 0:
-                continue                                                # rows that see no key
-        keep = None if query_mask is None else valid[problems, batch, rows]
-        g, e, c_lo, c_hi = _chunk_sums(probs[problems, batch, :, rows, :keys], keep, *work)
-        gram[problems] += g
-        entropy[problems] += e
-        lo[problems] = torch.minimum(lo[problems], c_lo)
-        hi[problems] = torch.maximum(hi[problems], c_hi)
-    invalid = (~((lo >= 0) & (hi <= 1))).to(torch.float32)             # NaN fails both
+    gram, entropy = torch.zeros(n, h, h, **f64), torch.zeros(n * h, **f64)
+    invalid = torch.zeros(n, dtype=torch.float32, device=device)
+    if grams:
+        keys_n = counts[:done].double().clamp_min_(1)
+        row_entropy = excess[:done].double().add_(1).mul_(keys_n.log_()).sub_(kl[:done])
+        if len(set(seg_rows)) == 1:                                     # e.g. one chunk (grokking)
+            seg_entropy = row_entropy.view(-1, seg_rows[0]).sum(-1)
+        else:
+            lengths = torch.tensor(seg_rows, dtype=torch.long, device=device).repeat_interleave(
+                torch.tensor(seg_count, dtype=torch.long, device=device))
+            seg_entropy = _segment_sums(row_entropy, lengths)
+        if len(grams) == 1:                                             # one chunk: problems 0..N-1 in order
+            gram += grams[0]
+            invalid += ~in_range[0]
+            entropy += seg_entropy
+        else:
+            owner = _expand(gram_first, gram_count, device)
+            gram.index_add_(0, owner, torch.cat(grams).double())
+            invalid.index_add_(0, owner, (~torch.cat(in_range)).float())
+            entropy.index_add_(0, _expand(seg_first, seg_count, device), seg_entropy)
     rows = valid.sum(dim=(1, 2)).to(torch.float32)
-    return gram.float(), entropy, rows, invalid
+    return gram.float(), entropy.view(n, h), rows, (invalid > 0).to(torch.float32)
