@@ -15,18 +15,19 @@ A program owns one batch entry, ``BLOCK_M`` query rows and a block of ``BLOCK_HK
 their whole query groups folded into the M dimension, so each K tile is loaded once per key head.
 Scores are one batched `tl.dot` ``[BLOCK_HK, G·BLOCK_M, D] × [BLOCK_HK, D, BLOCK_N]``. Key tiles
 stop at the causal bound. Masked scores are a finite −1e30, never −inf, so 0·∞ cannot appear.
-When all heads do not fit one program (shared memory, registers), the heads are split into blocks:
-diagonal programs hold one block (Gram block, entropies, masses), off-diagonal programs recompute
-two blocks for their Gram block. Every program writes partial sums; torch adds them in float64
-(deterministic, no atomics).
+Pass 1 needs nothing across heads: its programs hold one key head and 128 query rows
+(`lse_tile_config`). Pass 2 holds every head of its rows when they fit (`tile_config`: the key tile
+shrinks to 16 and the pipeline to 1 stage first — full multi-head attention at H·D = 4096); when
+they do not, the heads are split into blocks: diagonal programs hold one block (Gram block,
+entropies, masses), off-diagonal programs recompute two blocks for their Gram block. Every program
+writes partial sums; torch adds them in float64 (deterministic, no atomics).
 
 Layout: kernels -> launcher (`qk_stats_triton`) -> `torch.library` op (`fastdiag::qk_head_stats`,
 CUDA kernel registered, fake for tracing) so `torch.compile(fullgraph=True)` holds it as one node.
-`compile_for_sm90` compiles both kernels for a GPU target without a GPU (the kernel report).
+`kernel_report` compiles both kernels for sm_90 without a GPU, as a launch would.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .qk_stats_ref import qk_stats_ref
-from .report import ReportCase, register
+from .report import KernelReport, ReportCase, register, report_case
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -267,33 +268,65 @@ _SCORE_BUDGET = 8192
 # (sm_90 compiles at 8 warps: larger held tiles spill).
 _HELD_Q_ELEMENTS = 16384
 NUM_WARPS = 8
-NUM_STAGES = 2
 # Head-dimension columns per score dot: wider batched operands spill at sm_90 (D = 128 is two dots).
 _DOT_COLUMNS = 64
+# Shared memory per block on sm_90 (H100/H200): 227 KB of the SM's 228 KB.
+SHARED_LIMIT = 227 * 1024
 
 
-def tile_config(h: int, hk: int, d: int, budget: int = _SCORE_BUDGET, block_n: int = 32) -> dict:
-    """Block sizes for H query heads, Hk key heads, head dim d. Every `tl.dot` dimension is >= 16."""
+def _shared_bytes(cfg: dict, num_stages: int, element_bytes: int, blocks_held: int) -> int:
+    """Shared memory of pass 2 as sm_90 compiles it (checked against the compiled metadata): the Q
+    tile is hoisted out of the key loop, pipelining (2 stages) keeps every D chunk of the K tile in
+    flight at once where 1 stage reuses one chunk's buffer, the Gram slab is staged for its dot; an
+    off-diagonal program holds two head blocks."""
+    rows = cfg["BLOCK_HK"] * cfg["BLOCK_G"] * cfg["BLOCK_M"]
+    k_columns = cfg["BLOCK_D"] if num_stages > 1 else cfg["BLOCK_DC"]
+    slab = rows * cfg["BLOCK_N"] * (4 if element_bytes == 4 else 2)
+    per_block = (rows * cfg["BLOCK_D"] + cfg["BLOCK_HK"] * k_columns * cfg["BLOCK_N"]) * element_bytes + slab
+    return blocks_held * per_block
+
+
+def tile_config(h: int, hk: int, d: int, budget: int = _SCORE_BUDGET, block_n: int = 32,
+                element_bytes: int = 2) -> dict:
+    """Pass 2's blocks for H query heads, Hk key heads, head dim d, inputs of element_bytes.
+    Every `tl.dot` dimension is >= 16. The key tile shrinks before the heads split into blocks (a
+    split makes the off-diagonal programs recompute scores); 1 stage where 2 exceed shared memory."""
     block_g = triton.next_power_of_2(h // hk)
     block_d = max(16, triton.next_power_of_2(d))
     block_hk = max(triton.next_power_of_2(hk), triton.cdiv(16, block_g))   # Gram dot: >= 16 heads
     block_m = max(1, 16 // block_g)                                         # score dot: G·M >= 16
+    while block_hk * block_g * block_m * block_n > budget and block_n > 16:
+        block_n //= 2
     while block_hk * block_g * block_m * block_n > budget and block_hk * block_g > 16:
         block_hk //= 2
     while block_hk * block_g * 2 * block_m * block_n <= budget and block_m < 64:
         block_m *= 2
     block_dc = min(block_d, _DOT_COLUMNS)
     q_in_loop = block_dc < block_d or block_hk * block_g * block_m * block_d > _HELD_Q_ELEMENTS
-    return dict(BLOCK_HK=block_hk, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                BLOCK_DC=block_dc, Q_IN_LOOP=q_in_loop)
+    cfg = dict(BLOCK_HK=block_hk, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+               BLOCK_DC=block_dc, Q_IN_LOOP=q_in_loop, num_warps=NUM_WARPS)
+    blocks_held = 1 if block_hk >= hk else 2
+    cfg["num_stages"] = 2 if _shared_bytes(cfg, 2, element_bytes, blocks_held) <= SHARED_LIMIT else 1
+    return cfg
 
 
-def _fallback_configs(h: int, hk: int, d: int) -> list[dict]:
+def lse_tile_config(h: int, hk: int, d: int) -> dict:
+    """Pass 1's blocks: one key head (its query group folded into M) and 128 query rows per program,
+    as a flash forward does. Pass 1 needs nothing across heads, and this layout takes fewer
+    instructions per score than pass 2's head blocks at every report shape (``kernel_report``)."""
+    block_g = triton.next_power_of_2(h // hk)
+    block_d = max(16, triton.next_power_of_2(d))
+    block_dc = min(block_d, 2 * _DOT_COLUMNS)
+    return dict(BLOCK_HK=1, BLOCK_G=block_g, BLOCK_M=max(1, 128 // block_g), BLOCK_N=64, BLOCK_D=block_d,
+                BLOCK_DC=block_dc, Q_IN_LOOP=block_dc < block_d, num_warps=NUM_WARPS, num_stages=2)
+
+
+def _fallback_configs(h: int, hk: int, d: int, element_bytes: int) -> list[dict]:
     """From the preferred tiles to the smallest: tried in order when one exceeds shared memory."""
     configs = []
     for budget, block_n in ((_SCORE_BUDGET, 32), (_SCORE_BUDGET // 2, 32), (_SCORE_BUDGET // 4, 16),
                             (_SCORE_BUDGET // 8, 16)):
-        c = tile_config(h, hk, d, budget, block_n)
+        c = tile_config(h, hk, d, budget, block_n, element_bytes)
         if c not in configs:
             configs.append(c)
     return configs
@@ -318,34 +351,46 @@ def _head_index(h: int, hk: int, cfg: dict, device) -> torch.Tensor:
     return (kv // cfg["BLOCK_HK"]) * bh + (kv % cfg["BLOCK_HK"]) * cfg["BLOCK_G"] + g
 
 
-def _launch(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, lse_only=False):
+def _dot_inputs(q4, k4):
+    """One dot input type for both (before the strides are read)."""
     if q4.dtype != k4.dtype or q4.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        q4, k4 = q4.float(), k4.float()    # one dot input type (before the strides are read)
+        return q4.float(), k4.float()
+    return q4, k4
+
+
+def _shared_args(q4, k4, mask4, is_causal, scale, cfg):
+    """(grid, mask tensor, leading scalar and stride arguments, constexprs) common to both kernels."""
     b, h, tq, d = q4.shape
     hk, tk = k4.shape[1], k4.shape[2]
-    device = q4.device
-    blocks = triton.cdiv(hk, cfg["BLOCK_HK"])
-    row_tiles = triton.cdiv(tq, cfg["BLOCK_M"])
     mask, mask_strides, mask_kind, threshold = _mask_args(mask4, (b, h, tq, tk))
-    common = dict(IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind,
-                  FP32_DOT=q4.dtype == torch.float32, num_warps=NUM_WARPS,
-                  num_stages=NUM_STAGES, **cfg)
+    row_tiles = triton.cdiv(tq, cfg["BLOCK_M"])
     args = (h // hk, hk, tq, tk, d, row_tiles, scale * LOG2E, threshold,
             *q4.stride(), *k4.stride(), *mask_strides)
-    if mask is None:
-        mask = q4   # never read
-    if lse is None:
-        lse = torch.empty(b, h, tq, dtype=torch.float32, device=device)
-        _qk_lse_kernel[(b * row_tiles, blocks)](lse, q4, k4, mask, *args, *lse.stride(), **common)
-    if lse_only:
-        return lse
+    constexprs = dict(IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, FP32_DOT=q4.dtype == torch.float32, **cfg)
+    grid = (b * row_tiles, triton.cdiv(hk, cfg["BLOCK_HK"]))
+    return grid, q4 if mask is None else mask, args, constexprs   # a missing mask is never read
+
+
+def _row_lse(q4, k4, mask4, is_causal, scale):
+    b, h, tq, d = q4.shape
+    cfg = lse_tile_config(h, k4.shape[1], d)
+    grid, mask, args, constexprs = _shared_args(q4, k4, mask4, is_causal, scale, cfg)
+    lse = torch.empty(b, h, tq, dtype=torch.float32, device=q4.device)
+    _qk_lse_kernel[grid](lse, q4, k4, mask, *args, *lse.stride(), **constexprs)
+    return lse
+
+
+def _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg):
+    b, h, tq, d = q4.shape
+    hk = k4.shape[1]
+    device = q4.device
+    (programs, blocks), mask, args, constexprs = _shared_args(q4, k4, mask4, is_causal, scale, cfg)
     pairs = [(i, i) for i in range(blocks)] + [(i, j) for i in range(blocks) for j in range(i + 1, blocks)]
     # built on the device (no host-to-device copy, so no sync): diagonal blocks, then i < j pairs
     diagonal = torch.arange(blocks, dtype=torch.int32, device=device)
     off = torch.triu_indices(blocks, blocks, 1, dtype=torch.int32, device=device)
     block_ids = torch.stack([torch.cat([diagonal, off[0]]), torch.cat([diagonal, off[1]])])
     bh = cfg["BLOCK_HK"] * cfg["BLOCK_G"]
-    programs = b * row_tiles
     gram_part = torch.empty(programs, blocks, bh, bh, dtype=torch.float32, device=device)
     entropy_part = torch.empty(programs, blocks, bh, dtype=torch.float32, device=device)
     invalid_part = torch.empty(programs, blocks, dtype=torch.float32, device=device)
@@ -354,14 +399,14 @@ def _launch(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, lse_only=False):
     tail = (*args, *lse.stride(), *row_strides)
     _qk_stats_kernel[(programs, blocks)](
         gram_part, entropy_part, invalid_part, q4, k4, mask, lse, row_ok, block_ids[0], block_ids[1],
-        *tail, DIAGONAL=True, HAS_ROW_OK=rows_ok is not None, **common)
+        *tail, DIAGONAL=True, HAS_ROW_OK=rows_ok is not None, **constexprs)
     if blocks > 1:
         # off-diagonal Gram blocks: their own grid and partials, no entropy or mass
         gram_off_part = torch.empty(programs, len(pairs) - blocks, bh, bh, dtype=torch.float32, device=device)
         _qk_stats_kernel[(programs, len(pairs) - blocks)](
             gram_off_part, entropy_part, invalid_part, q4, k4, mask, lse, row_ok,
             block_ids[0, blocks:], block_ids[1, blocks:],
-            *tail, DIAGONAL=False, HAS_ROW_OK=rows_ok is not None, **common)
+            *tail, DIAGONAL=False, HAS_ROW_OK=rows_ok is not None, **constexprs)
     gram_blocks = gram_part.sum(0, dtype=torch.float64)             # [pairs, BH, BH]
     if blocks > 1:
         gram_blocks = torch.cat([gram_blocks, gram_off_part.sum(0, dtype=torch.float64)])
@@ -380,30 +425,32 @@ def _launch(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, lse_only=False):
     return gram, entropy, rows, invalid.to(torch.float64)
 
 
-def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, lse=None):
+def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, lse=None, tiles=None):
     """HeadStats sums ``(gram [H, H], entropy_sum [H], rows, invalid)`` in float64.
 
     q4 ``[B, H, Tq, D]``, k4 ``[B, Hk, Tk, D]``, mask4 broadcastable to ``[B, H, Tq, Tk]`` (bool,
     True = may attend, or additive), rows_ok bool ``[B, Tq]`` (None: every row counts), lse the
-    natural-log row LSE ``[B, H, Tq]`` or None (pass 1 computes it). Tiles that exceed the
-    device's shared memory fall back to smaller ones."""
-    return _with_fallback(q4, k4, mask4, is_causal, scale, rows_ok, lse)
+    natural-log row LSE ``[B, H, Tq]`` or None (pass 1 computes it). Pass 2's tiles that exceed the
+    device's shared memory fall back to smaller ones; ``tiles`` (a `tile_config`) replaces that
+    choice, without fallback (tests force head blocks with it at small shapes)."""
+    q4, k4 = _dot_inputs(q4, k4)
+    if lse is None:
+        lse = _row_lse(q4, k4, mask4, is_causal, scale)
+    if tiles is not None:
+        return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles)
+    configs = _fallback_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.element_size())
+    for n, cfg in enumerate(configs):
+        try:
+            return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg)
+        except triton.runtime.errors.OutOfResources:
+            if n == len(configs) - 1:
+                raise
 
 
 def row_lse_triton(q4, k4, mask4, is_causal: bool, scale: float) -> torch.Tensor:
     """Pass 1 alone: the natural-log row LSE ``[B, H, Tq]`` (-inf where a row sees no key)."""
-    return _with_fallback(q4, k4, mask4, is_causal, scale, None, None, lse_only=True)
-
-
-def _with_fallback(*args, **kwargs):
-    q4, k4 = args[0], args[1]
-    configs = _fallback_configs(q4.shape[1], k4.shape[1], q4.shape[3])
-    for n, cfg in enumerate(configs):
-        try:
-            return _launch(*args, cfg=cfg, **kwargs)
-        except triton.runtime.errors.OutOfResources:
-            if n == len(configs) - 1:
-                raise
+    q4, k4 = _dot_inputs(q4, k4)
+    return _row_lse(q4, k4, mask4, is_causal, scale)
 
 
 # ---- torch.library op: compiled graphs and CUDA graphs hold it as one opaque node ----------------
@@ -429,121 +476,55 @@ def _qk_stats_fake(q, k, mask, is_causal, scale, rows_ok, lse):
     return q.new_empty((h, h), **f64), q.new_empty((h,), **f64), q.new_empty((), **f64), q.new_empty((), **f64)
 
 
-# ---- the sm_90 compile report ------------------------------------------------------------------
+# ---- the kernel report: what a GPU launch of these launchers compiles, compiled for sm_90 -------
 
-# Shapes of the kernel report: (H, Hk, D, T).
+# Model shapes of `kernel_report`, (H, Hk, D): the targets of issue 15.
 REPORT_SHAPES = {
-    "gpt2-small": (12, 12, 64, 1024),
-    "llama-7b": (32, 32, 128, 4096),
-    "llama-3-8b": (32, 8, 128, 8192),
+    "gpt2-small": (12, 12, 64),
+    "llama-7b": (32, 32, 128),
+    "llama-3-8b": (32, 8, 128),
 }
-
-
-def compile_for_sm90(h: int, hk: int, d: int, dtype: torch.dtype = torch.bfloat16, is_causal: bool = True,
-                     mask_kind: int = MASK_NONE, num_warps: int = NUM_WARPS, cfg: dict | None = None) -> dict:
-    """Compile pass 1 and pass 2 (diagonal, and off-diagonal when the heads split into blocks) for
-    sm_90 without a GPU, with the tiles the launcher would pick first. Returns name -> compiled kernel
-    (``n_regs``, ``n_spills``, ``metadata.shared``), plus "config"."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    if INTERPRETING:
-        raise ValueError("compile_for_sm90: kernels cannot be compiled under TRITON_INTERPRET=1; unset it")
-    cfg = cfg or tile_config(h, hk, d)
-    blocks = triton.cdiv(hk, cfg["BLOCK_HK"])
-    elem = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
-    mask_type = {MASK_NONE: elem, MASK_BOOL: "*u8", MASK_ADDITIVE: elem}[mask_kind]
-    scalars = {"G": "i32", "Hk": "i32", "Tq": "i32", "Tk": "i32", "D": "i32", "row_tiles": "i32",
-               "qk_scale": "fp32", "mask_threshold": "fp32"}
-    strides = [f"stride_{t}{a}" for t, axes in (("q", "bhmd"), ("k", "bhnd"), ("m", "bhmn"), ("l", "bhm"))
-               for a in axes]
-    common = dict(IS_CAUSAL=is_causal, MASK_KIND=mask_kind, FP32_DOT=dtype == torch.float32, **cfg)
-    target = GPUTarget("cuda", 90, 32)
-    options = dict(num_warps=num_warps, num_stages=NUM_STAGES)
-
-    lse_sig = {"lse_ptr": "*fp32", "q_ptr": elem, "k_ptr": elem, "mask_ptr": mask_type, **scalars,
-               **{s: "i64" for s in strides}}
-    def build(fn, signature, constexprs):
-        signature = {**signature, **{name: "constexpr" for name in constexprs}}
-        return triton.compile(ASTSource(fn, signature, constexprs), target=target, options=options)
-
-    kernels = {"config": cfg, "lse": build(_qk_lse_kernel, lse_sig, common)}
-    stats_sig = {"gram_part_ptr": "*fp32", "entropy_part_ptr": "*fp32", "invalid_part_ptr": "*fp32",
-                 "q_ptr": elem, "k_ptr": elem, "mask_ptr": mask_type, "lse_ptr": "*fp32",
-                 "row_ok_ptr": "*u8", "block_i_ptr": "*i32", "block_j_ptr": "*i32", **scalars,
-                 **{s: "i64" for s in strides}, "stride_rb": "i64", "stride_rm": "i64"}
-    for name, diagonal in (("stats_diagonal", True), ("stats_off_diagonal", False))[:1 + (blocks > 1)]:
-        kernels[name] = build(_qk_stats_kernel, stats_sig, dict(DIAGONAL=diagonal, HAS_ROW_OK=True, **common))
-    return kernels
-
-
-def ptxas_usage(kernel) -> dict:
-    """Registers and spill bytes of a compiled kernel: ``ptxas -v`` with the ptxas and the flags
-    Triton's own compile used (so the numbers are those of the cubin it built)."""
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    arch = kernel.metadata.target.arch
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "kernel.ptx")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        fmad = [] if kernel.metadata.enable_fp_fusion else ["--fmad=false"]
-        log = subprocess.run([get_ptxas(arch).path, "-lineinfo", *fmad, "-v", "--regAllocOptLevel=2",
-                              f"--gpu-name=sm_{arch}a", ptx, "-o",
-                              os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True).stderr
-    number = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
-    return dict(n_regs=number(r"Used (\d+) registers"),
-                n_spills=number(r"(\d+) bytes spill stores") + number(r"(\d+) bytes spill loads"),
-                stack_bytes=number(r"(\d+) bytes stack frame"))
-
-
-def kernel_report(shapes: dict = REPORT_SHAPES) -> list[dict]:
-    """One row per (shape, kernel): registers, spills, shared memory bytes, tiles."""
-    rows = []
-    for shape, (h, hk, d, _t) in shapes.items():
-        compiled = compile_for_sm90(h, hk, d)
-        cfg = compiled.pop("config")
-        for name, kernel in compiled.items():
-            rows.append(dict(shape=shape, kernel=f"qk_{name}", **ptxas_usage(kernel),
-                             shared_bytes=kernel.metadata.shared, blocks=math.ceil(hk / cfg["BLOCK_HK"]), **cfg))
-    return rows
-
-
-# ---- the kernel report (`fastdiag bench --kernel-report`): these launchers at the benchmark shapes --
-
-# Head dims of the models behind the benchmark shapes.
+# Head dims of the models behind the benchmark shapes (`fastdiag bench --kernel-report`).
 _BENCH_HEAD_DIM = {"gpt2-small": 64, "long-context": 128}
 
 
+def _scores_per_iteration(constexprs: dict) -> int:
+    return constexprs["BLOCK_HK"] * constexprs["BLOCK_G"] * constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
+
+
+def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int) -> list[ReportCase]:
+    """Pass 1 and pass 2 (diagonal head blocks), bf16, causal, no mask. An "element" is one score
+    (one query row, key and head), so the ceiling reads: how fast these kernels cover the
+    probabilities compared with the probabilities kernel streaming a materialised bf16 P at copy
+    bandwidth."""
+    q = torch.empty(b, h, t, d, dtype=torch.bfloat16)
+    k = torch.empty(b, hk, t, d, dtype=torch.bfloat16)
+
+    def pass1():
+        row_lse_triton(q, k, None, True, d ** -0.5)                  # captured, never run
+
+    def pass2():
+        lse = torch.empty(q.shape[:3], dtype=torch.float32)          # a given LSE: pass 2 launches first
+        qk_stats_triton(q, k, None, True, d ** -0.5, lse=lse)
+
+    return [ReportCase("qk_lse", shape, "bfloat16", 2, pass1, _scores_per_iteration),
+            ReportCase("qk_stats", shape, "bfloat16", 2, pass2, _scores_per_iteration)]
+
+
 def _report_cases(shapes: dict) -> list[ReportCase]:
-    """Pass 1 and pass 2, bf16, causal, at the benchmark shapes. An "element" is one score (one query
-    row, key and head), so the ceiling reads: how fast these kernels cover the probabilities compared
-    with the probabilities kernel streaming a materialised bf16 P at copy bandwidth. Shapes too short
-    for a key loop (the grokking task's T = 3, whose zoo model never calls SDPA) are left out."""
-    cases = []
-    for shape, (_n, b, h, t) in shapes.items():
-        if t < 256:
-            continue
-        d = _BENCH_HEAD_DIM.get(shape, 64)
-        q = torch.empty(b, h, t, d, dtype=torch.bfloat16)
+    """At the benchmark shapes; those too short for a key loop (the grokking task's T = 3, whose zoo
+    model never calls SDPA) are left out."""
+    return [case for shape, (_n, b, h, t) in shapes.items() if t >= 256
+            for case in _cases(shape, b, h, h, t, _BENCH_HEAD_DIM.get(shape, 64))]
 
-        def pass1(q=q):
-            row_lse_triton(q, q, None, True, q.shape[-1] ** -0.5)    # captured, never run
 
-        def pass2(q=q):
-            lse = torch.empty(q.shape[:3], dtype=torch.float32)      # a given LSE: pass 2 launches first
-            qk_stats_triton(q, q, None, True, q.shape[-1] ** -0.5, lse=lse)
-
-        def scores_per_iteration(constexprs):
-            return constexprs["BLOCK_HK"] * constexprs["BLOCK_G"] * constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
-
-        cases += [ReportCase("qk_lse", shape, "bfloat16", 2, pass1, scores_per_iteration),
-                  ReportCase("qk_stats", shape, "bfloat16", 2, pass2, scores_per_iteration)]
-    return cases
+def kernel_report(shapes: dict = REPORT_SHAPES) -> list[KernelReport]:
+    """Pass 1 and pass 2 at model shapes ``{name: (H, Hk, D)}`` (B 1, T 1024), compiled for sm_90
+    without a GPU exactly as a launch would compile them (specialisation included): registers,
+    spill bytes, shared memory, hot-loop instructions per score."""
+    if INTERPRETING:
+        raise ValueError("kernel_report: kernels cannot be compiled under TRITON_INTERPRET=1; unset it")
+    return [report_case(case) for shape, (h, hk, d) in shapes.items() for case in _cases(shape, 1, h, hk, 1024, d)]
 
 
 register("qk_stats", _report_cases)

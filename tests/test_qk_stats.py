@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from fastdiag.diagnostics import triton_available
 from fastdiag.kernels.qk_stats_ref import qk_stats_ref
 from fastdiag.qk import qk_head_stats, sdpa_with_stats, valid_rows
+from fastdiag.stats import HeadStats
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3}
 BACKENDS = ["torch", "triton"]
@@ -281,19 +282,49 @@ def test_bad_inputs_raise_naming_the_argument():
         qk_head_stats(q, q, lse=torch.zeros(3))
 
 
+def _kernel_stats(q, k, mask, causal, scale, tiles=None):
+    """HeadStats of the Triton launcher called directly (to force its tiles)."""
+    from fastdiag.kernels.qk_stats_triton import qk_stats_triton
+
+    rows_ok = None if mask is None else valid_rows(mask, causal, (*q.shape[:3], k.shape[2]), None)
+    return HeadStats(*qk_stats_triton(q, k, mask, causal, scale, rows_ok, tiles=tiles))
+
+
 @pytest.mark.parametrize("h,hk", [(32, 32), (48, 24)])
 def test_heads_split_into_blocks(h, hk):
-    """More heads than one program holds: diagonal and off-diagonal Gram blocks, padded heads."""
+    """More heads than one program holds (forced by a small score budget): diagonal and off-diagonal
+    Gram blocks, padded heads."""
     _check_backend("triton")
     from fastdiag.kernels.qk_stats_triton import tile_config
 
-    assert hk > tile_config(h, hk, 16)["BLOCK_HK"]            # really split
+    tiles = tile_config(h, hk, 16, budget=2048)
+    assert hk > tiles["BLOCK_HK"]                             # really split
     gen = torch.Generator().manual_seed(h)
     q, k = _qk(1, h, hk, 5, 6, 16, torch.float32, gen)
     mask, _ = _mask("bool-per-head", 1, h, 5, 6, gen)
-    ref = qk_head_stats(q, k, mask, True, backend="reference")
-    got = qk_head_stats(q, k, mask, True, backend="triton")
-    _assert_close(got, ref, TOLERANCE[torch.float32])
+    ref = qk_head_stats(q, k, mask, True, 0.25, backend="reference")
+    _assert_close(_kernel_stats(q, k, mask, True, 0.25, tiles), ref, TOLERANCE[torch.float32])
+
+
+LLAMA_7B_CASES = [("bool-per-head", torch.float32), ("additive-causal", torch.float32), ("causal", torch.float16)]
+
+
+@pytest.mark.parametrize("kind,dtype", LLAMA_7B_CASES, ids=[f"{k}-{str(d)[6:]}" for k, d in LLAMA_7B_CASES])
+def test_full_multi_head_attention_at_llama_7b_heads(kind, dtype):
+    """H = Hk = 32, D = 128 (Llama-7B's heads, few rows): pass 2 holds all 32 heads with 16-key tiles
+    in one program, D in two dot chunks; pass 1 runs one head per program. Two row and key tiles."""
+    _check_backend("triton")
+    from fastdiag.kernels.qk_stats_triton import lse_tile_config, tile_config
+
+    tiles = tile_config(32, 32, 128)
+    assert (tiles["BLOCK_HK"], tiles["BLOCK_N"], tiles["num_stages"]) == (32, 16, 1)
+    assert lse_tile_config(32, 32, 128)["BLOCK_HK"] == 1
+    gen = torch.Generator().manual_seed(7)
+    b, tq, tk = 2, 20, 23
+    q, k = _qk(b, 32, 32, tq, tk, 128, dtype, gen)
+    mask, causal = _mask(kind, b, 32, tq, tk, gen)
+    ref = qk_head_stats(q, k, mask, causal, 0.06, backend="reference")
+    _assert_close(_kernel_stats(q, k, mask, causal, 0.06, tiles), ref, TOLERANCE[dtype])
 
 
 # ---- the sm_90 compile report ------------------------------------------------------------------
@@ -301,34 +332,29 @@ def test_heads_split_into_blocks(h, hk):
 SM90_SHARED_LIMIT = 227 * 1024
 
 
-def _require_ptxas():
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        get_ptxas(90).path
-    except Exception as err:   # noqa: BLE001 - any failure here means: no CUDA tools to compile with
-        pytest.skip(f"sm_90 compile report needs the CUDA tools of the triton wheel (ptxas): {err}")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["gpt2-small", "llama-3-8b"])
+@pytest.mark.parametrize("shape", ["gpt2-small", "llama-7b", "llama-3-8b"])
 def test_sm90_compile_has_no_spills_and_fits_shared_memory(shape):
-    """Compiled for sm_90 in a subprocess: under TRITON_INTERPRET=1 kernels cannot be compiled."""
+    """Both passes compiled for sm_90 as a launch would, in a subprocess: under TRITON_INTERPRET=1
+    kernels cannot be compiled."""
     import json
     import subprocess
     import sys
 
-    _require_ptxas()
+    from fastdiag.kernels.report import tools_missing
+
+    if tools_missing():
+        pytest.skip(f"sm_90 compile report needs the CUDA tools of the triton wheel: {tools_missing()}")
     code = ("import json; from fastdiag.kernels.qk_stats_triton import REPORT_SHAPES, kernel_report; "
-            f"print(json.dumps(kernel_report({{{shape!r}: REPORT_SHAPES[{shape!r}]}})))")
+            f"print(json.dumps([r.row() for r in kernel_report({{{shape!r}: REPORT_SHAPES[{shape!r}]}})]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    assert {r["kernel"] for r in rows} >= {"qk_lse", "qk_stats_diagonal"}
+    assert sorted(r["kernel"] for r in rows) == ["qk_lse", "qk_stats"]
     for r in rows:
-        assert r["n_spills"] == 0, r
+        assert r["spill_bytes"] == 0, r
         assert r["shared_bytes"] <= SM90_SHARED_LIMIT, r
 
 
