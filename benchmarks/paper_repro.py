@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -123,13 +124,25 @@ def grid_plan(lambdas: list[float], seeds: int, epochs: int, eval_every: int, en
 
 # ------------------------------------------------------------------ table
 def load_runs(stores: list[str]) -> list[dict]:
-    """Done runs of all stores with their traces and phase values."""
+    """Done runs of all stores with their traces and phase values. A run whose whole configuration
+    (seed included) was already read from another store is a rerun: it is counted once, and its result
+    is checked against the first (training on the CPU is deterministic, so they must agree)."""
     runs = []
+    seen: dict[str, dict] = {}
     for path in stores:
         with open_existing(path) as store:
             for run in store.runs("done"):
+                key = json.dumps(run["config"], sort_keys=True)
+                if key in seen:
+                    first = seen[key]
+                    same = all(first["result"].get(k) == run["result"].get(k)
+                               for k in ("t_grok_epoch", "t_mem_epoch", "regime"))
+                    print(f"# λ = {run['config']['weight_decay']:g} seed {run['config']['seed']}: rerun in {path} "
+                          f"counted once ({'same' if same else 'DIFFERENT'} t_grok/t_mem/regime as in {first['store']})", file=sys.stderr)
+                    continue
                 trace = store.trace(run["run_id"])
                 res = run["result"]
+                seen[key] = run | {"store": path}
                 runs.append({"store": path, "lambda": float(run["config"]["weight_decay"]),
                              "seed": run["config"]["seed"], "config": run["config"], "result": res,
                              "trace": trace,
