@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import fastdiag.stats
+from fastdiag import zoo
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.config import REGIMES
 from fastdiag.grokking.train import train_run
+from fastdiag.models.transformer import CausalSelfAttention
 from fastdiag.plots.run import write_outputs
 
 # A configuration small enough for CI that still shows the phenomenon (measured on 2 CPU cores,
@@ -157,3 +159,28 @@ def test_auto_device_picks_cuda_when_available():
 
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cpu").type == "cpu"
+
+
+def test_recording_sets_record_for_one_pass_and_restores_it_when_the_pass_raises():
+    attn = CausalSelfAttention(16, 4)
+    x = torch.randn(2, 5, 16)
+    with zoo.recording([attn]):
+        attn(x)
+    assert attn.record is False and attn.stats is not None
+    attn.stats = None
+    with zoo.recording([attn], on=False):
+        attn(x)
+    assert attn.stats is None
+    try:
+        with zoo.recording([attn]):
+            attn(torch.randn(2, 5, 7))          # wrong width: the pass raises
+    except RuntimeError:
+        pass
+    assert attn.record is False
+    pending: dict = {}
+    with zoo.recording([attn]):
+        attn(x)
+    first = attn.stats
+    zoo.accumulate(pending, {"a": first})
+    zoo.accumulate(pending, {"a": first})
+    assert torch.allclose(pending["a"].gram, 2 * first.gram)

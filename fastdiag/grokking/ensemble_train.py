@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from fastdiag import zoo
 from fastdiag.grokking.build import build_model, parameter_count, resolve_device
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.tasks import make_task
@@ -157,12 +158,10 @@ def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], No
         for start in range(0, n_train, shared.batch_size):
             idx = perm[:, start:start + shared.batch_size]
             record = bool(layer_names) and step % shared.diag_every == 0
-            model.record = record
-            logits = model(train_x[members, idx])                          # [K, b, vocab]
-            model.record = False
+            with zoo.recording([model], record):
+                logits = model(train_x[members, idx])                      # [K, b, vocab]
             if record:
-                for name, stats in model.stats.items():
-                    pending[name] = stats if name not in pending else pending[name] + stats
+                zoo.accumulate(pending, model.stats)
                 model.stats = {}
             per_member = F.cross_entropy(logits.flatten(0, 1), train_y[members, idx].flatten(),
                                          reduction="none").view(len(active), -1).mean(1)

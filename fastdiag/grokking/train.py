@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from fastdiag import zoo
 from fastdiag.grokking.build import build_model, resolve_device
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.tasks import make_task
@@ -65,19 +66,12 @@ class Trainer:
 
     def _train_step(self, idx: torch.Tensor) -> None:
         record = bool(self.attn) and self.step % self.cfg.diag_every == 0
-        if record:
-            for m in self.attn.values():
-                m.record = True
-        try:
+        with zoo.recording(self.attn.values(), record):
             logits = self.model(self.task.train_x[idx])
-        finally:
-            if record:
-                for m in self.attn.values():
-                    m.record = False
         if record:
-            for name, m in self.attn.items():
-                stats, m.stats = m.stats, None
-                self.pending[name] = stats if name not in self.pending else self.pending[name] + stats
+            zoo.accumulate(self.pending, {name: m.stats for name, m in self.attn.items()})
+            for m in self.attn.values():
+                m.stats = None
         loss = F.cross_entropy(logits, self.task.train_y[idx])
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
