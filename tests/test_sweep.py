@@ -45,6 +45,7 @@ def test_parse_wd_rejects(spec, match):
 def test_parse_seeds_and_shard():
     assert sw.parse_seeds("3") == [0, 1, 2]
     assert sw.parse_seeds("7,3,3") == [3, 7]
+    assert sw.parse_seeds("7,") == [7] and sw.parse_seeds(" 7 , ") == [7]
     for bad in ("0", "-2", "a", "1,,2", ""):
         with pytest.raises(ValueError, match="^seeds: "):
             sw.parse_seeds(bad)

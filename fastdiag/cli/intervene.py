@@ -29,7 +29,7 @@ def _experiment_options(command):
     options = [
         click.option("--threads", type=int, default=2, show_default=True, help="CPU threads for torch"),
         click.option("--seeds", default="3", show_default=True, metavar="N|LIST",
-                     help="a count N (seeds 0..N-1) or a comma list of seeds"),
+                     help="a count N (seeds 0..N-1) or a comma list of seeds (one seed k: 'k,')"),
         click.option("--store", "store_path", default=None, type=click.Path(dir_okay=False),
                      help="result store (SQLite; created if missing)"),
         click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),

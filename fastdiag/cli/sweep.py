@@ -36,7 +36,7 @@ def _parse_ensemble(spec: str) -> int | None:
 @click.option("--wd", "wd", required=True, metavar="LIST|START:STOP:COUNT",
               help="Weight decays λ: a comma list (0,0.01,0.1,1) or COUNT log-spaced values, e.g. 1e-3:2:13.")
 @click.option("--seeds", default="1", show_default=True, metavar="N|LIST",
-              help="A count N (seeds 0..N-1) or a comma list of seeds.")
+              help="A count N (seeds 0..N-1) or a comma list of seeds (one seed k: 'k,').")
 @click.option("--arch", default=_DEFAULTS.arch, show_default=True, metavar="ARCH[,ARCH...]",
               help=f"{', '.join(ARCHS)} (comma list: one grid per architecture).")
 @click.option("--preset", default=_DEFAULTS.preset, show_default=True, metavar="NAME[,NAME...]",

@@ -56,7 +56,7 @@ def parse_wd(spec: str) -> list[float]:
 
 
 def parse_seeds(spec: str | int) -> list[int]:
-    """``"5"`` → seeds 0..4; ``"0,3,7"`` → those seeds."""
+    """``"5"`` → seeds 0..4; ``"0,3,7"`` → those seeds; ``"7,"`` → seed 7 alone (a one-item list)."""
     text = str(spec).strip()
     if not text:
         raise ValueError("seeds: empty")
@@ -67,8 +67,11 @@ def parse_seeds(spec: str | int) -> list[int]:
         if not 1 <= n <= MAX_GRID_RUNS:
             raise ValueError(f"seeds: the count must be >= 1 and at most {MAX_GRID_RUNS}, got {n}")
         return list(range(n))
+    items = text.split(",")
+    if len(items) > 1 and not items[-1].strip():
+        items.pop()
     seeds = []
-    for item in text.split(","):
+    for item in items:
         item = item.strip()
         if not re.fullmatch(r"\d+", item):
             raise ValueError(f"seeds: {item!r} is not a seed (an integer >= 0)")
