@@ -8,10 +8,14 @@ damaged stores are real SQLite files edited behind fastdiag's back, signals are 
 import contextlib
 import json
 import os
+import pty
+import re
+import select
 import signal
 import sqlite3
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -121,18 +125,42 @@ def test_modulus_limit_comes_from_memory():
 
 
 def test_ctrl_c_exits_130(tmp_path):
+    # stderr on a pseudo-terminal: the progress bar, the sign that training has started, is drawn
+    # only on a terminal
+    master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "fastdiag.cli", "run", *TINY_RUN, "--epochs", "100000",
-                             "--out", str(tmp_path / "r")], stderr=subprocess.PIPE, text=True,
+                             "--out", str(tmp_path / "r")], stdout=subprocess.DEVNULL, stderr=slave,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    os.close(slave)
+    seen = b""
+
+    def read(wait: float) -> bool:
+        nonlocal seen
+        if not select.select([master], [], [], wait)[0]:
+            return False
+        try:
+            data = os.read(master, 65536)
+        except OSError:                                      # the child side is closed
+            return False
+        seen += data
+        return bool(data)
+
     try:
-        assert "epoch 1/" in proc.stderr.readline()           # training has started
+        deadline = time.monotonic() + 120
+        while not re.search(rb"[1-9][0-9]*/100000", seen):    # an epoch has finished
+            assert time.monotonic() < deadline and proc.poll() is None, seen
+            read(1.0)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        while read(0.5):
+            pass
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err
-    assert err.strip().splitlines()[-1] == "fastdiag: error: interrupted"
+        os.close(master)
+    text = seen.decode(errors="replace").replace("\r", "\n")
+    assert proc.returncode == 130, text
+    assert text.strip().splitlines()[-1].strip() == "fastdiag: error: interrupted"
 
 
 # ----------------------------------------------------------------------------- sweep grid values

@@ -6,6 +6,7 @@ follows a sweep's runs, counting the epochs of runs in flight as fractions of a 
 is there before the first run ends."""
 from __future__ import annotations
 
+import os
 import sys
 
 from tqdm import tqdm
@@ -15,6 +16,18 @@ BAR_FORMAT = "{desc}  {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}, {rate_fm
 
 def is_terminal(stream) -> bool:
     return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def _width(stream) -> dict:
+    """tqdm fits the bar to the terminal's size; a pseudo-terminal that reports 0 columns or 0 lines
+    (``script``, ``docker -t`` without a size) would get no bar at all, so it gets 100 × 24."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        size = os.terminal_size((0, 0))
+    if size.columns > 0 and size.lines > 0:
+        return {"dynamic_ncols": True}
+    return {"ncols": size.columns or 100, "nrows": size.lines or 24}
 
 
 def _fmt(value, spec=".3f") -> str:
@@ -27,7 +40,7 @@ class RunProgress:
     def __init__(self, epochs: int, stream=None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.bar = tqdm(total=epochs, desc="run", unit="epoch", file=self.stream, disable=not is_terminal(self.stream),
-                        dynamic_ncols=True, bar_format=BAR_FORMAT)
+                        bar_format=BAR_FORMAT, **_width(self.stream))
         self.text = ""
 
     def __call__(self, row: dict) -> None:
@@ -52,8 +65,8 @@ class Progress:
         self.regimes = dict(regimes or {})
         self.running: dict[str, tuple[int, int]] = {}    # run id -> (epoch, horizon) of runs in flight
         self.bar = tqdm(total=total, initial=skipped, desc="sweep", unit="run", file=self.stream, smoothing=0,
-                        disable=not (enabled and is_terminal(self.stream)), dynamic_ncols=True,
-                        bar_format=BAR_FORMAT)
+                        disable=not (enabled and is_terminal(self.stream)),
+                        bar_format=BAR_FORMAT, **_width(self.stream))
 
     def reset_counts(self, total: int, skipped: int) -> None:
         """The grid's size and the runs finished before this sweep started (known once it is registered)."""
