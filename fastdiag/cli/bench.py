@@ -96,18 +96,11 @@ def bench_command(device, shapes, steps, ensembles, archs, members, workloads, n
                f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
     if kernel_rows:
         click.echo(bench.format_kernel_table(kernel_rows))
-    if step_rows:
-        click.echo()
-        click.echo(bench.format_step_table(step_rows))
-    if sdpa_rows:
-        click.echo()
-        click.echo(bench.format_sdpa_step_table(sdpa_rows))
-    if arch_rows:
-        click.echo()
-        click.echo(bench.format_arch_table(arch_rows))
-    if ensemble_rows:
-        click.echo()
-        click.echo(bench.format_ensemble_table(ensemble_rows))
+    for rows, table in ((step_rows, bench.format_step_table), (sdpa_rows, bench.format_sdpa_step_table),
+                        (arch_rows, bench.format_arch_table), (ensemble_rows, bench.format_ensemble_table)):
+        if rows:
+            click.echo()
+            click.echo(table(rows))
     if json_path:
         payload = {"machine": _machine(dev), "device": dev.type, "torch": torch.__version__,
                    "python": sys.version.split()[0], "date": datetime.now(timezone.utc).isoformat(),
