@@ -129,6 +129,12 @@ def _expand(first: list[int], count: list[int], device) -> torch.Tensor:
     return torch.repeat_interleave(first_t - start, count_t) + torch.arange(sum(count), device=device)
 
 
+def _log_of_counts(keys: int, device) -> torch.Tensor:
+    """``log max(n, 1)`` for key counts ``n = 0..keys``, float64: a row's count indexes it (a float64
+    log per row costs more than the rest of the final sums)."""
+    return torch.arange(keys + 1, dtype=torch.float64, device=device).clamp_min_(1).log_()
+
+
 def _segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Sums of consecutive runs of ``values`` (float64) of these ``lengths``."""
     totals = torch.cat([values.new_zeros(1), values.cumsum(0)])
@@ -146,7 +152,7 @@ class _Chunk:
         p, g, h, r, k = x.shape                                         # x: [P, G, H, R, K]
         self.p, self.h, self.k, self.rows = p, h, k, p * h * g * r
         self.keys_major = k < _SHORT_ROW_KEYS
-        order = (0, 2, 4, 1, 3) if self.keys_major else (0, 2, 1, 3, 4)
+        order = (0, 2, 4, 3, 1) if self.keys_major else (0, 2, 1, 3, 4)   # keys-major: batch innermost (faster copy)
         data = buffer[:x.numel()].view([x.shape[i] for i in order])
         if keep is None:
             data.copy_(x.permute(order))
@@ -163,8 +169,14 @@ class _Chunk:
         return buffer[:self.matrix.numel()].view(self.matrix.shape)
 
     def row_sums(self, t: torch.Tensor, ones: torch.Tensor, out: torch.Tensor) -> None:
-        if self.keys_major:
-            torch.sum(t, dim=1, out=out.view(self.p * self.h, -1))
+        if self.keys_major:                                            # key planes are contiguous: adds beat sum(dim=1)
+            sums = out.view(self.p * self.h, -1)
+            if self.k == 1:
+                sums.copy_(t[:, 0])
+            else:
+                torch.add(t[:, 0], t[:, 1], out=sums)
+            for key in range(2, self.k):
+                sums.add_(t[:, key])
         else:
             torch.mv(t, ones[:self.k], out=out)
 
@@ -183,15 +195,14 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
     then in float64 ``h = log n · (1 + e) − kl`` (see the module docstring)."""
     n, b, h, tq, tk = probs.shape
     device = probs.device
-    valid = _valid_rows(probs, query_mask)
+    valid = None if query_mask is None else _valid_rows(probs, query_mask)
     work_dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
     budget = _CHUNK_ELEMENTS.get(device.type, probs.numel())
     offset = causal_keys(tq, tk)
     work = dict(dtype=work_dtype, device=device)
     capacity = min(probs.numel(), max(budget, h * tk))                # one row may exceed the budget
-    data_buf, z_buf, sign_buf = (torch.empty(capacity, **work) for _ in range(3))
+    data_buf, z_buf = (torch.empty(capacity, **work) for _ in range(2))
     ones = torch.ones(tk, **work)
-    minus_one = torch.full((), -1.0, **work)
     zero = torch.zeros(1, **work)                                        # 1-d: where() then promotes bf16 to float32
     counts, excess, kl = (torch.empty(n * b * h * tq, **work) for _ in range(3))
     grams, gram_first, gram_count, in_range = [], [], [], []
@@ -228,10 +239,10 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
             c.row_sums(z, ones, excess[out])
             z.mul_(c.k)
         else:
-            nonzero = torch.sign(x2, out=c.like(sign_buf))
+            nonzero = torch.sign(x2, out=z)
             c.row_sums(nonzero, ones, counts[out])
             keys_n = c.per_row(counts[out]).clamp_min(1)                # rows without keys: z = 0
-            torch.sub(x2, nonzero.div_(keys_n), out=z)
+            torch.addcdiv(x2, nonzero, keys_n, value=-1, out=z)         # in place over the signs
             c.row_sums(z, ones, excess[out])
             z.mul_(keys_n)
         z.clamp_min_(_Z_FLOOR).log1p_().mul_(x2)                        # p log(n p), 0 where p = 0
@@ -240,26 +251,27 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
         seg_count.append(c.p * h)
         seg_rows.append(c.rows // (c.p * h))
         done += c.rows
+    if query_mask is None:
+        rows = torch.full((n,), b * tq, dtype=torch.float32, device=device)
+    else:
+        rows = valid.sum(dim=(1, 2)).to(torch.float32)
     f64 = dict(dtype=torch.float64, device=device)
+    if not grams:                                                       # no row sees a key
+        return torch.zeros(n, h, h, device=device), torch.zeros(n, h, **f64), rows, torch.zeros(n, device=device)
+    log_keys = _log_of_counts(tk, device).index_select(0, counts[:done].int())   # float64 log n, exact
+    row_entropy = torch.addcmul(log_keys, excess[:done].double(), log_keys).sub_(kl[:done])
+    if len(set(seg_rows)) == 1:                                         # e.g. one chunk (grokking)
+        seg_entropy = row_entropy.view(-1, seg_rows[0]).sum(-1)
+    else:
+        lengths = torch.tensor(seg_rows, dtype=torch.long, device=device).repeat_interleave(
+            torch.tensor(seg_count, dtype=torch.long, device=device))
+        seg_entropy = _segment_sums(row_entropy, lengths)
+    if gram_count == [n]:                                               # one chunk: problems 0..N-1 in order
+        return grams[0].float(), seg_entropy.view(n, h), rows, (~in_range[0]).float()
     gram, entropy = torch.zeros(n, h, h, **f64), torch.zeros(n * h, **f64)
     invalid = torch.zeros(n, dtype=torch.float32, device=device)
-    if grams:
-        keys_n = counts[:done].double().clamp_min_(1)
-        row_entropy = excess[:done].double().add_(1).mul_(keys_n.log_()).sub_(kl[:done])
-        if len(set(seg_rows)) == 1:                                     # e.g. one chunk (grokking)
-            seg_entropy = row_entropy.view(-1, seg_rows[0]).sum(-1)
-        else:
-            lengths = torch.tensor(seg_rows, dtype=torch.long, device=device).repeat_interleave(
-                torch.tensor(seg_count, dtype=torch.long, device=device))
-            seg_entropy = _segment_sums(row_entropy, lengths)
-        if len(grams) == 1:                                             # one chunk: problems 0..N-1 in order
-            gram += grams[0]
-            invalid += ~in_range[0]
-            entropy += seg_entropy
-        else:
-            owner = _expand(gram_first, gram_count, device)
-            gram.index_add_(0, owner, torch.cat(grams).double())
-            invalid.index_add_(0, owner, (~torch.cat(in_range)).float())
-            entropy.index_add_(0, _expand(seg_first, seg_count, device), seg_entropy)
-    rows = valid.sum(dim=(1, 2)).to(torch.float32)
+    owner = _expand(gram_first, gram_count, device)
+    gram.index_add_(0, owner, torch.cat(grams).double())
+    invalid.index_add_(0, owner, (~torch.cat(in_range)).float())
+    entropy.index_add_(0, _expand(seg_first, seg_count, device), seg_entropy)
     return gram.float(), entropy.view(n, h), rows, (invalid > 0).to(torch.float32)
