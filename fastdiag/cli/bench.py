@@ -13,6 +13,14 @@ import torch
 from fastdiag import bench
 
 
+def _status_line(msg: str) -> None:
+    """What is being measured: one rewritten line on a terminal; on a pipe (logs) a line per message."""
+    if sys.stderr.isatty():
+        click.echo(f"\r\033[K{msg}", nl=False, err=True)
+    elif msg:
+        click.echo(msg, err=True)
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,9 +70,7 @@ def bench_command(device, shapes, steps, ensembles, archs, members, workloads, n
     """Measure fastdiag's overhead against a pure-PyTorch reference (kernel) and per training step."""
     names = _known_names(shapes, bench.KERNEL_SHAPES, "--shapes", "shape")   # "" = no kernel rows
 
-    def progress(msg: str) -> None:
-        click.echo(f"\r\033[K{msg}", nl=False, err=True)
-
+    progress = _status_line
     if kernel_report:
         _kernel_report(names, json_path, progress)
         return
@@ -91,7 +97,7 @@ def bench_command(device, shapes, steps, ensembles, archs, members, workloads, n
     if ensembles:
         for workload in sweep_workloads:
             ensemble_rows.append(asdict(bench.bench_ensemble(dev, workload, members, progress=progress)))
-    click.echo("\r\033[K", nl=False, err=True)
+    _status_line("")
     click.echo(f"fastdiag bench — {_machine(dev)}, torch {torch.__version__}, "
                f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
     if kernel_rows:
@@ -116,7 +122,7 @@ def _kernel_report(names: list[str], json_path: str | None, progress) -> None:
         rows = bench.kernel_report(names, progress=progress)
     except (ImportError, RuntimeError) as e:
         raise click.ClickException(f"--kernel-report: {e}") from None
-    click.echo("\r\033[K", nl=False, err=True)
+    _status_line("")
     click.echo(f"fastdiag bench --kernel-report — compiled for sm_90 here, no GPU used, "
                f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
     click.echo(bench.format_kernel_report(rows))
