@@ -183,19 +183,36 @@ def table(runs: list[dict]) -> dict:
                  "final_s_bar": summary([r["result"]["final_s_bar"] for r in rs]),
                  "wall_s": summary([r["result"]["wall_seconds"] for r in rs])}
         for key in ("s_bar_init", "s_bar_mem", "s_bar_grok", "s_bar_peak_phase1", "s_bar_min_after_grok",
-                    "s_bar_min_epoch", "sigma_h_peak_after_grok", "sigma_h_peak_epoch", "epochs_after_grok"):
+                    "s_bar_min_epoch", "s_bar_top_after_grok", "s_bar_top_epoch", "s_bar_min_after_top",
+                    "s_bar_min_after_top_epoch", "sigma_h_peak_after_grok", "sigma_h_peak_epoch", "epochs_after_grok"):
             entry[key] = summary([r["phase"][key] for r in rs])
         out["per_lambda"][str(lam)] = entry
+    out["power_law"] = power_law_check(out["per_lambda"], by_lambda)
+    return out
+
+
+def power_law_check(per_lambda: dict, by_lambda: dict[float, list[dict]]) -> dict:
+    """For every λ below 1 (above the paper's λ_c): the paper's predicted t(λ)/t(1) (and its range over
+    the paper's CIs of λ_c and ν), our observed ratio of medians with the ν it implies (λ_c held fixed),
+    and the horizons of runs that did not grok — each a lower bound on t(λ)."""
     lc, nu = PAPER["lambda_c"], PAPER["nu"]
-    corners = [power_law_ratio(0.1, 1.0, a, b) for a in PAPER["lambda_c_ci"] for b in PAPER["nu_ci"]]
-    out["power_law"] = {"predicted_ratio_t0.1_over_t1": power_law_ratio(0.1, 1.0, lc, nu),
-                        "predicted_ratio_range_over_paper_cis": [min(corners), max(corners)]}
-    t1, t01 = (out["per_lambda"].get(k, {}).get("t_grok") for k in ("1.0", "0.1"))
-    if t1 and t01:
-        out["power_law"]["observed_ratio_of_medians"] = t01["median"] / t1["median"]
-        # Implied ν from the two medians with the paper's λ_c held fixed.
-        out["power_law"]["implied_nu"] = (math.log(t01["median"] / t1["median"])
-                                          / -math.log((0.1 - lc) / (1.0 - lc)))
+    t1 = per_lambda.get("1.0", {}).get("t_grok")
+    out = {}
+    for lam, runs in sorted(by_lambda.items()):
+        if not lc < lam < 1.0 or t1 is None:
+            continue
+        corners = [power_law_ratio(lam, 1.0, a, b) for a in PAPER["lambda_c_ci"] for b in PAPER["nu_ci"]]
+        check = {"predicted_ratio": power_law_ratio(lam, 1.0, lc, nu),
+                 "predicted_ratio_range_over_paper_cis": [min(corners), max(corners)],
+                 "predicted_t_grok": power_law_ratio(lam, 1.0, lc, nu) * t1["median"],
+                 "not_grokked_horizons": sorted(r["config"]["epochs"] for r in runs
+                                                if r["result"]["t_grok_epoch"] is None)}
+        t = per_lambda[str(lam)]["t_grok"]
+        if t:
+            ratio = t["median"] / t1["median"]
+            check |= {"grokked": t["n"], "observed_ratio_of_medians": ratio,
+                      "implied_nu": math.log(ratio) / -math.log((lam - lc) / (1.0 - lc))}
+        out[str(lam)] = check
     return out
 
 
@@ -210,17 +227,22 @@ def format_table(report: dict) -> list[str]:
                 lines.append(f"  {key:<24} n={v['n']:<2} median {v['median']:.4g}  IQR [{v['iqr'][0]:.4g}, "
                              f"{v['iqr'][1]:.4g}]  95% CI of median [{v['median_ci95'][0]:.4g}, "
                              f"{v['median_ci95'][1]:.4g}]  values {vals}")
-    pl = report["power_law"]
-    lines.append("power law t ∝ (λ − λ_c)^−ν, paper λ_c = 0.0158, ν = 0.757: predicted t(0.1)/t(1) = "
-                 f"{pl['predicted_ratio_t0.1_over_t1']:.3g} (paper CIs: {pl['predicted_ratio_range_over_paper_cis'][0]:.3g}"
-                 f"–{pl['predicted_ratio_range_over_paper_cis'][1]:.3g})"
-                 + (f"; observed ratio of medians {pl['observed_ratio_of_medians']:.3g}, implied ν "
-                    f"{pl['implied_nu']:.3g}" if "observed_ratio_of_medians" in pl else "; no λ = 0.1 runs"))
+    lines.append("power law t ∝ (λ − λ_c)^−ν, paper λ_c = 0.0158, ν = 0.757 (ratios to our median t_grok at λ = 1):")
+    for lam, c in report["power_law"].items():
+        lo, hi = c["predicted_ratio_range_over_paper_cis"]
+        line = (f"  λ = {float(lam):g}: predicted t(λ)/t(1) = {c['predicted_ratio']:.3g} ({lo:.3g}–{hi:.3g} over the "
+                f"paper's CIs), t ≈ {c['predicted_t_grok']:.0f} epochs")
+        if "observed_ratio_of_medians" in c:
+            line += (f"; observed {c['observed_ratio_of_medians']:.3g} (median of {c['grokked']} grokked run(s)), "
+                     f"implied ν {c['implied_nu']:.3g} with λ_c fixed")
+        if c["not_grokked_horizons"]:
+            line += f"; not grokked within {c['not_grokked_horizons']} epochs: {len(c['not_grokked_horizons'])} run(s)"
+        lines.append(line)
     return lines
 
 
 # ------------------------------------------------------------------ figure
-COLOURS = {0.001: "#0072b2", 0.1: "#009e73", 1.0: "#111111", 10.0: "#e69f00"}
+COLOURS = {0.001: "#0072b2", 0.05: "#cc79a7", 0.1: "#009e73", 1.0: "#111111", 10.0: "#e69f00"}
 
 
 def figure(runs: list[dict], out: Path, init: list[dict] | None = None) -> list[Path]:

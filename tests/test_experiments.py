@@ -281,3 +281,16 @@ def test_phase_values_reads_the_two_phase_landmarks():
     assert never["s_bar_init"] == 0.93 and never["s_bar_mem"] is None and never["s_bar_grok"] is None
     assert never["epochs_after_grok"] is None and never["s_bar_peak_phase1"] is None
     assert traj.phase_values([], 20, 40)["s_bar_init"] is None
+    # s̄ still climbing after t_grok (its lowest value after grokking is the first one) before a
+    # shallow Phase-2 fall: the trough is the bottom of that fall, not the climb's first point.
+    climb = {30: 0.845, 150: 0.883, 160: 0.896, 400: 0.97, 730: 0.984, 1100: 0.98, 1500: 0.961, 1600: 0.976}
+    v = traj.phase_values([{"epoch": e, "s_bar": x, "sigma_h": 0.01} for e, x in climb.items()], 30, 150)
+    assert (v["s_bar_min_after_grok"], v["s_bar_min_epoch"]) == (0.961, 1500) and v["s_bar_peak_phase1"] == 0.984
+    assert (v["s_bar_top_after_grok"], v["s_bar_top_epoch"], v["s_bar_min_after_top"]) == (0.984, 730, 0.961)
+    # A loss spike right after grokking (s̄ 0.94 → 0.90) is a larger fall than the slow Phase-2 one:
+    # the largest fall finds the spike, the fall after the top still reads Phase 2.
+    spiked = traj.phase_values([{"epoch": e, "s_bar": 0.94 if e == 150 else 0.90 if e == 160 else x}
+                                for e, x in climb.items()], 30, 150)
+    assert spiked["s_bar_min_epoch"] == 160 and spiked["s_bar_min_after_top_epoch"] == 1500
+    rising = traj.phase_values([{"epoch": e, "s_bar": x} for e, x in climb.items() if e <= 730], 30, 150)
+    assert rising["s_bar_min_after_grok"] is None and rising["s_bar_peak_phase1"] == 0.984

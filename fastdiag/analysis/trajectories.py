@@ -212,6 +212,16 @@ def phase2_peak_sigma_h(trace: Sequence[dict], t_grok_epoch: int | None) -> floa
     return max(values) if values else None
 
 
+def _largest_fall(rows: Sequence[dict]) -> dict | None:
+    """The row at the bottom of the largest fall of s̄ from any earlier row (None if s̄ never falls)."""
+    top, fall, bottom = -math.inf, 0.0, None
+    for r in rows:
+        top = max(top, r["s_bar"])
+        if top - r["s_bar"] > fall:
+            fall, bottom = top - r["s_bar"], r
+    return bottom
+
+
 def phase_values(trace: Sequence[dict], t_mem_epoch: int | None, t_grok_epoch: int | None) -> dict:
     """The paper's two-phase landmarks of one run (its Fig. 2: s̄ ≈ 0.93 → 0.995 → 0.88, σ_H peak
     ≈ 0.09–0.10), read off the trace rows with a finite value; a landmark the trace does not reach is
@@ -220,11 +230,16 @@ def phase_values(trace: Sequence[dict], t_mem_epoch: int | None, t_grok_epoch: i
     * ``s_bar_init``: s̄ of the first evaluation (with diag_every ≥ steps per epoch and eval_every 1
       that is the forward pass of step 0, the initialised model).
     * ``s_bar_mem`` / ``s_bar_grok``: s̄ at the evaluations of t_mem and t_grok.
-    * after grokking (rows with epoch > t_grok): ``s_bar_min_after_grok`` (Phase-2 trough) and
-      ``sigma_h_peak_after_grok`` (Phase-2 peak), each with its epoch; ``epochs_after_grok`` says
-      how far the trace reaches past t_grok (0 for a run stopped at grokking).
-    * ``s_bar_peak_phase1``: largest s̄ from t_mem up to the Phase-2 trough (or up to t_grok when
-      the run stopped there) — the top of the Phase-1 rise."""
+    * after grokking: ``s_bar_min_after_grok`` (Phase-2 trough), the bottom of the largest fall of
+      s̄ from an earlier value at or after t_grok (a run whose s̄ only rises after grokking has
+      none: the first evaluations after t_grok, where s̄ is still climbing, are not a trough), and
+      ``sigma_h_peak_after_grok`` (Phase-2 peak, largest σ_H after t_grok), each with its epoch;
+      ``epochs_after_grok`` says how far the trace reaches past t_grok (0 for a run stopped at
+      grokking). ``s_bar_top_after_grok`` (the highest s̄ after t_grok) and ``s_bar_min_after_top``
+      (the lowest after that top), each with its epoch, read the slow fall after the Phase-1 top
+      even where a short dip right after grokking (a loss spike) is the larger fall.
+    * ``s_bar_peak_phase1``: largest s̄ from t_mem up to the Phase-2 trough (to the end of the
+      trace when there is none, t_grok for a run stopped there) — the top of the Phase-1 rise."""
     rows = [r for r in trace if finite(r.get("epoch")) and finite(r.get("s_bar"))]
     at = {r["epoch"]: r for r in rows}
     out: dict = {"s_bar_init": rows[0]["s_bar"] if rows else None, "init_epoch": rows[0]["epoch"] if rows else None,
@@ -232,20 +247,29 @@ def phase_values(trace: Sequence[dict], t_mem_epoch: int | None, t_grok_epoch: i
                  "s_bar_grok": at[t_grok_epoch]["s_bar"] if t_grok_epoch in at else None,
                  "s_bar_min_after_grok": None, "s_bar_min_epoch": None,
                  "sigma_h_peak_after_grok": None, "sigma_h_peak_epoch": None,
-                 "epochs_after_grok": None, "s_bar_peak_phase1": None}
-    if t_grok_epoch is None:
+                 "epochs_after_grok": None, "s_bar_peak_phase1": None,
+                 "s_bar_top_after_grok": None, "s_bar_top_epoch": None,
+                 "s_bar_min_after_top": None, "s_bar_min_after_top_epoch": None}
+    if t_grok_epoch is None or not rows:
         return out
     after = [r for r in rows if r["epoch"] > t_grok_epoch]
     out["epochs_after_grok"] = (after[-1]["epoch"] - t_grok_epoch) if after else 0
-    if after:
-        trough = min(after, key=lambda r: r["s_bar"])
+    trough = _largest_fall([r for r in rows if r["epoch"] >= t_grok_epoch])
+    if trough is not None:
         out["s_bar_min_after_grok"], out["s_bar_min_epoch"] = trough["s_bar"], trough["epoch"]
+    if after:
+        top = max(after, key=lambda r: r["s_bar"])
+        out["s_bar_top_after_grok"], out["s_bar_top_epoch"] = top["s_bar"], top["epoch"]
+        later = [r for r in after if r["epoch"] > top["epoch"]]
+        if later:
+            low = min(later, key=lambda r: r["s_bar"])
+            out["s_bar_min_after_top"], out["s_bar_min_after_top_epoch"] = low["s_bar"], low["epoch"]
         with_h = [r for r in after if finite(r.get("sigma_h"))]
         if with_h:
             peak = max(with_h, key=lambda r: r["sigma_h"])
             out["sigma_h_peak_after_grok"], out["sigma_h_peak_epoch"] = peak["sigma_h"], peak["epoch"]
     if t_mem_epoch is not None:
-        end = out["s_bar_min_epoch"] if out["s_bar_min_epoch"] is not None else t_grok_epoch
+        end = out["s_bar_min_epoch"] if out["s_bar_min_epoch"] is not None else rows[-1]["epoch"]
         phase1 = [r["s_bar"] for r in rows if t_mem_epoch <= r["epoch"] <= end]
         out["s_bar_peak_phase1"] = max(phase1) if phase1 else None
     return out
