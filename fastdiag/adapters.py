@@ -58,6 +58,13 @@ def real_positions(hidden: torch.Tensor) -> torch.Tensor:
     return ~hidden.all(-2).all(1)
 
 
+def sink_logits(module) -> int | None:
+    """Heads of a module's attention-sink logits (a 1-D ``sinks`` tensor, one logit per head, which the
+    module concatenates to its scores as a last column before the softmax: Hugging Face gpt-oss), else None."""
+    sinks = getattr(module, "sinks", None)
+    return sinks.numel() if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 else None
+
+
 def as_bhqk(mask: torch.Tensor, lead: tuple, h: int, tq: int, tk: int) -> torch.Tensor:
     """A mask broadcastable to ``[*lead, H, Tq, Tk]`` as a 4-D view ``[B or 1, H or 1, Tq, Tk]``,
     copied only when ``lead`` has more than one dimension."""

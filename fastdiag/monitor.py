@@ -50,6 +50,7 @@ __all__ = ["Monitor", "attach"]
 HOW = {"zoo": "the module's own probabilities (records_head_stats)",
        "mha": "Q and K re-projected with the MultiheadAttention weights",
        "probabilities": "the softmax output the model used",
+       "probabilities with sink": "the softmax output the model used, over its keys and its attention-sink column",
        "sdpa": "re-derived from the SDPA call's Q, K, mask and scale"}
 _LOOKED_FOR = ("looked for fastdiag.models attention (class attribute records_head_stats), "
                "torch.nn.MultiheadAttention, modules whose class is named like attention, and, on a "
@@ -156,6 +157,7 @@ class Monitor:
         self._selected = self._select(layers, modules)
         self._kind = {name: "zoo" if adapters.is_zoo(m) else "mha"
                       for name, m in modules.items() if adapters.is_zoo(m) or adapters.is_mha(m)}
+        self._sinks = {name: sinks for name, m in modules.items() if (sinks := adapters.sink_logits(m)) is not None}
         named = {name for name, m in modules.items() if adapters.named_attention(m)}
         innermost = {n for n in named if not any(o.startswith(n + ".") for o in named if o != n)}
         self._expected = [n for n in modules if (n in self._kind or n in innermost) and n in self._selected]
@@ -335,13 +337,18 @@ class Monitor:
         if where is None:
             return
         name, cross = where
-        b, _, tq, tk = probs.shape
+        b, h, tq, tk = probs.shape
         hidden = adapters.masked(scores.detach())
+        # An attention sink (a per-head logit concatenated as the last score column, gpt-oss) is in the
+        # measured distribution, but it is no key: the padding rules read the real keys only.
+        sink = name in self._sinks and self._sinks[name] == h and tk > 1
+        if sink:
+            hidden = hidden[..., :-1]
         rows = adapters.sees_a_key(hidden)
-        if not cross and tq == tk:
+        if not cross and tq == hidden.shape[-1]:
             rows = self._with_padding(rows & adapters.real_positions(hidden), b, tq)
         self._add(name, adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend),
-                  "probabilities")
+                  "probabilities with sink" if sink else "probabilities")
 
     # ---- end of a pass: eager, outside any compiled graph ---------------------------------------
 

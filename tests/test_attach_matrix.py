@@ -73,6 +73,20 @@ ARCHS = {
                                              vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0,
                                              attention_dropout=0.0, activation_dropout=0.0),
              "BartModel", "seq2seq"),
+    "gemma3 (window 4)": (lambda: transformers.Gemma3TextConfig(**SMALL, num_key_value_heads=2, head_dim=8,
+                                                                 sliding_window=4, query_pre_attn_scalar=8),
+                          "Gemma3ForCausalLM", "causal"),
+    "gpt_oss (attention sinks, window 4)": (lambda: transformers.GptOssConfig(**SMALL, num_key_value_heads=2, head_dim=8,
+                                                                              num_local_experts=2, num_experts_per_tok=1,
+                                                                              sliding_window=4),
+                                            "GptOssForCausalLM", "causal"),
+    "modernbert (local window 4)": (lambda: transformers.ModernBertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=64, local_attention=4, global_attn_every_n_layers=2, attention_dropout=0.0,
+        pad_token_id=0), "ModernBertModel", "encoder"),
+    "deberta-v2 (disentangled relative attention)": (lambda: transformers.DebertaV2Config(
+        **SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, relative_attention=True,
+        pos_att_type=["p2c", "c2p"], max_relative_positions=8), "DebertaV2Model", "encoder"),
     "vit": (lambda: transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
                                            num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
                                            attention_probs_dropout_prob=0.0),
@@ -81,6 +95,9 @@ ARCHS = {
 
 
 INIT_STD = {"t5 (relative position bias)": 0.25}  # T5 does not scale its scores by 1/√d
+# Attention sinks: the softmax runs over the keys and one sink logit per head, and the model drops the
+# sink column before V (and from output_attentions); fastdiag measures the whole softmax.
+SINKS = {"gpt_oss (attention sinks, window 4)"}
 
 
 def build(arch: str, impl: str, seed: int = 0):
@@ -180,7 +197,11 @@ def reference(arch: str, model, batch: dict) -> list:
     result = []
     for probs, padded in layers:
         probs = probs.double()
-        rows = probs.sum(-1).sub(1).abs().lt(1e-6).all(1)       # rows that see some key, every head
+        if arch in SINKS:          # put back the sink column output_attentions dropped; its rows see a real key
+            rows = probs.sum(-1).gt(0).all(1)
+            probs = torch.cat([probs, 1 - probs.sum(-1, keepdim=True)], dim=-1)
+        else:
+            rows = probs.sum(-1).sub(1).abs().lt(1e-6).all(1)   # rows that see some key, every head
         if padded and mask is not None:
             rows = rows & mask.bool()
         result.append(fastdiag.head_stats(probs, rows, backend="reference"))
@@ -238,7 +259,8 @@ def measure(arch: str, impl: str, padded: bool):
     return row, problems
 
 
-NO_SDPA = ["gemma2 (softcap 5, window 4)", "bloom (alibi)"]  # transformers has no sdpa path for them
+NO_SDPA = ["gemma2 (softcap 5, window 4)", "bloom (alibi)", "gpt_oss (attention sinks, window 4)",
+           "deberta-v2 (disentangled relative attention)"]  # transformers has no sdpa path for them
 CASES = [(arch, impl, padded) for arch in ARCHS for impl in ("eager", "sdpa") for padded in (False, True)
          if not (padded and ARCHS[arch][2] == "vision") and not (impl == "sdpa" and arch in NO_SDPA)]
 
