@@ -87,6 +87,24 @@ ARCHS = {
     "deberta-v2 (disentangled relative attention)": (lambda: transformers.DebertaV2Config(
         **SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, relative_attention=True,
         pos_att_type=["p2c", "c2p"], max_relative_positions=8), "DebertaV2Model", "encoder"),
+    "llama4 (chunked attention 4, NoPE layer)": (lambda: transformers.Llama4TextConfig(
+        **SMALL, num_key_value_heads=2, head_dim=8, intermediate_size_mlp=64, num_local_experts=2,
+        attention_chunk_size=4, no_rope_layers=[1, 0]), "Llama4ForCausalLM", "causal"),
+    "cohere": (lambda: transformers.CohereConfig(**SMALL, num_key_value_heads=2), "CohereForCausalLM", "causal"),
+    "gptj": (lambda: transformers.GPTJConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                             rotary_dim=4, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+             "GPTJForCausalLM", "causal"),
+    "gpt_bigcode (multi-query)": (lambda: transformers.GPTBigCodeConfig(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, multi_query=True, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0), "GPTBigCodeForCausalLM", "causal"),
+    "mpt (alibi)": (lambda: transformers.MptConfig(d_model=32, n_heads=4, n_layers=2, vocab_size=VOCAB, max_seq_len=64,
+                                                   attn_config={"alibi": True, "attn_pdrop": 0}),
+                    "MptForCausalLM", "causal"),
+    "mbart": (lambda: transformers.MBartConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                               decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                               vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0,
+                                               attention_dropout=0.0, activation_dropout=0.0),
+              "MBartModel", "seq2seq"),
     "vit": (lambda: transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
                                            num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
                                            attention_probs_dropout_prob=0.0),
@@ -260,7 +278,7 @@ def measure(arch: str, impl: str, padded: bool):
 
 
 NO_SDPA = ["gemma2 (softcap 5, window 4)", "bloom (alibi)", "gpt_oss (attention sinks, window 4)",
-           "deberta-v2 (disentangled relative attention)"]  # transformers has no sdpa path for them
+           "deberta-v2 (disentangled relative attention)", "mpt (alibi)"]  # transformers has no sdpa path for them
 CASES = [(arch, impl, padded) for arch in ARCHS for impl in ("eager", "sdpa") for padded in (False, True)
          if not (padded and ARCHS[arch][2] == "vision") and not (impl == "sdpa" and arch in NO_SDPA)]
 
