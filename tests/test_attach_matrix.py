@@ -27,6 +27,9 @@ TOL = 1e-5          # relative, on s_l, σ_l and the model-level s̄, σ_H
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              vocab_size=VOCAB, max_position_embeddings=64)
 DROPOUT0 = dict(attention_dropout=0.0, hidden_dropout=0.0)
+BART_SMALL = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                  encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0,
+                  attention_dropout=0.0, activation_dropout=0.0)
 
 
 ARCHS = {
@@ -68,11 +71,7 @@ ARCHS = {
                                                                   num_heads=4, vocab_size=VOCAB, dropout_rate=0.0,
                                                                   relative_attention_num_buckets=8),
                                     "T5Model", "seq2seq"),
-    "bart": (lambda: transformers.BartConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                                             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                                             vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0,
-                                             attention_dropout=0.0, activation_dropout=0.0),
-             "BartModel", "seq2seq"),
+    "bart": (lambda: transformers.BartConfig(**BART_SMALL), "BartModel", "seq2seq"),
     "gemma3 (window 4)": (lambda: transformers.Gemma3TextConfig(**SMALL, num_key_value_heads=2, head_dim=8,
                                                                  sliding_window=4, query_pre_attn_scalar=8),
                           "Gemma3ForCausalLM", "causal"),
@@ -100,11 +99,7 @@ ARCHS = {
     "mpt (alibi)": (lambda: transformers.MptConfig(d_model=32, n_heads=4, n_layers=2, vocab_size=VOCAB, max_seq_len=64,
                                                    attn_config={"alibi": True, "attn_pdrop": 0}),
                     "MptForCausalLM", "causal"),
-    "mbart": (lambda: transformers.MBartConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                                               decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                                               vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0,
-                                               attention_dropout=0.0, activation_dropout=0.0),
-              "MBartModel", "seq2seq"),
+    "mbart": (lambda: transformers.MBartConfig(**BART_SMALL), "MBartModel", "seq2seq"),
     "vit": (lambda: transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
                                            num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
                                            attention_probs_dropout_prob=0.0),
