@@ -10,25 +10,22 @@ bench`) or ``dense`` (no zero key: nothing to skip). Each sample repeats a call 
 of this process (on a machine shared with other jobs, CPU time is the steadier of the two), then the
 median over repeats of the per-repeat ratios, by CPU time and (in brackets) by wall time (issue 14)."""
 import statistics
-import subprocess
 import sys
 import time
 import types
-from pathlib import Path
 
 import torch
 
 from fastdiag.bench import KERNEL_SHAPES
 from fastdiag.kernels.head_stats_ref import head_stats_ref, head_stats_torch
 from fastdiag.testing import random_probs
+from history import source_at
 
 
 def old_module(commit: str) -> types.ModuleType:
-    root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "show", f"{commit}:kernels/head_stats_ref.py"], cwd=root,
-                            capture_output=True, text=True, check=True).stdout
+    source, path = source_at(commit, "kernels/head_stats_ref.py")
     module = types.ModuleType("old_head_stats_ref")
-    exec(compile(source, f"{commit}:kernels/head_stats_ref.py", "exec"), module.__dict__)
+    exec(compile(source, f"{commit}:{path}", "exec"), module.__dict__)
     return module
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.build import build_model
 from fastdiag.models import count_parameters
+from history import source_at
 
 MODELS = {"transformer": dict(), "transformer-0.96M": dict(preset="custom", d_ff=648), "mamba": dict(arch="mamba")}
 
@@ -33,8 +34,7 @@ MODELS = {"transformer": dict(), "transformer-0.96M": dict(preset="custom", d_ff
 def build(name: str, before: str | None):
     torch.manual_seed(0)
     if name == "mamba-before":
-        source = subprocess.run(["git", "show", f"{before}:models/mamba.py"], capture_output=True, text=True,
-                                check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+        source, _ = source_at(before, "models/mamba.py")
         path = Path(tempfile.mkdtemp()) / "mamba_before.py"
         path.write_text(source)
         spec = importlib.util.spec_from_file_location("mamba_before", path)

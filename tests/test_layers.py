@@ -16,8 +16,8 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Import name → folder, as pyproject's package-dir installs them.
-SOURCES = {"fastdiag": ROOT / "fastdiag", "fastdiag.kernels": ROOT / "kernels", "fastdiag.models": ROOT / "models"}
+# Import name → folder.
+SOURCES = {"fastdiag": ROOT / "fastdiag"}
 
 # Layer → the layers it may import (itself included). Anything in fastdiag not named below is the core.
 ALLOWED = {
@@ -57,10 +57,7 @@ def find_modules(sources: dict[str, Path]) -> dict[str, Path]:
             parts = list(path.relative_to(folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
-            name = ".".join([package, *parts])
-            if any(name.startswith(p + ".") for p in sources if p != package and p.startswith(package + ".")):
-                continue                  # e.g. a stray fastdiag/kernels folder shadowing kernels/
-            modules[name] = path
+            modules[".".join([package, *parts])] = path
     return modules
 
 
@@ -98,12 +95,9 @@ def violations(sources: dict[str, Path] = SOURCES) -> list[str]:
         layer = layer_of(name)
         for target, line, top in _imports(name, path, modules):
             where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line}"
-            if not target.startswith("fastdiag") and target.split(".")[0] not in ("kernels", "models"):
+            if not target.startswith("fastdiag"):
                 if target.split(".")[0] in FORBIDDEN.get(layer, ()):
                     problems.append(f"{where}: {name} ({layer}) imports {target}")
-                continue
-            if target.split(".")[0] in ("kernels", "models"):
-                problems.append(f"{where}: {name} imports {target}; use fastdiag.{target}")
                 continue
             while target not in modules and "." in target:
                 target = target.rsplit(".", 1)[0]
@@ -185,12 +179,11 @@ def test_checker_finds_every_kind_of_violation(tmp_path):
         "fastdiag/analysis/__init__.py": "import torch\nfrom fastdiag.sweep import run\n",  # torch, sweep
         "fastdiag/cli/__init__.py": "",
         "fastdiag/cli/app.py": "def main():\n    from fastdiag import stats\n",           # allowed in cli
-        "models/__init__.py": "from . import lstm\n",
-        "models/lstm.py": "from fastdiag.cli import app\n",                                # models → cli
-        "kernels/__init__.py": "",
+        "fastdiag/models/__init__.py": "from . import lstm\n",
+        "fastdiag/models/lstm.py": "from fastdiag.cli import app\n",                       # models → cli
+        "fastdiag/kernels/__init__.py": "",
     })
-    sources = {"fastdiag": tmp_path / "fastdiag", "fastdiag.kernels": tmp_path / "kernels",
-               "fastdiag.models": tmp_path / "models"}
+    sources = {"fastdiag": tmp_path / "fastdiag"}
     text = "\n".join(violations(sources))
     expected = [
         "fastdiag.stats (core) imports fastdiag.grokking.train (grokking)",

@@ -1,0 +1,15 @@
+"""A source file of this repository as of an older commit, for the before/after benchmarks."""
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def source_at(commit: str, path: str) -> tuple[str, str]:
+    """(text, path in that commit) of ``fastdiag/<path>``, or of ``<path>`` in commits from before
+    ``kernels/`` and ``models/`` moved under ``fastdiag/``."""
+    for candidate in (f"fastdiag/{path}", path):
+        shown = subprocess.run(["git", "show", f"{commit}:{candidate}"], cwd=ROOT, capture_output=True, text=True)
+        if shown.returncode == 0:
+            return shown.stdout, candidate
+    raise SystemExit(f"{path}: not in commit {commit} (as fastdiag/{path} or {path})")
