@@ -188,7 +188,8 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
     """Fast path: one chunked pass over P (cache-sized chunks: Gram, range check, entropy), float64
     final sums. ``causal``: keys after the causal diagonal are zero and are not read. Without the hint
     a chunk's keys after its last row's diagonal are skipped too when they are all exactly zero (one
-    read), so causal P takes the same path, and gives the same numbers, with and without the hint.
+    read; on the CPU, where reading a value costs no device sync), so causal P takes the same path, and
+    gives the same numbers, with and without the hint.
 
     Per chunk, for rows of ``n`` non-zero keys (all ``K`` when the chunk holds no zero), in float32:
     ``z = p − 1/n`` on the non-zero keys (0 elsewhere), ``e = Σ z`` and ``kl = Σ p log1p(n z)``;
@@ -199,6 +200,9 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
     work_dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
     budget = _CHUNK_ELEMENTS.get(device.type, probs.numel())
     offset = causal_keys(tq, tk)
+    # Branches on the data (a zero check, a dense-chunk shortcut) read values on the host: on the CPU
+    # only — on a GPU that would sync every call, and a compiled graph cannot branch on data.
+    read_data = device.type == "cpu" and not torch.compiler.is_compiling()
     work = dict(dtype=work_dtype, device=device)
     capacity = min(probs.numel(), max(budget, h * tk))                # one row may exceed the budget
     data_buf, z_buf = (torch.empty(capacity, **work) for _ in range(2))
@@ -213,8 +217,7 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
         problems, batch, r0, rows = queue.pop()
         keys = max(0, min(tk, r0 + rows + offset))                      # the last row's visible keys
         x = probs[problems, batch, :, r0:r0 + rows]                     # [P, G, H, R, Tk]
-        # Under torch.compile (attach) no data-dependent branch: every key is read.
-        if keys < tk and not causal and (torch.compiler.is_compiling() or not _zero(x[..., keys:])):
+        if keys < tk and not causal and (not read_data or not _zero(x[..., keys:])):
             dense_rows = _chunk_rows(budget, h, r0, tq, tk, offset, causal=False)
             if dense_rows < rows:                                       # sized for causal rows: too large
                 queue += [(problems, batch, r0 + dense_rows, rows - dense_rows), (problems, batch, r0, dense_rows)]
@@ -233,7 +236,7 @@ def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None
         out = slice(done, done + c.rows)
         # z = p − 1/n is exact (Sterbenz) on the non-zero keys, so Σ z = Σp − 1 keeps every digit, and
         # n z = n p − 1 is exact to float32 rounding of a small number: log1p(n z) = log(n p).
-        if not torch.compiler.is_compiling() and lo.min().item() > 0:   # no zero: every row has K keys
+        if read_data and lo.min().item() > 0:                           # no zero: every row has K keys
             counts[out].fill_(c.k)
             torch.sub(x2, 1.0 / c.k, out=z)
             c.row_sums(z, ones, excess[out])
