@@ -5,8 +5,10 @@ Inputs live inside buffers padded with +inf, so an out-of-bounds read turns into
 """
 import itertools
 import os
+import zlib
 
 import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -94,7 +96,8 @@ def _assert_close(got, ref, tol):
 def test_matches_float64_reference(backend, kind, heads, shape):
     _check_backend(backend)
     (h, hk), (b, tq, tk, d) = heads, shape
-    gen = torch.Generator().manual_seed(hash((kind, heads, shape)) % 10_000)
+    # a stable seed per case: Python's hash() of strings changes with every process (PYTHONHASHSEED)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, heads, shape)).encode()) % 10_000)
     q, k = _qk(b, h, hk, tq, tk, d, torch.float32, gen)
     mask, causal = _mask(kind, b, h, tq, tk, gen)
     scale = 0.7 / d ** 0.5
