@@ -171,7 +171,7 @@ def test_mamba_mixer_has_mamba_ssm_parameter_names_and_shapes():
 
 
 def _recurrent_reference(mixer, x):
-    """Step-by-step float64 recurrence (mamba-ssm's `step` semantics), independent of selective_scan."""
+    """Step-by-step float64 recurrence (mamba-ssm's `step` semantics), independent of selective_scan_fn."""
     p = {k: v.detach().to(torch.float64) for k, v in mixer.state_dict().items()}
     x = x.to(torch.float64)
     b, L, _ = x.shape
@@ -223,58 +223,7 @@ def test_mamba_state_dict_roundtrip():
     torch.testing.assert_close(a(idx), b(idx))
 
 
-# ---- selective_scan against mamba-ssm's selective_scan_ref ------------------------------------------
-
-def _selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                        return_last_state=False):
-    """mamba-ssm's ``selective_scan_ref`` (mamba_ssm/ops/selective_scan_interface.py, 2.3.2.post1 and
-    main), copied line by line for real A, computing in float64 where it computes in float32 and with
-    einops' rearrange/repeat written as torch views."""
-    dtype_in = u.dtype
-    u = u.double()
-    delta = delta.double()
-    if delta_bias is not None:
-        delta = delta + delta_bias[..., None].double()
-    if delta_softplus:
-        delta = F.softplus(delta)
-    batch, dim, dstate = u.shape[0], A.shape[0], A.shape[1]
-    is_variable_B = B.dim() >= 3
-    is_variable_C = C.dim() >= 3
-    B = B.double()
-    C = C.double()
-    x = A.new_zeros((batch, dim, dstate))
-    ys = []
-    deltaA = torch.exp(torch.einsum('bdl,dn->bdln', delta, A))
-    if not is_variable_B:
-        deltaB_u = torch.einsum('bdl,dn,bdl->bdln', delta, B, u)
-    else:
-        if B.dim() == 3:
-            deltaB_u = torch.einsum('bdl,bnl,bdl->bdln', delta, B, u)
-        else:
-            B = B.repeat_interleave(dim // B.shape[1], dim=1)
-            deltaB_u = torch.einsum('bdl,bdnl,bdl->bdln', delta, B, u)
-    if is_variable_C and C.dim() == 4:
-        C = C.repeat_interleave(dim // C.shape[1], dim=1)
-    last_state = None
-    for i in range(u.shape[2]):
-        x = deltaA[:, :, i] * x + deltaB_u[:, :, i]
-        if not is_variable_C:
-            y = torch.einsum('bdn,dn->bd', x, C)
-        else:
-            if C.dim() == 3:
-                y = torch.einsum('bdn,bn->bd', x, C[:, :, i])
-            else:
-                y = torch.einsum('bdn,bdn->bd', x, C[:, :, :, i])
-        if i == u.shape[2] - 1:
-            last_state = x
-        ys.append(y)
-    y = torch.stack(ys, dim=2)  # (batch dim L)
-    out = y if D is None else y + u * D[:, None]
-    if z is not None:
-        out = out * F.silu(z)
-    out = out.to(dtype=dtype_in)
-    return out if not return_last_state else (out, last_state)
-
+# ---- selective_scan_fn against selective_scan_ref (mamba-ssm's reference, in float64) ------------------------------------------
 
 def _scan_inputs(b, d, n, l, seed, dtype=torch.float64, softplus=True):
     g = torch.Generator().manual_seed(seed)
@@ -304,8 +253,8 @@ def test_selective_scan_matches_mamba_ssm_reference(use_D, use_z, use_bias, soft
                   delta_bias=args["delta_bias"] if use_bias else None, delta_softplus=softplus,
                   return_last_state=last)
     pos = [args[k] for k in ("u", "delta", "A", "B", "C")]
-    got = M.selective_scan(*pos, **kwargs)
-    want = _selective_scan_ref(*pos, **kwargs)
+    got = M.selective_scan_fn(*pos, **kwargs)
+    want = M.selective_scan_ref(*pos, **kwargs)
     got, want = (got, want) if last else ((got,), (want,))
     assert len(got) == len(want)
     for g, w in zip(got, want):
@@ -322,20 +271,20 @@ def test_selective_scan_matches_mamba_ssm_reference(use_D, use_z, use_bias, soft
 def test_selective_scan_defaults_are_mamba_ssm_defaults():
     x = _scan_inputs(3, 4, 2, 3, seed=11)
     pos = [x[k] for k in ("u", "delta", "A", "B", "C")]
-    torch.testing.assert_close(M.selective_scan(*pos), _selective_scan_ref(*pos), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(M.selective_scan_fn(*pos), M.selective_scan_ref(*pos), rtol=1e-12, atol=1e-12)
     # the default is no softplus: with it the same call gives a different answer
-    assert not torch.allclose(M.selective_scan(*pos), M.selective_scan(*pos, delta_softplus=True))
+    assert not torch.allclose(M.selective_scan_fn(*pos), M.selective_scan_fn(*pos, delta_softplus=True))
 
 
 def test_selective_scan_float32_and_bfloat16_compute_in_float32_like_mamba_ssm():
     x = _scan_inputs(5, 8, 4, 3, seed=12)
-    want = _selective_scan_ref(*(x[k] for k in ("u", "delta", "A", "B", "C")), D=x["D"], z=x["z"],
+    want = M.selective_scan_ref(*(x[k] for k in ("u", "delta", "A", "B", "C")), D=x["D"], z=x["z"],
                                delta_softplus=True)
-    got = M.selective_scan(*(x[k].float() for k in ("u", "delta", "A", "B", "C")), D=x["D"].float(),
+    got = M.selective_scan_fn(*(x[k].float() for k in ("u", "delta", "A", "B", "C")), D=x["D"].float(),
                            z=x["z"].float(), delta_softplus=True)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    low = M.selective_scan(*(x[k].bfloat16() for k in ("u", "delta")), *(x[k].float() for k in ("A", "B", "C")))
+    low = M.selective_scan_fn(*(x[k].bfloat16() for k in ("u", "delta")), *(x[k].float() for k in ("A", "B", "C")))
     assert low.dtype == torch.bfloat16
 
 
@@ -343,13 +292,13 @@ def test_selective_scan_says_where_it_differs_from_mamba_ssm():
     x = _scan_inputs(2, 4, 3, 3, seed=13)
     u, delta, A, B, C = (x[k] for k in ("u", "delta", "A", "B", "C"))
     with pytest.raises(ValueError, match="B: expected a \\[batch, d_state, seqlen\\]"):
-        M.selective_scan(u, delta, A, torch.randn(4, 3, dtype=torch.float64), C)      # constant B [d, n]
+        M.selective_scan_fn(u, delta, A, torch.randn(4, 3, dtype=torch.float64), C)      # constant B [d, n]
     with pytest.raises(ValueError, match="C: expected"):
-        M.selective_scan(u, delta, A, B, C[:, None])                                    # grouped C
+        M.selective_scan_fn(u, delta, A, B, C[:, None])                                    # grouped C
     with pytest.raises(TypeError, match="complex A"):
-        M.selective_scan(u, delta, A.to(torch.complex128), B, C)
+        M.selective_scan_fn(u, delta, A.to(torch.complex128), B, C)
     with pytest.raises(ValueError, match="D: expected shape \\[4\\]"):
-        M.selective_scan(u, delta, A, B, C, D=torch.ones(5, dtype=torch.float64))
+        M.selective_scan_fn(u, delta, A, B, C, D=torch.ones(5, dtype=torch.float64))
 
 
 # ---- mamba-ssm detection --------------------------------------------------------------------------

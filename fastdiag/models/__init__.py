@@ -12,15 +12,15 @@ import dataclasses
 import torch.nn as nn
 
 from .lstm import LSTM, LSTMConfig
-from .mamba import (MambaConfig, MambaLM, SelectiveSSM, mamba_ssm_available, mamba_ssm_missing, selective_scan,
-                    selective_scan_members)
+from .mamba import (MambaConfig, MambaLM, SelectiveSSM, mamba_ssm_available, mamba_ssm_missing,
+                    selective_scan_fn, selective_scan_members, selective_scan_ref)
 from .mlp import MLP, MLPConfig
 from .transformer import PRESETS, CausalSelfAttention, Transformer, TransformerConfig
 
 __all__ = [
     "ARCHS", "PRESETS", "build", "attention_modules",
     "count_parameters", "Transformer", "TransformerConfig", "CausalSelfAttention", "MLP", "MLPConfig",
-    "LSTM", "LSTMConfig", "MambaLM", "MambaConfig", "SelectiveSSM", "selective_scan",
+    "LSTM", "LSTMConfig", "MambaLM", "MambaConfig", "SelectiveSSM", "selective_scan_fn", "selective_scan_ref",
     "mamba_ssm_available", "mamba_ssm_missing", "selective_scan_members",
 ]
 

@@ -78,9 +78,10 @@ def use_mamba_ssm(device) -> bool:
     return missing is None
 
 
-def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   return_last_state=False):
-    """mamba-ssm's ``selective_scan_ref``: same signature, defaults and results, on any device.
+def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                      return_last_state=False):
+    """The fast selective scan, in the place of mamba-ssm's ``selective_scan_fn``: same signature, defaults
+    and results as ``selective_scan_ref`` (below), on any device.
 
     u, delta, z: ``[b, d, l]``; A: ``[d, n]``; B, C: ``[b, n, l]``; D, delta_bias: ``[d]``.
     Δ = softplus(delta + delta_bias) (softplus only with ``delta_softplus=True``),
@@ -119,13 +120,65 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     return (y, out[1][0]) if return_last_state else y
 
 
+def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                       return_last_state=False):
+    """mamba-ssm's ``selective_scan_ref`` (mamba_ssm/ops/selective_scan_interface.py, 2.3.2.post1 and
+    main), copied line by line for real A, computing in float64 where it computes in float32 and with
+    einops' rearrange/repeat written as torch views: the ground truth ``selective_scan_fn`` is tested
+    against. Slow (one einsum per step, every intermediate kept for autograd); not for training."""
+    dtype_in = u.dtype
+    u = u.double()
+    delta = delta.double()
+    if delta_bias is not None:
+        delta = delta + delta_bias[..., None].double()
+    if delta_softplus:
+        delta = F.softplus(delta)
+    batch, dim, dstate = u.shape[0], A.shape[0], A.shape[1]
+    is_variable_B = B.dim() >= 3
+    is_variable_C = C.dim() >= 3
+    B = B.double()
+    C = C.double()
+    x = A.new_zeros((batch, dim, dstate))
+    ys = []
+    deltaA = torch.exp(torch.einsum('bdl,dn->bdln', delta, A))
+    if not is_variable_B:
+        deltaB_u = torch.einsum('bdl,dn,bdl->bdln', delta, B, u)
+    else:
+        if B.dim() == 3:
+            deltaB_u = torch.einsum('bdl,bnl,bdl->bdln', delta, B, u)
+        else:
+            B = B.repeat_interleave(dim // B.shape[1], dim=1)
+            deltaB_u = torch.einsum('bdl,bdnl,bdl->bdln', delta, B, u)
+    if is_variable_C and C.dim() == 4:
+        C = C.repeat_interleave(dim // C.shape[1], dim=1)
+    last_state = None
+    for i in range(u.shape[2]):
+        x = deltaA[:, :, i] * x + deltaB_u[:, :, i]
+        if not is_variable_C:
+            y = torch.einsum('bdn,dn->bd', x, C)
+        else:
+            if C.dim() == 3:
+                y = torch.einsum('bdn,bn->bd', x, C[:, :, i])
+            else:
+                y = torch.einsum('bdn,bdn->bd', x, C[:, :, :, i])
+        if i == u.shape[2] - 1:
+            last_state = x
+        ys.append(y)
+    y = torch.stack(ys, dim=2)  # (batch dim L)
+    out = y if D is None else y + u * D[:, None]
+    if z is not None:
+        out = out * F.silu(z)
+    out = out.to(dtype=dtype_in)
+    return out if not return_last_state else (out, last_state)
+
+
 def _shape(x) -> str:
     return f"shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def selective_scan_members(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                            return_last_state=False):
-    """`selective_scan` of K independent models at once, channels last (the layout of a mixer's
+    """`selective_scan_fn` of K independent models at once, channels last (the layout of a mixer's
     activations): u, delta, z ``[K, b, l, d]``; A ``[K, d, n]``; B, C ``[K, b, l, n]``; D, delta_bias
     ``[K, d]``. Member k sees only its own tensors. Returns y ``[K, b, l, d]`` (and h_{l-1} ``[K, b, d, n]``)."""
     compute = torch.float64 if u.dtype == torch.float64 else torch.float32
