@@ -14,7 +14,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from fastdiag.grokking.config import ANTI_GROK_BELOW, GROKKED
+from fastdiag.grokking.config import GROKKED
+from fastdiag.grokking.labels import anti_grok_epoch, first_epoch_at_or_above
 
 
 STAGES = ("coordination", "differentiation", "re-synchronisation", "second differentiation", "collapse")
@@ -33,36 +34,20 @@ def _moving_average(y: np.ndarray, window: int) -> np.ndarray:
     return np.convolve(padded, kernel, mode="valid")
 
 
-def _collapse_index(test_acc: list[float | None], grok_index: int | None, below: float,
-                    persist: float = 0.75) -> int | None:
-    """First evaluation after grokking with test accuracy < ``below`` from which at least ``persist``
-    of the remaining evaluations are also below ``below`` (a collapse that lasts, not a dip)."""
-    if grok_index is None:
-        return None
-    acc = np.array([a if finite(a) else np.nan for a in test_acc], float)
-    low = acc < below
-    n = len(acc)
-    # fraction of evaluations from i to the end that are low
-    tail_low = np.cumsum(low[::-1])[::-1] / (n - np.arange(n))
-    for i in range(grok_index + 1, n):
-        if low[i] and tail_low[i] >= persist:
-            return i
-    return None
-
-
 def segment_stages(trace: Sequence[dict], *, grok_threshold: float = 0.99, n_grid: int = 256,
                    smooth_decades: float = 0.1, rate_threshold: float = 0.5, min_decades: float = 0.05,
                    min_change: float = 0.25, min_span_decades: float = 1.5,
-                   collapse_below: float = ANTI_GROK_BELOW, floors: tuple[float, float] = (0.02, 0.01)) -> dict:
+                   floors: tuple[float, float] = (0.02, 0.01)) -> dict:
     """Segment one trajectory into the paper's stages.
 
     The rule (all on a log-epoch axis, as the paper plots it):
 
     1. Use the evaluations with epoch > 0 and finite s̄ and σ_H; the trajectory must span at least
        ``min_span_decades`` decades of epochs (else ``stages`` is empty and ``note`` says why).
-    2. **Collapse** starts at the first evaluation after grokking (test accuracy ≥ ``grok_threshold``)
-       whose test accuracy is below ``collapse_below`` (0.5, the anti-grok mark) and from which at
-       least 75 % of the remaining evaluations are also below it. It lasts to the end.
+    2. **Collapse** starts where the run's anti-grokking starts — the rule of the ``anti-grok`` label,
+       ``fastdiag.grokking.labels.anti_grok_epoch``, read on every evaluation with a test accuracy
+       (a sustained fall below 0.5 after grokking; one definition, so a run segmented with a
+       collapse stage is exactly a run labelled ``anti-grok``). It lasts to the end.
     3. Before the collapse, s̄ and σ_H are interpolated linearly in log10(epoch) onto ``n_grid``
        evenly spaced points, smoothed by a centred moving average ``smooth_decades`` wide, and
        differentiated in log10(epoch). Each rate is divided by the range of its smoothed series
@@ -85,8 +70,7 @@ def segment_stages(trace: Sequence[dict], *, grok_threshold: float = 0.99, n_gri
             and finite(r.get("s_bar")) and finite(r.get("sigma_h"))]
     params = dict(grok_threshold=grok_threshold, n_grid=n_grid, smooth_decades=smooth_decades,
                   rate_threshold=rate_threshold, min_decades=min_decades, min_change=min_change,
-                  min_span_decades=min_span_decades,
-                  collapse_below=collapse_below, floors=list(floors))
+                  min_span_decades=min_span_decades, floors=list(floors))
     out = {"stages": [], "t_grok_epoch": None, "collapse_epoch": None, "note": None, "params": params}
     if len(rows) < 8:
         out["note"] = f"too short: {len(rows)} evaluations with s̄ and σ_H (need 8)"
@@ -98,10 +82,10 @@ def segment_stages(trace: Sequence[dict], *, grok_threshold: float = 0.99, n_gri
         out["note"] = (f"too short: spans {span:.2f} decades of epochs ({epochs[0]:g}–{epochs[-1]:g}), "
                        f"need {min_span_decades:g}")
         return out
-    test_acc = [r.get("test_acc") for r in rows]
-    grok_index = next((i for i, a in enumerate(test_acc) if finite(a) and a >= grok_threshold), None)
-    out["t_grok_epoch"] = int(epochs[grok_index]) if grok_index is not None else None
-    collapse = _collapse_index(test_acc, grok_index, collapse_below)
+    out["t_grok_epoch"] = first_epoch_at_or_above(trace, "test_acc", grok_threshold)
+    collapse_epoch = anti_grok_epoch(trace, grok_threshold)
+    # index of the first evaluation with diagnostics at or after the collapse's start
+    collapse = None if collapse_epoch is None else int(np.searchsorted(epochs, collapse_epoch))
     end = collapse if collapse is not None else len(rows)
     stages: list[dict] = []
     notes: list[str] = []
@@ -145,8 +129,9 @@ def segment_stages(trace: Sequence[dict], *, grok_threshold: float = 0.99, n_gri
             st["start_epoch"] = _nearest_epoch(epochs, 10 ** u[st.pop("a")])
             st["end_epoch"] = _nearest_epoch(epochs, 10 ** u[st.pop("b")])
     if collapse is not None:
-        out["collapse_epoch"] = int(epochs[collapse])
-        stages.append({"stage": "collapse", "start_epoch": int(epochs[collapse]), "end_epoch": int(epochs[-1])})
+        out["collapse_epoch"] = int(collapse_epoch)
+        last_epoch = max(r["epoch"] for r in trace if finite(r.get("epoch")))
+        stages.append({"stage": "collapse", "start_epoch": int(collapse_epoch), "end_epoch": int(last_epoch)})
     out["stages"] = stages
     if not stages:
         notes.append("no stage found")

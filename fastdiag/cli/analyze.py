@@ -167,12 +167,12 @@ def format_report(report: dict) -> str:
                 lines.append(f"  {name} = {_fmt(nu['nu'], 3)}  95% CI [{_fmt(nu['ci'][0], 3)}, "
                              f"{_fmt(nu['ci'][1], 3)}]  amplitude {_fmt(nu['amplitude'], 3)} epochs  "
                              f"({nu['n']} grokked runs above λ_c, {nu['n_boot_ok']}/{nu['n_boot']} resamples)")
-        header = f"  {'λ':>10} {'runs':>5} {'grok':>5} {'memor.':>6} {'collapse':>8} {'anti-grok':>9} " \
+        header = f"  {'λ':>10} {'runs':>5} {'grok':>5} {'memor.':>6} {'collapse':>8} {'no-fit':>6} {'anti-grok':>9} " \
                  f"{'diverged':>8} {'median t_grok (epochs)':>22}"
         lines.append(header)
         for row in g["regimes"]:
             lines.append(f"  {row['lambda']:>10.4g} {row['n']:>5} {row['grok']:>5} {row['memorization']:>6} "
-                         f"{row['collapse']:>8} {row['anti-grok']:>9} {row['diverged']:>8} "
+                         f"{row['collapse']:>8} {row['no-fit']:>6} {row['anti-grok']:>9} {row['diverged']:>8} "
                          f"{_fmt(row['median_t_grok']):>22}")
     if report["failed_runs"]:
         lines.append("")

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 ARCHS = ("transformer", "mlp", "lstm", "mamba")
 OPS = ("+", "-", "*", "/")
 
-# How a run ended: grokked (test accuracy reached the threshold), grokked then lost it (test accuracy
-# fell below ANTI_GROK_BELOW), memorised only, learned nothing, or a non-finite loss or weight norm.
-REGIMES = ("grok", "memorization", "collapse", "anti-grok", "diverged")
+# How a run ended: grokked (test accuracy reached the threshold), grokked then lost it for good,
+# memorised only, never fit the training set with identical heads (collapse) or without (no-fit), or a
+# non-finite loss or weight norm. The rules and their thresholds: fastdiag/grokking/labels.py.
+REGIMES = ("grok", "memorization", "collapse", "no-fit", "anti-grok", "diverged")
 GROKKED = ("grok", "anti-grok")          # reached t_grok within the horizon
-ANTI_GROK_BELOW = 0.5                    # test accuracy that, after grokking, marks an anti-grok run
 
 # The causal interventions at the Phase-2 peak: the arms, and the per-arm metrics (the tested ones
 # compared with the control by paired tests; every metric is listed in grokking/interventions.py).

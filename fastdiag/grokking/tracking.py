@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from fastdiag import stats
-from fastdiag.grokking.config import ANTI_GROK_BELOW, RunConfig
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.labels import anti_grok_epoch, regime_label
 
 
 def eval_chunk(device: torch.device) -> int:
@@ -47,7 +48,7 @@ class RunTracker:
         self.cfg = cfg
         self.layer_names = layer_names
         self.trace: list[dict] = []
-        self.t_mem = self.t_grok = self.anti_grok_epoch = None
+        self.t_mem = self.t_grok = None
         self.diverged = False
 
     def record(self, epoch: int, step: int, metrics: dict[str, float]) -> dict:
@@ -71,8 +72,6 @@ class RunTracker:
                 self.t_mem = (epoch, step)
             if self.t_grok is None and row["test_acc"] >= cfg.grok_threshold:
                 self.t_grok = (epoch, step)
-            if self.t_grok is not None and self.anti_grok_epoch is None and row["test_acc"] < ANTI_GROK_BELOW:
-                self.anti_grok_epoch = epoch
         return row
 
     @property
@@ -84,12 +83,15 @@ class RunTracker:
         return self.cfg.stop_at_grok and self.t_grok is not None and epoch >= self.t_grok[0] + self.cfg.patience
 
     @property
+    def anti_grok_epoch(self) -> int | None:
+        """Where a sustained loss of generalisation began (fastdiag.grokking.labels), judged on the
+        trace so far."""
+        return None if self.diverged else anti_grok_epoch(self.trace, self.cfg.grok_threshold)
+
+    @property
     def regime(self) -> str:
-        if self.diverged:
-            return "diverged"
-        if self.t_grok is not None:
-            return "anti-grok" if self.anti_grok_epoch is not None else "grok"
-        return "memorization" if self.t_mem is not None else "collapse"
+        """The label of the run so far, by the rules of fastdiag.grokking.labels."""
+        return regime_label(self.trace, self.cfg.grok_threshold, diverged=self.diverged)
 
     def result(self, *, epochs_run: int, steps: int, wall_seconds: float, has_attention: bool,
                n_params: int, device: torch.device) -> dict:

@@ -16,6 +16,7 @@ REGIME_STYLE = {   # regime: (marker, colour, label)
     "anti-grok": ("^", "#8e44ad", "anti-grok"),
     "memorization": ("x", "#0072b2", "memorization"),
     "collapse": ("X", "#e69f00", "collapse"),
+    "no-fit": ("D", "#999999", "no-fit"),
     "diverged": ("s", "#d55e00", "diverged"),
 }
 

@@ -1,0 +1,104 @@
+"""The regime label of a run, read from its evaluation trace — one home for the rules, so the trainer's
+label (``fastdiag.grokking.tracking``), the collapse stage of ``segment_stages`` and the re-labelling
+of stored runs (``relabel``) cannot disagree.
+
+The labels (SPEC §4, with the paper's meaning):
+
+* ``grok``          test accuracy reached the run's threshold (0.99 by default) within the horizon.
+* ``anti-grok``     grokked, then lost it *for good*: the paper's anti-grokking (its Fig. 3) is the
+                    last of five stages, test accuracy decaying to ~0.25 over the final quarter of a
+                    20,000-epoch run — not a loss spike that recovers within tens of epochs. The rule
+                    is ``anti_grok_epoch`` below.
+* ``memorization``  fits the training set (train accuracy reached the threshold), test accuracy not.
+* ``collapse``      never fits the training set *and* the heads attend alike: s̄ at the end of the run
+                    (median of the last ``COLLAPSE_TAIL_EVALS`` evaluations with s̄) is at least
+                    ``COLLAPSE_S_BAR_MIN`` — the paper's λ = 10 runs, where all heads converge to one
+                    pattern (s̄ = 1.0).
+* ``no-fit``        never fits the training set, but s̄ stays below ``COLLAPSE_S_BAR_MIN`` (or the model
+                    has no attention, so s̄ does not exist): it learned nothing, without the paper's
+                    collapse signature. A run stopped long before it could fit lands here too.
+* ``diverged``      a non-finite loss or weight norm.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+# Anti-grokking, sustained: after grokking, test accuracy falls below ANTI_GROK_BELOW at an evaluation
+# from which at least ANTI_GROK_PERSIST of the evaluations to the end of the run are below it too, and
+# there are at least ANTI_GROK_MIN_EVALS such evaluations (one low evaluation at the very end is not a
+# decay). 0.5 is half the grokked level; the paper's final stage sits near 0.25 with spikes above it.
+ANTI_GROK_BELOW = 0.5
+ANTI_GROK_PERSIST = 0.75
+ANTI_GROK_MIN_EVALS = 3
+
+# Collapse: the heads' mean pairwise cosine at the end of a run that never fit the training set. The
+# paper reports s̄ = 1.0 at λ = 10 (ours reaches 1.0000 to 4 decimals within ~35 epochs there); 0.99
+# is the paper's own Phase-1 top (the median of its Fig. 2 peaks at ≈ 0.99), so a run labelled collapse
+# has heads at least as alike as a model at the height of synchronisation, and stays unable to fit.
+COLLAPSE_S_BAR_MIN = 0.99
+COLLAPSE_TAIL_EVALS = 3
+
+LABEL_RULES = {"anti_grok_below": ANTI_GROK_BELOW, "anti_grok_persist": ANTI_GROK_PERSIST,
+               "anti_grok_min_evals": ANTI_GROK_MIN_EVALS, "collapse_s_bar_min": COLLAPSE_S_BAR_MIN,
+               "collapse_tail_evals": COLLAPSE_TAIL_EVALS}
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def first_epoch_at_or_above(trace: Sequence[dict], key: str, threshold: float) -> int | None:
+    """Epoch of the first evaluation whose ``key`` (train_acc, test_acc) is ≥ ``threshold``."""
+    return next((r["epoch"] for r in trace if _finite(r.get(key)) and r[key] >= threshold), None)
+
+
+def anti_grok_epoch(trace: Sequence[dict], grok_threshold: float, *, below: float = ANTI_GROK_BELOW,
+                    persist: float = ANTI_GROK_PERSIST, min_evals: int = ANTI_GROK_MIN_EVALS) -> int | None:
+    """Epoch where a sustained loss of generalisation begins, or None: the first evaluation after the
+    first one with test accuracy ≥ ``grok_threshold`` whose test accuracy is < ``below`` and from which
+    at least ``persist`` of the remaining evaluations (it included, at least ``min_evals`` of them) are
+    also < ``below``. Evaluations without a finite test accuracy are skipped."""
+    rows = [r for r in trace if _finite(r.get("test_acc")) and _finite(r.get("epoch"))]
+    grok = next((i for i, r in enumerate(rows) if r["test_acc"] >= grok_threshold), None)
+    if grok is None:
+        return None
+    low = np.array([r["test_acc"] < below for r in rows])
+    n = len(rows)
+    low_to_end = np.cumsum(low[::-1])[::-1]            # low evaluations from i to the end
+    for i in range(grok + 1, n):
+        if low[i] and low_to_end[i] >= min_evals and low_to_end[i] / (n - i) >= persist:
+            return int(rows[i]["epoch"])
+    return None
+
+
+def final_s_bar(trace: Sequence[dict], tail: int = COLLAPSE_TAIL_EVALS) -> float | None:
+    """Median s̄ of the last ``tail`` evaluations that have one (None without any)."""
+    values = [r["s_bar"] for r in trace if _finite(r.get("s_bar"))][-tail:]
+    return float(np.median(values)) if values else None
+
+
+def regime_label(trace: Sequence[dict], grok_threshold: float, *, diverged: bool = False,
+                 collapse_s_bar_min: float = COLLAPSE_S_BAR_MIN) -> str:
+    """The regime of a finished run from its evaluation rows (epoch, train_acc, test_acc, s_bar): see
+    the module docstring for the rules."""
+    if diverged:
+        return "diverged"
+    if first_epoch_at_or_above(trace, "test_acc", grok_threshold) is not None:
+        return "anti-grok" if anti_grok_epoch(trace, grok_threshold) is not None else "grok"
+    if first_epoch_at_or_above(trace, "train_acc", grok_threshold) is not None:
+        return "memorization"
+    s_end = final_s_bar(trace)
+    return "collapse" if s_end is not None and s_end >= collapse_s_bar_min else "no-fit"
+
+
+def relabel(result: dict, trace: Sequence[dict], grok_threshold: float) -> dict:
+    """A stored run's label under the current rules: ``{"stored", "current", "changed",
+    "anti_grok_epoch", "final_s_bar"}``. A run stored as ``diverged`` stays so (the non-finite
+    minibatch losses that marked it are not in the trace)."""
+    stored = result.get("regime")
+    current = regime_label(trace, grok_threshold, diverged=stored == "diverged")
+    return {"stored": stored, "current": current, "changed": stored != current,
+            "anti_grok_epoch": anti_grok_epoch(trace, grok_threshold), "final_s_bar": final_s_bar(trace)}
