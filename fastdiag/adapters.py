@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from fastdiag.qk import CHUNK_BYTES, qk_head_stats, visible
+from fastdiag.qk import CHUNK_BYTES, qk_head_stats, unpack_query_heads, visible
 from fastdiag.stats import HeadStats
 
 
@@ -91,15 +91,16 @@ _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_
 
 def mha_head_stats(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict,
                    backend: str = "auto", chunk_bytes: int = CHUNK_BYTES,
-                   padding: torch.Tensor | None = None) -> HeadStats:
+                   padding=None, autocast: torch.dtype | None = None) -> HeadStats:
     """The statistics `module(*args, **kwargs)` computes in its softmax, from Q and K re-projected.
 
     Self-attention (``query is key``): a query row whose position is a padded key
-    (``key_padding_mask``) is left out, and so is one ``padding`` (bool ``[N, T]``, True = real
-    token) marks.
+    (``key_padding_mask``) is left out, and so is one that ``padding(N, T, device)`` (the monitor's
+    handed-in mask for this call, bool ``[N, T]``, True = real token, or None) marks. ``autocast``: the dtype the caller's autocast runs the module's projections in (Q
+    and K are re-projected in it, as the module computes them; the statistics accumulate in fp32).
     """
     call = dict(zip(_MHA_ARGS, args), **kwargs)
-    query, key = call["query"].detach(), call["key"].detach()
+    query, key = as_autocast_casts(call["query"].detach(), autocast), as_autocast_casts(call["key"].detach(), autocast)
     self_attention = call["query"] is call["key"]
     kpm, attn_mask, is_causal = call.get("key_padding_mask"), call.get("attn_mask"), call.get("is_causal", False)
     if query.dim() == 2:  # unbatched [T, E]
@@ -115,8 +116,10 @@ def mha_head_stats(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dic
         wq, wk = module.q_proj_weight, module.k_proj_weight
     bias = module.in_proj_bias
     bq, bk = (None, None) if bias is None else (bias[:e], bias[e:2 * e])
-    q = F.linear(query, wq.detach(), None if bq is None else bq.detach())
-    k = F.linear(key, wk.detach(), None if bk is None else bk.detach())
+    wq, wk = as_autocast_casts(wq.detach(), autocast), as_autocast_casts(wk.detach(), autocast)
+    bq, bk = (None if b is None else as_autocast_casts(b.detach(), autocast) for b in (bq, bk))
+    q = F.linear(query, wq, bq)
+    k = F.linear(key, wk, bk)
     extra = 0
     if module.bias_k is not None:
         k = torch.cat([k, module.bias_k.detach().expand(1, n, e)])
@@ -140,8 +143,9 @@ def mha_head_stats(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dic
     if self_attention:
         if kpm is not None:
             query_mask = ~masked(kpm.reshape(n, -1))
-        if padding is not None and padding.shape == (n, tq):
-            query_mask = padding if query_mask is None else query_mask & padding
+        handed_in = None if padding is None else padding(n, tq, q.device)
+        if handed_in is not None:
+            query_mask = handed_in if query_mask is None else query_mask & handed_in
     if mask is not None and extra:
         mask = F.pad(mask, (0, extra))
     return qk_head_stats(q, k, mask, backend=backend, chunk_bytes=chunk_bytes, query_mask=query_mask)
@@ -157,6 +161,11 @@ _SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.soft
 def softmax_dim(args: tuple, kwargs: dict) -> int | None:
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     return dim if isinstance(dim, int) else None
+
+
+def softmax_input(args: tuple, kwargs: dict):
+    """The tensor a softmax call reads, passed by position or by keyword (``input=``, ``self=``)."""
+    return args[0] if args else kwargs.get("input", kwargs.get("self"))
 
 
 def _in_compiled_graph() -> bool:
@@ -183,12 +192,32 @@ def own_statistics(fn, *args, **kwargs):
     `AttentionMode` (another monitor's, nested) takes for the model's attention. Under torch.compile
     each graph has one mode traced into it, so there is nothing to mark."""
     if torch.compiler.is_compiling():
-        return fn(*args, **kwargs)
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
     _OWN.depth = getattr(_OWN, "depth", 0) + 1
     try:
-        return fn(*args, **kwargs)
+        # fastdiag's own arithmetic never runs in the caller's reduced precision: inside a
+        # torch.autocast region its score matmuls would be cast to bf16/fp16 (σ_l off by up to 0.5
+        # against float64 of the same q and k). The statistics read the tensors the model passed, as
+        # they are, and accumulate in float32 or better.
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
     finally:
         _OWN.depth -= 1
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts lower-precision ops to on ``device_type`` now, or None."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def as_autocast_casts(value, dtype: torch.dtype | None):
+    """``value`` as autocast hands it to a lower-precision op (SDPA, linear): floating tensors other
+    than float64 in ``dtype``; anything else unchanged."""
+    if dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point() \
+            and value.dtype != torch.float64:
+        return value.to(dtype)
+    return value
 
 
 def outer_attention_mode() -> bool:
@@ -198,12 +227,15 @@ def outer_attention_mode() -> bool:
 
 
 def sdpa_reissued_with_stats(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                             enable_gqa=False, *, query_mask=None, backend="auto", chunk_bytes=CHUNK_BYTES):
+                             enable_gqa=False, *, query_mask=None, backend="auto", chunk_bytes=CHUNK_BYTES,
+                             packed_query_heads=None):
     """`sdpa_with_stats` for nested monitors: the output from ``F.scaled_dot_product_attention``
     itself, so that the outer monitor's mode sees the model's call (a fused op with its LSE would
     hide it), and the statistics from Q and K with our own row log-sum-exp."""
     out = F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                          enable_gqa=enable_gqa)
+    if packed_query_heads:
+        query, attn_mask, _ = unpack_query_heads(query, attn_mask, None, packed_query_heads)
     stats = qk_head_stats(query, key, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask=query_mask)
     return out, stats
 
@@ -236,7 +268,7 @@ class AttentionMode(TorchFunctionMode):
             out = func(*args, **kwargs)
             if func in _SOFTMAXES and isinstance(out, torch.Tensor) and out.dim() == 4 \
                     and softmax_dim(args, kwargs) in (-1, 3):
-                self.monitor.on_probs(args[0], out)
+                self.monitor.on_probs(softmax_input(args, kwargs), out)
             return out
         finally:
             self.busy = False

@@ -25,6 +25,8 @@ def _check_inputs(probs, query_mask):
         raise TypeError(f"probs: expected a torch.Tensor, got {type(probs).__name__}")
     if not probs.is_floating_point():
         raise TypeError(f"probs: expected a floating-point tensor (fp32, bf16, fp16, fp64), got {probs.dtype}")
+    if probs.layout != torch.strided:
+        raise TypeError(f"probs: expected a dense (strided) tensor, got layout {probs.layout}")
     if probs.dim() not in (4, 5):
         raise ValueError(f"probs: expected shape [B, H, Tq, Tk] or [N, B, H, Tq, Tk], got {tuple(probs.shape)}")
     stacked = probs.dim() == 5

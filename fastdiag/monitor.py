@@ -143,17 +143,22 @@ class Monitor:
         self._training = True
         self._mode = adapters.AttentionMode(self)
         self._mode_entered = False
-        self._padding: torch.Tensor | None = None    # this step's real-token mask [B, T], if handed in
+        self._padding: list[tuple[str | None, torch.Tensor]] = []  # this step's real-token masks [B, T], each
+        #                                      with the module (name) whose attention it belongs to, None = any
+        self._padding_used = False                   # a handed-in mask matched an attention call of this pass
         self._stack: list[tuple[str, bool]] = []     # (name, cross-attention call) of the hooked modules running
         self._pending: dict[str, HeadStats] = {}     # this pass's statistics
         self._pass_how: dict[str, str] = {}          # this pass's measured modules and how
         self._how: dict[str, str] = {}               # every module measured so far and how
         self._missing: dict[str, str] = {}           # expected modules never measured, and why
+        self._pass_refused: dict[str, str] = {}      # this pass's attention calls that cannot be measured, and why
+        self._warned_padding: set[tuple] = set()     # set_padding shapes already warned about
         self._handles: list = []
         self._zoo: list[torch.nn.Module] = []       # fastdiag-model attention whose attributes are set
         self._id = next(_IDS)
 
         modules = dict(model.named_modules())
+        self._modules = modules
         self._selected = self._select(layers, modules)
         self._kind = {name: "zoo" if adapters.is_zoo(m) else "mha"
                       for name, m in modules.items() if adapters.is_zoo(m) or adapters.is_mha(m)}
@@ -196,25 +201,57 @@ class Monitor:
 
     # ---- padding ---------------------------------------------------------------------------------
 
-    def set_padding(self, mask: torch.Tensor | None) -> None:
+    def set_padding(self, mask: torch.Tensor | None, within: str | torch.nn.Module | None = None) -> None:
         """Mark this step's padding: ``mask`` ``[B, T]``, True / 1 = real token, False / 0 = padding
         (a Hugging Face ``attention_mask``). In every self-attention call of the step with batch B and
         T query rows, the padding rows are left out (docs/attach.md, "Padding"), on top of what the attention masks
-        themselves say. It holds until the step ends (the forward pass, or `end_step`); None clears."""
+        themselves say. ``within``: only the attention inside this module (a name or the module
+        itself: an encoder-decoder's encoder); another call replaces the mask for that module. It
+        holds until the step ends (the forward pass, or `end_step`); None clears every mask. A mask
+        that matches no self-attention call of a measured pass is warned about (a ``[T, B]`` mask)."""
         if mask is None:
-            self._padding = None
+            self._padding = []
             return
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             raise ValueError(f"mask: expected a [batch, seq] tensor (True or 1 = real token), got "
                              f"{type(mask).__name__ if not isinstance(mask, torch.Tensor) else tuple(mask.shape)}")
-        self._padding = mask.detach() if mask.dtype == torch.bool else mask.detach() != 0
+        if mask.is_complex() or mask.layout != torch.strided:
+            raise TypeError(f"mask: expected a dense bool, integer or float tensor, got {mask.dtype} ({mask.layout})")
+        if isinstance(within, torch.nn.Module):
+            names = [n for n, m in self._modules.items() if m is within]
+            if not names:
+                raise ValueError(f"within: a {type(within).__name__} that is not part of the attached model")
+            within = names[0]
+        elif within is not None and (not isinstance(within, str) or within not in self._modules):
+            raise ValueError(f"within: no module named {within!r} in the model")
+        real = mask.detach() if mask.dtype == torch.bool else mask.detach() != 0
+        self._padding = [(w, m) for w, m in self._padding if w != within] + [(within, real)]
 
-    def _with_padding(self, rows: torch.Tensor | None, b: int, t: int) -> torch.Tensor | None:
-        padding = self._padding
-        if padding is None or padding.shape != (b, t):
-            return rows
-        padding = padding.to(device=rows.device if rows is not None else padding.device)
-        return padding if rows is None else rows & padding
+    def _with_padding(self, rows: torch.Tensor | None, b: int, t: int, device: torch.device,
+                      name: str) -> torch.Tensor | None:
+        """``rows`` and the handed-in padding of a self-attention call in module ``name`` with batch
+        ``b`` and ``t`` query rows, on the call's device."""
+        for within, padding in self._padding:
+            if within is not None and not (name == within or not within or name.startswith(within + ".")):
+                continue
+            if padding.shape != (b, t):
+                continue
+            self._padding_used = True
+            padding = padding.to(device=device, non_blocking=True)
+            rows = padding if rows is None else rows & padding
+        return rows
+
+    def _check_padding(self, step: int) -> None:
+        """After a measured pass: a handed-in mask that no self-attention call used is named once."""
+        if not self._padding or self._padding_used:
+            return
+        shapes = tuple(tuple(m.shape) for _, m in self._padding)
+        if shapes in self._warned_padding:
+            return
+        self._warned_padding.add(shapes)
+        warnings.warn(f"fastdiag.attach: set_padding's mask of shape {', '.join(map(str, shapes))} matched no "
+                      f"self-attention call of step {step} (it applies to calls with that [batch, seq]); "
+                      "no padding rows were left out on its account", RuntimeWarning, stacklevel=3)
 
     # ---- hooks (these run inside a compiled region: they read bools and names only) -----------
 
@@ -230,8 +267,11 @@ class Monitor:
             if selected and kind == "zoo":
                 mod.record = True
             elif selected and kind == "mha":
+                device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+                dtype = None if device is None else adapters.autocast_dtype(device.type)
+                padding = lambda n, t, dev: self._with_padding(None, n, t, dev, name)  # noqa: E731
                 self._add(name, adapters.own_statistics(adapters.mha_head_stats, mod, args, kwargs,
-                                                        self.backend, self.chunk_bytes, self._padding), "mha")
+                                                        self.backend, self.chunk_bytes, padding, dtype), "mha")
 
         def post(mod, args, output):
             if not self._measuring or self._other_thread():
@@ -275,7 +315,8 @@ class Monitor:
         self._training = training
         self._measuring = self._due if training else self.measure_eval
         self._stack = []
-        self._pending, self._pass_how = {}, {}
+        self._pending, self._pass_how, self._pass_refused = {}, {}, {}
+        self._padding_used = False
         if self._measuring and not self._mode_entered:
             self._mode.__enter__()
             self._mode_entered = True
@@ -286,8 +327,15 @@ class Monitor:
             self._mode_entered = False
             self._mode.__exit__(None, None, None)
         measured, self._measuring = self._measuring, False
-        self._padding = None
+        if measured and not raised:
+            self._check_padding(self.step)
+        self._padding = []
         self._finish(training, measured, raised)
+
+    def _refuse(self, name: str, reason: str) -> None:
+        """An attention call in module ``name`` that cannot be measured exactly: the module gets no
+        statistics this pass, and is named with ``reason`` after it (`_check_coverage`)."""
+        self._pass_refused.setdefault(name, reason)
 
     def _add(self, name: str, stats: HeadStats, how: str) -> None:
         key, i = name or "<root>", 1
@@ -315,21 +363,61 @@ class Monitor:
         if where is None:
             return F.scaled_dot_product_attention(**call)
         name, cross = where
-        query, key, attn_mask = call["query"], call["key"], call.get("attn_mask")
+        query, key = call.get("query"), call.get("key")
+        if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)) or query.dim() < 4 \
+                or key.dim() < 4:
+            # [B·H, T, D] or [T, D]: torch reads no heads there, and a batch of B·H single heads is not
+            # this layer's heads (s̄ would be NaN, σ_l 0): named, never guessed
+            shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+            self._refuse(name, f"scaled_dot_product_attention on a {len(shape)}-D query {shape}: heads folded "
+                               "into the batch (or absent) cannot be read from the call; pass [B, H, T, D]")
+            return F.scaled_dot_product_attention(**call)
+        dtype = adapters.autocast_dtype(query.device.type)
+        if dtype is not None:
+            # Exactly what autocast hands the op (bit-identical output); the statistics then read the
+            # tensors the op used, and run outside the caller's autocast (adapters.own_statistics).
+            call = {k: adapters.as_autocast_casts(v, dtype) for k, v in call.items()}
+            query, key = call["query"], call["key"]
+        attn_mask = call.get("attn_mask")
+        packed = self._packed_query_heads(name, call)
+        if packed == 0:
+            self._refuse(name, f"grouped-query decode call with query {tuple(query.shape)} and a mask of shape "
+                               f"{tuple(attn_mask.shape)} that does not unpack to its heads")
+            return F.scaled_dot_product_attention(**call)
         rows = None
-        if query.dim() == 4:
+        if query.dim() == 4 and not packed:
             b, h, tq, _ = query.shape
             tk = key.shape[-2]
             if not cross and tq == tk:
                 if attn_mask is not None:
                     hidden = adapters.masked(adapters.as_bhqk(attn_mask, (b,), h, tq, tk))
                     rows = adapters.real_positions(hidden).expand(b, tq)
-                rows = self._with_padding(rows, b, tq)
+                rows = self._with_padding(rows, b, tq, query.device, name)
         measure = adapters.sdpa_reissued_with_stats if adapters.outer_attention_mode() else sdpa_with_stats
         out, stats = adapters.own_statistics(measure, **call, query_mask=rows, backend=self.backend,
-                                             chunk_bytes=self.chunk_bytes)
+                                             chunk_bytes=self.chunk_bytes, packed_query_heads=packed)
         self._add(name, stats, "sdpa")
         return out
+
+    def _packed_query_heads(self, name: str, call: dict) -> int | None:
+        """H when the call packs a one-token query's H heads as ``[B, Hkv, H / Hkv, D]`` rows (Hugging
+        Face's grouped-query decode, ``pack_gqa``): the module says H (its config) and groups
+        (``num_key_value_groups``), and only that packing gives Hkv query heads in such a module.
+        0 when it is packed but its mask cannot be unpacked; None when not packed."""
+        module = self._modules.get(name)
+        groups = getattr(module, "num_key_value_groups", None)
+        heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+        query, key = call["query"], call["key"]
+        if not (isinstance(groups, int) and isinstance(heads, int) and groups > 1 and query.dim() == 4
+                and not call.get("enable_gqa") and query.shape[1] * groups == heads
+                and key.shape[1] == query.shape[1] and query.shape[2] == groups):
+            return None
+        mask = call.get("attn_mask")
+        if mask is not None:
+            mask4 = mask.shape if mask.dim() >= 4 else (1,) * (4 - mask.dim()) + tuple(mask.shape)
+            if mask.dim() > 4 or not (mask4[-2] == 1 or (mask4[-3] == query.shape[1] and mask4[-2] == groups)):
+                return 0
+        return heads
 
     def on_probs(self, scores: torch.Tensor, probs: torch.Tensor) -> None:
         """A softmax over ``[B, H, Tq, Tk]`` scores: the probabilities the model uses, measured as they are."""
@@ -338,6 +426,13 @@ class Monitor:
             return
         name, cross = where
         b, h, tq, tk = probs.shape
+        if probs.numel() == 0:
+            if b == 0 and min(h, tq, tk) > 0:  # an empty batch: no rows, exactly (as on the SDPA path)
+                zeros = torch.zeros(h, h, dtype=torch.float64, device=probs.device)
+                self._add(name, HeadStats(zeros, zeros[0], zeros[0, 0], zeros[0, 0]), "probabilities")
+            else:
+                self._refuse(name, f"a softmax over empty scores {tuple(probs.shape)}")
+            return
         hidden = adapters.masked(scores.detach())
         # An attention sink (a per-head logit concatenated as the last score column, gpt-oss) is in the
         # measured distribution, but it is no key: the padding rules read the real keys only.
@@ -346,7 +441,7 @@ class Monitor:
             hidden = hidden[..., :-1]
         rows = adapters.sees_a_key(hidden)
         if not cross and tq == hidden.shape[-1]:
-            rows = self._with_padding(rows & adapters.real_positions(hidden), b, tq)
+            rows = self._with_padding(rows & adapters.real_positions(hidden), b, tq, probs.device, name)
         self._add(name, adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend),
                   "probabilities with sink" if sink else "probabilities")
 
@@ -357,6 +452,10 @@ class Monitor:
         step = self.step
         if raised:  # not a step: nothing recorded (part of a pass is no number), the next pass is due again
             return
+        for name in self._pass_refused:  # one module = one exact layer record, or none and a warning
+            key = name or "<root>"
+            pending = {k: v for k, v in pending.items() if k != key and not k.startswith(key + "#")}
+            self._pass_how.pop(name, None)
         if training:
             self.step += 1
             self._due = self.step % self.every == 0
@@ -369,14 +468,24 @@ class Monitor:
         """After a measured pass: nothing found is an error; an expected module without statistics
         is warned about once (raised with strict)."""
         self._how.update(self._pass_how)
-        if not self._expected and not self._how:
+        for name, reason in self._pass_refused.items():
+            if name in self._missing:
+                continue
+            self._missing[name] = reason
+            message = (f"fastdiag.attach: attention module {name!r} ({type(self._modules[name]).__name__}) is "
+                       f"not measured: {reason}")
+            if self.strict:
+                self.detach()
+                raise RuntimeError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        if not self._expected and not self._how and not self._missing:
             self.detach()
             raise ValueError(
                 f"attach: found no attention in {type(self.model).__name__} on its measured pass (step "
                 f"{step}): {_LOOKED_FOR}")
         measured = list(self._pass_how)
         for name in self._expected:
-            if name in self._missing or any(m == name or m.startswith(name + ".") or not name for m in measured):
+            if name in self._missing or name in self._pass_refused or any(m == name or m.startswith(name + ".") or not name for m in measured):
                 continue
             reason = (f"no statistics on the measured pass of step {step}: no "
                       "scaled_dot_product_attention call and no softmax over [B, H, Tq, Tk] scores ran "

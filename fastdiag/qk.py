@@ -16,6 +16,7 @@ row has LSE 0 on the CPU flash op and inf on CUDA).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,8 @@ def _as_batched_heads(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor 
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point torch.Tensor, got "
                             f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
         if t.dim() < 3:
             raise ValueError(f"{name}: expected shape [..., H, T, D] or [B, T, D], got {tuple(t.shape)}")
     q, k = q.detach(), k.detach()
@@ -59,7 +62,10 @@ def _as_batched_heads(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor 
         raise ValueError(f"k: {hk} key heads do not divide q's {h} query heads")
     if min(h, tq, tk, d) == 0:
         raise ValueError(f"q, k: every dimension must be non-empty, got {tuple(q.shape)} and {tuple(k.shape)}")
-    lead = torch.broadcast_shapes(tuple(lead_q), tuple(lead_k))
+    try:
+        lead = torch.broadcast_shapes(tuple(lead_q), tuple(lead_k))
+    except RuntimeError:
+        raise ValueError(f"k: batch dimensions {tuple(lead_k)} do not broadcast with q's {tuple(lead_q)}") from None
     b = math.prod(lead)
     q4 = q.expand(*lead, h, tq, d).reshape(b, h, tq, d)
     k4 = k.expand(*lead, hk, tk, d).reshape(b, hk, tk, d)
@@ -67,16 +73,22 @@ def _as_batched_heads(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor 
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask: expected a bool (True = may attend) or floating-point (additive) "
+                            f"mask, got {attn_mask.dtype}")
+        if attn_mask.layout != torch.strided:
+            raise TypeError(f"attn_mask: expected a dense (strided) tensor, got layout {attn_mask.layout}")
         mask4 = attn_mask.detach()
+        full = (*lead, h, tq, tk)
+        if mask4.dim() > len(full):
+            raise ValueError(f"attn_mask: {mask4.dim()} dimensions {tuple(mask4.shape)}, more than the "
+                             f"{len(full)} of the scores {list(full)}")
         try:
-            torch.broadcast_shapes(tuple(mask4.shape), (*lead, h, tq, tk))
+            torch.broadcast_shapes(tuple(mask4.shape), full)
         except RuntimeError:
             raise ValueError(f"attn_mask: shape {tuple(mask4.shape)} does not broadcast to "
-                             f"{[*lead, h, tq, tk]}") from None
-        if mask4.dim() > len(lead) + 3 or len(lead) != 1:
-            mask4 = mask4.expand(*lead, h, tq, tk).reshape(b, h, tq, tk)
-        else:
-            mask4 = mask4.reshape((1,) * (4 - mask4.dim()) + tuple(mask4.shape))
+                             f"{list(full)}") from None
+        mask4 = _mask_as_4d(mask4, lead, b)
     qm = None
     if query_mask is not None:
         if not isinstance(query_mask, torch.Tensor) or query_mask.dtype != torch.bool:
@@ -92,6 +104,17 @@ def _as_batched_heads(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor 
                              f"{tuple(getattr(lse, 'shape', ()))}")
         lse3 = lse.detach().reshape(b, h, tq)
     return q4, k4, mask4, qm, lse3
+
+
+def _mask_as_4d(mask: torch.Tensor, lead: tuple, b: int) -> torch.Tensor:
+    """A mask broadcastable to ``[*lead, H, Tq, Tk]`` as ``[B or 1, H or 1, Tq or 1, Tk or 1]``: its
+    own trailing sizes are kept, and the batch dimensions are copied out only where the mask itself
+    varies over them (a shared [Tq, Tk] mask under a 5-D q stays one [Tq, Tk] matrix)."""
+    mask = mask.reshape((1,) * (len(lead) + 3 - mask.dim()) + tuple(mask.shape))
+    own_lead, tail = tuple(mask.shape[:len(lead)]), tuple(mask.shape[len(lead):])
+    if all(n == 1 for n in own_lead):
+        return mask.reshape(1, *tail)
+    return mask.expand(*lead, *tail).reshape(b, *tail)
 
 
 def visible(mask4: torch.Tensor) -> torch.Tensor:
@@ -152,6 +175,8 @@ def _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, quer
         raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
     q4, k4, mask4, qm, lse3 = _as_batched_heads(q, k, attn_mask, query_mask, lse)
     b, h, tq, d = q4.shape
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale: expected a number or None, got {type(scale).__name__} {scale!r}")
     scale = d ** -0.5 if scale is None else float(scale)
     if backend == "auto":
         backend = "triton" if q4.is_cuda and triton_available() else "torch"
@@ -171,21 +196,39 @@ def sdpa_with_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                     is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
                     query_mask: torch.Tensor | None = None, backend: str = "auto",
-                    chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, HeadStats]:
+                    chunk_bytes: int = CHUNK_BYTES,
+                    packed_query_heads: int | None = None) -> tuple[torch.Tensor, HeadStats]:
     """``(F.scaled_dot_product_attention(...), HeadStats of its probabilities)``.
 
     The output and its gradients are bit-identical to `F.scaled_dot_product_attention` with the
     same arguments. Where that call is trivially equivalent to an attention op that also returns
     the row log-sum-exp (the backend `torch._fused_sdp_choice` names), that op runs and its LSE
     replaces our pass 1; otherwise F.scaled_dot_product_attention runs and pass 1 is ours.
-    The statistics are those of the probabilities without dropout.
+    The statistics are those of the probabilities without dropout. ``packed_query_heads`` (H): the
+    call holds one query token's H heads as ``[B, H / G, G, D]`` rows (`unpack_query_heads`).
     """
     out, lse = _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if backend == "reference":
         lse = None
+    if packed_query_heads:
+        query, attn_mask, lse = unpack_query_heads(query, attn_mask, lse, packed_query_heads)
     stats = _qk_head_stats(query, key, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
                            check_lse=False)
     return out, stats
+
+
+def unpack_query_heads(query: torch.Tensor, attn_mask: torch.Tensor | None, lse: torch.Tensor | None,
+                       heads: int):
+    """One query token's ``heads`` heads packed as ``[B, Hkv, G, D]`` rows (Hugging Face's
+    grouped-query decode) back to ``[B, H, 1, D]``; a mask ``[B, Hkv, G, Tk]`` to ``[B, H, 1, Tk]``
+    (one with a single row broadcasts as it is) and the LSE to ``[B, H, 1]``."""
+    b, hk, g, d = query.shape
+    query = query.reshape(b, heads, 1, d)
+    if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.shape[-2] != 1:
+        attn_mask = attn_mask.reshape(*attn_mask.shape[:-3], heads, 1, attn_mask.shape[-1])
+    if lse is not None:
+        lse = lse.reshape(b, heads, 1)
+    return query, attn_mask, lse
 
 
 def _sdpa_float_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -1,0 +1,280 @@
+"""fastdiag.attach, round two: exact under autocast, in grouped-query decode, and never breaking a
+step torch accepts (issue 26 and the attach items of issue 30). Each case is checked against float64
+statistics of the probabilities the model really used, with outputs and gradients unchanged."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import fastdiag
+from fastdiag.qk import _as_batched_heads, qk_head_stats
+
+from tests.test_attach import assert_stats_close, detach_everything, eager_probs  # noqa: F401
+
+transformers = pytest.importorskip("transformers")
+
+from tests.test_attach_matrix import CaptureSDPA, build, inputs, sdpa_probs  # noqa: E402
+
+
+def _hs(probs, rows=None):
+    return fastdiag.head_stats(probs.double(), rows, backend="reference")
+
+
+def _unchanged(model, run):
+    """``run(model)`` -> output, with and without attach (every=1): outputs and gradients identical."""
+    want = run(model)
+    want.float().square().mean().backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fastdiag.attach(model, every=1) as monitor:
+            out = run(model)
+            out.float().square().mean().backward()
+    assert torch.equal(out, want)
+    assert all((g is None and p.grad is None) or torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    return monitor, [str(w.message) for w in caught if "fastdiag" in str(w.message)]
+
+
+# ---- 1. autocast: fastdiag's arithmetic outside the caller's autocast -----------------------------
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama (GQA)"])
+def test_sdpa_under_autocast_matches_float64_of_the_bf16_q_and_k_the_model_used(arch):
+    model = build(arch, "sdpa")
+    batch = inputs(arch, padded=True)
+
+    def run(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(**batch).logits
+
+    monitor, problems = _unchanged(model, run)
+    assert not problems
+    with torch.no_grad(), CaptureSDPA() as capture, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**batch)
+    # the tensors SDPA ran on: autocast hands it bf16 (the model's own projections are bf16 already)
+    ref = []
+    for call in capture.calls:
+        call = {k: v.bfloat16() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in call.items()}
+        probs = sdpa_probs(call)
+        ref.append(_hs(probs, probs.sum(-1).sub(1).abs().lt(1e-6).all(1) & batch["attention_mask"].bool()))
+    stats = list(monitor.latest_stats().values())
+    assert len(stats) == len(ref)
+    for got, want in zip(stats, ref):
+        assert_stats_close(got, want, tol=1e-5)
+
+
+class SoftmaxCapture(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.outputs = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (F.softmax, torch.softmax, torch.Tensor.softmax) and out.dim() == 4:
+            self.outputs.append(out.detach().clone())
+        return out
+
+
+def test_eager_under_autocast_measures_the_softmax_output_in_float64():
+    """Eager under autocast: the measured tensor is the softmax's own output (fp32 from HF's
+    ``softmax(..., dtype=float32)``), accumulated without autocast — not a bf16 re-computation."""
+    model = build("llama (GQA)", "eager")
+    batch = inputs("llama (GQA)", padded=True)
+
+    def run(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(**batch).logits
+
+    monitor, problems = _unchanged(model, run)
+    assert not problems
+    with torch.no_grad(), SoftmaxCapture() as capture, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**batch)
+    stats = list(monitor.latest_stats().values())
+    assert len(stats) == len(capture.outputs) == 2
+    for got, probs in zip(stats, capture.outputs):
+        assert probs.dtype == torch.float32
+        rows = probs.double().sum(-1).sub(1).abs().lt(1e-5).all(1) & batch["attention_mask"].bool()
+        assert_stats_close(got, _hs(probs, rows))
+
+
+def test_multihead_attention_under_autocast_reprojects_in_the_autocast_dtype():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    with torch.no_grad():
+        for p in mha.parameters():
+            p.normal_(0, 0.5)
+    x = torch.randn(2, 6, 16)
+
+    def run(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x, x, x, need_weights=False)[0]
+
+    monitor, problems = _unchanged(mha, run)
+    assert not problems
+    e = 16
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as MultiheadAttention does: [T, N, E], in bf16
+        q = F.linear(x.transpose(0, 1), mha.in_proj_weight[:e], mha.in_proj_bias[:e])
+        k = F.linear(x.transpose(0, 1), mha.in_proj_weight[e:2 * e], mha.in_proj_bias[e:2 * e])
+    assert q.dtype == torch.bfloat16
+    q, k = (z.reshape(6, 2, 4, 4).permute(1, 2, 0, 3) for z in (q, k))
+    probs, _ = eager_probs(q, k)
+    assert_stats_close(monitor.latest_stats()["<root>"], _hs(probs))
+
+
+# ---- 2. grouped-query decode: H heads, not Hkv -----------------------------------------------------
+
+def test_gqa_decode_step_under_sdpa_records_every_query_head():
+    """transformers packs a one-token query [B, H, 1, D] as [B, Hkv, H/Hkv, D] when a mask is passed:
+    the decode step must give H heads, equal to the eager twin's probabilities."""
+    arch = "llama (GQA)"
+    batch = inputs(arch, padded=True)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    token = torch.randint(2, 64, (2, 1), generator=torch.Generator().manual_seed(5))
+    results = {}
+    for impl in ("sdpa", "eager"):
+        model = build(arch, impl).eval()
+        with torch.no_grad():
+            past = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+            if impl == "eager":
+                out = model(input_ids=token, attention_mask=step_mask, past_key_values=past,
+                            output_attentions=True)
+                results[impl] = [a for a in out.attentions]
+                continue
+            with CaptureSDPA() as capture:
+                model(input_ids=token, attention_mask=step_mask, past_key_values=copy.deepcopy(past))
+            with fastdiag.attach(model, every=1, measure_eval=True) as monitor:
+                model(input_ids=token, attention_mask=step_mask, past_key_values=past)
+        assert capture.calls[0]["query"].shape[1:3] == (2, 2)       # packed: Hkv = 2 heads of 2 rows
+        results[impl] = list(monitor.latest_stats().values())
+    assert len(results["sdpa"]) == 2
+    for got, probs in zip(results["sdpa"], results["eager"]):
+        assert got.num_heads == 4 and got.rows.item() == 2
+        assert_stats_close(got, _hs(probs))
+
+
+# ---- issue 30: attach never breaks a step torch accepts --------------------------------------------
+
+class HandWritten(nn.Module):
+    """Softmax attention written by hand, in the ways torch accepts."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.qkv = how, nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(8, -1)
+        if self.how == "sdpa-2d":                                          # unbatched [T, D]
+            return F.scaled_dot_product_attention(q, k, v)
+        b, t = x.shape[:2]
+        q, k, v = (z.view(b, t, 2, 4).transpose(1, 2) for z in (q, k, v))
+        if self.how == "sdpa-3d":                                          # heads folded into the batch
+            out = F.scaled_dot_product_attention(q.reshape(b * 2, t, 4), k.reshape(b * 2, t, 4),
+                                                 v.reshape(b * 2, t, 4))
+            return out.reshape(b, 2, t, 4)
+        scores = q @ k.transpose(-1, -2) / 2
+        probs = torch.softmax(input=scores, dim=-1) if self.how == "keyword" else scores.softmax(-1)
+        self.probs = probs.detach()
+        return probs @ v
+
+
+def test_softmax_with_its_input_passed_by_keyword_is_measured():
+    torch.manual_seed(0)
+    model, x = HandWritten("keyword"), torch.randn(2, 5, 8)
+    monitor, problems = _unchanged(model, lambda m: m(x))
+    assert not problems
+    assert_stats_close(monitor.latest_stats()["<root>"], _hs(model.probs))
+
+
+def test_an_empty_batch_through_a_hand_written_softmax_is_a_step_with_no_rows():
+    torch.manual_seed(0)
+    model, x = HandWritten("softmax"), torch.randn(0, 5, 8)
+    monitor, problems = _unchanged(model, lambda m: m(x))
+    assert not problems
+    stats = monitor.latest_stats()["<root>"]
+    assert stats.rows.item() == 0 and stats.num_heads == 2 and stats.gram.abs().sum().item() == 0
+
+
+@pytest.mark.parametrize("how,x", [("sdpa-2d", (5, 8)), ("sdpa-3d", (2, 5, 8))])
+def test_sdpa_without_a_head_dimension_runs_unchanged_and_is_named_not_measured(how, x):
+    torch.manual_seed(0)
+    model, x = HandWritten(how), torch.randn(*x)
+    monitor, problems = _unchanged(model, lambda m: m(x))
+    assert len(problems) == 1 and "'' (HandWritten) is not measured" in problems[0] \
+        and f"{x.dim()}-D query" in problems[0]
+    assert monitor.latest() is None and monitor.coverage()["measured"] == {}
+    assert "cannot be read" in monitor.coverage()["missing"][""]
+    with fastdiag.attach(model, every=1, strict=True):
+        with pytest.raises(RuntimeError, match="not measured"):
+            model(x)
+
+
+def test_set_padding_with_a_mask_that_matches_no_call_is_named():
+    torch.manual_seed(0)
+    model, x = HandWritten("softmax"), torch.randn(2, 5, 8)
+    monitor = fastdiag.attach(model, every=1)
+    monitor.set_padding(torch.ones(5, 2))                               # [T, B]: transposed
+    with pytest.warns(RuntimeWarning, match=r"set_padding's mask of shape \(5, 2\) matched no self-attention"):
+        model(x)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, 3:] = False
+    monitor.set_padding(mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x)
+    assert monitor.latest_stats()["<root>"].rows.item() == 8
+    with pytest.raises(ValueError, match="within: no module named 'nope'"):
+        monitor.set_padding(mask, within="nope")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a mask on another device)")
+def test_set_padding_with_a_mask_on_the_host_for_a_model_on_the_gpu():
+    torch.manual_seed(0)
+    model, x = HandWritten("softmax").cuda(), torch.randn(2, 5, 8, device="cuda")
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, 3:] = False
+    with fastdiag.attach(model, every=1) as monitor:
+        monitor.set_padding(mask)
+        model(x)
+    assert monitor.latest_stats()["<root>"].rows.item() == 8
+
+
+# ---- issue 30: qk_head_stats memory and argument errors -------------------------------------------
+
+def test_a_shared_mask_under_5d_q_is_not_copied_per_batch_and_head():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 4, 6, 8, generator=g), torch.randn(2, 3, 4, 6, 8, generator=g)
+    mask = torch.randn(6, 6, generator=g).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    _, _, mask4, _, _ = _as_batched_heads(q, k, mask, None, None)
+    assert mask4.shape == (1, 1, 6, 6)
+    per_batch = mask.expand(2, 1, 1, 6, 6).clone()
+    per_batch[1, 0, 0, :, 0] = float("-inf")                           # differs per batch: kept per batch only
+    assert _as_batched_heads(q, k, per_batch, None, None)[2].shape == (6, 1, 6, 6)
+    for m in (mask, per_batch):
+        probs, rows = eager_probs(q.reshape(6, 4, 6, 8), k.reshape(6, 4, 6, 8),
+                                  m.expand(2, 3, 4, 6, 6).reshape(6, 4, 6, 6))
+        assert_stats_close(qk_head_stats(q, k, m, backend="torch"), _hs(probs, rows))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(k=torch.randn(3, 2, 5, 4)), ValueError, "k: batch dimensions"),
+    (dict(attn_mask=torch.zeros(1, 2, 1, 5, 5)), ValueError, "attn_mask: 5 dimensions"),
+    (dict(attn_mask=torch.ones(5, 5, dtype=torch.int64)), TypeError, "attn_mask: expected a bool"),
+    (dict(scale="big"), TypeError, "scale: expected a number"),
+    (dict(q=torch.randn(2, 2, 5, 4).to_sparse()), TypeError, "q: expected a dense"),
+])
+def test_qk_head_stats_errors_name_the_argument(kwargs, error, match):
+    args = dict(q=torch.randn(2, 2, 5, 4), k=torch.randn(2, 2, 5, 4), **{})
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        qk_head_stats(**args)
+
+
+def test_head_stats_refuses_sparse_probabilities_by_name():
+    with pytest.raises(TypeError, match="probs: expected a dense"):
+        fastdiag.head_stats(torch.rand(2, 2, 5, 5).to_sparse())
