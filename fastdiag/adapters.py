@@ -32,6 +32,7 @@ import threading
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fastdiag.qk import CHUNK_BYTES, qk_head_stats, unpack_query_heads, visible
 from fastdiag.stats import HeadStats
@@ -244,6 +245,95 @@ def _computing_own_statistics() -> bool:
     return not torch.compiler.is_compiling() and getattr(_OWN, "depth", 0) > 0
 
 
+# products and where their two operands are: positions, then keyword names
+_PRODUCTS = {torch.matmul: ((0, 1), ("input", "other")), torch.Tensor.matmul: ((0, 1), ("self", "other")),
+             torch.Tensor.__matmul__: ((0, 1), ("self", "other")), torch.bmm: ((0, 1), ("input", "mat2")),
+             torch.Tensor.bmm: ((0, 1), ("self", "mat2")), torch.baddbmm: ((1, 2), ("batch1", "batch2")),
+             torch.Tensor.baddbmm: ((1, 2), ("batch1", "batch2")), torch.einsum: ((1, 2), ())}
+
+
+def _tensors(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+class Provenance:
+    """Which inputs of which module call each tensor of a measured pass derives from: the fact that
+    decides self-attention (queries and keys computed from the same input of the attention module's
+    call), where shapes would only guess (Tq = Tk in cross-attention, Perceiver's latents, a
+    ``context=`` argument). A module call's floating-point tensor arguments are seeded with labels
+    (call, argument); every torch call of the pass hands the union of its inputs' labels to its
+    outputs; a product (matmul, bmm, baddbmm, einsum) also records its two operands' labels, so scores
+    know the labels of their queries and of their keys. Nothing is known under torch.compile."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.labels = WeakIdKeyDictionary()    # tensor -> frozenset of (call, argument)
+        self.products = WeakIdKeyDictionary()  # tensor -> frozenset of (query labels, key labels)
+
+    def seed(self, call: int, args: tuple, kwargs: dict) -> None:
+        for slot, value in (*enumerate(args), *kwargs.items()):
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                self.labels[value] = self.labels.get(value, frozenset()) | {(call, slot)}
+
+    def propagate(self, func, args: tuple, kwargs: dict, out) -> None:
+        if torch.compiler.is_compiling():
+            return
+        inputs = list(_tensors(args, kwargs))
+        labels = frozenset().union(*(self.labels.get(t, ()) for t in inputs))
+        product = _PRODUCTS.get(func)
+        if product is not None:
+            (i, j), (name_a, name_b) = product[0], product[1] or (None, None)
+            flat = list(args)
+            if func is torch.einsum and len(args) == 2 and isinstance(args[1], (list, tuple)):
+                flat = [args[0], *args[1]]
+            a = flat[i] if i < len(flat) else kwargs.get(name_a)
+            b = flat[j] if j < len(flat) else kwargs.get(name_b)
+            products = frozenset({tuple(self.labels.get(t, frozenset()) if isinstance(t, torch.Tensor)
+                                        else frozenset() for t in (a, b))})
+        else:
+            products = frozenset().union(*(self.products.get(t, ()) for t in inputs))
+        if not labels and not products:
+            return
+        for o in (out if isinstance(out, (list, tuple)) else (out,)):
+            if isinstance(o, torch.Tensor):
+                if labels:
+                    self.labels[o] = labels
+                if products:
+                    self.products[o] = products
+
+    @staticmethod
+    def _of(labels, call: int) -> frozenset:
+        return frozenset(slot for c, slot in labels if c == call)
+
+    def same_input(self, call: int, query: torch.Tensor, key: torch.Tensor) -> bool | None:
+        """Whether query and key derive from the same arguments of module call ``call`` (True: self-
+        attention), from different ones (False), or None when it is not known."""
+        if torch.compiler.is_compiling():
+            return None
+        q, k = self._of(self.labels.get(query, ()), call), self._of(self.labels.get(key, ()), call)
+        if not q or not k:
+            return None
+        return q == k
+
+    def scores_of_same_input(self, call: int, scores: torch.Tensor) -> bool | None:
+        """`same_input` for scores: True when one of the products they are made of multiplies queries
+        and keys from the same arguments of ``call``."""
+        if torch.compiler.is_compiling():
+            return None
+        verdicts = set()
+        for q, k in self.products.get(scores, ()):
+            q, k = self._of(q, call), self._of(k, call)
+            if q and k:
+                verdicts.add(q == k)
+        return True if True in verdicts else (False if verdicts else None)
+
+
 class AttentionMode(TorchFunctionMode):
     """Entered around a measured forward pass: passes SDPA calls and softmaxes over ``[B, H, Tq, Tk]``
     scores to ``monitor`` (``on_sdpa(call) -> out``, ``on_probs(scores, probs)``); every other call
@@ -260,12 +350,18 @@ class AttentionMode(TorchFunctionMode):
         # by an inner monitor's adapter, and measured here too; their softmaxes are never attention
         if self.busy or (func is not _SDPA and (func not in _SOFTMAXES or _computing_own_statistics())) \
                 or _in_compiled_graph():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if not self.busy and not torch.compiler.is_compiling() and not _computing_own_statistics():
+                self.monitor.provenance.propagate(func, args, kwargs, out)
+            return out
         self.busy = True
         try:
             if func is _SDPA:
-                return self.monitor.on_sdpa(dict(zip(SDPA_ARGS, args), **kwargs))
+                out = self.monitor.on_sdpa(dict(zip(SDPA_ARGS, args), **kwargs))
+                self.monitor.provenance.propagate(func, args, kwargs, out)
+                return out
             out = func(*args, **kwargs)
+            self.monitor.provenance.propagate(func, args, kwargs, out)
             if func in _SOFTMAXES and isinstance(out, torch.Tensor) and out.dim() == 4 \
                     and softmax_dim(args, kwargs) in (-1, 3):
                 self.monitor.on_probs(softmax_input(args, kwargs), out)
@@ -293,5 +389,3 @@ def named_attention(module) -> bool:
     return "attention" in type(module).__name__.lower() and not is_torch_builtin(module)
 
 
-# keyword arguments that make an attention call cross-attention (HF: BART, T5, Whisper, BERT decoders)
-CROSS_ATTENTION_KWARGS = ("key_value_states", "encoder_hidden_states")

@@ -146,12 +146,16 @@ class Monitor:
         self._padding: list[tuple[str | None, torch.Tensor]] = []  # this step's real-token masks [B, T], each
         #                                      with the module (name) whose attention it belongs to, None = any
         self._padding_used = False                   # a handed-in mask matched an attention call of this pass
-        self._stack: list[tuple[str, bool]] = []     # (name, cross-attention call) of the hooked modules running
+        self._stack: list[tuple[str, int]] = []      # (name, call number) of the hooked modules running
+        self._calls = itertools.count()
+        self.provenance = adapters.Provenance()      # which module inputs this pass's tensors derive from
+        self._all_rows: dict[str, str] = {}          # layers whose padding rows could not be told, and why
         self._pending: dict[str, HeadStats] = {}     # this pass's statistics
         self._pass_how: dict[str, str] = {}          # this pass's measured modules and how
         self._how: dict[str, str] = {}               # every module measured so far and how
         self._missing: dict[str, str] = {}           # expected modules never measured, and why
         self._pass_refused: dict[str, str] = {}      # this pass's attention calls that cannot be measured, and why
+        self._pass_all_rows: dict[str, str] = {}     # this pass's layers of `_all_rows`
         self._warned_padding: set[tuple] = set()     # set_padding shapes already warned about
         self._handles: list = []
         self._zoo: list[torch.nn.Module] = []       # fastdiag-model attention whose attributes are set
@@ -262,8 +266,11 @@ class Monitor:
         def pre(mod, args, kwargs):
             if not self._measuring or self._other_thread():
                 return
-            cross = any(kwargs.get(k) is not None for k in adapters.CROSS_ATTENTION_KWARGS)
-            self._stack.append((name, cross))
+            call = -1  # compiled: no provenance (a counter in the graph would recompile it every pass)
+            if not torch.compiler.is_compiling():
+                call = next(self._calls)
+                self.provenance.seed(call, args, kwargs)
+            self._stack.append((name, call))
             if selected and kind == "zoo":
                 mod.record = True
             elif selected and kind == "mha":
@@ -315,7 +322,9 @@ class Monitor:
         self._training = training
         self._measuring = self._due if training else self.measure_eval
         self._stack = []
-        self._pending, self._pass_how, self._pass_refused = {}, {}, {}
+        self.provenance.clear()
+        # per-pass dicts, fresh every pass: a compiled graph sees the same state on every pass
+        self._pending, self._pass_how, self._pass_refused, self._pass_all_rows = {}, {}, {}, {}
         self._padding_used = False
         if self._measuring and not self._mode_entered:
             self._mode.__enter__()
@@ -327,6 +336,7 @@ class Monitor:
             self._mode_entered = False
             self._mode.__exit__(None, None, None)
         measured, self._measuring = self._measuring, False
+        self.provenance.clear()
         if measured and not raised:
             self._check_padding(self.step)
         self._padding = []
@@ -345,15 +355,25 @@ class Monitor:
         self._pending[key] = stats
         self._pass_how[name] = how
 
-    def _attention_call(self) -> tuple[str, bool] | None:
-        """(name, cross-attention) of the module running an attention op now, if it is to be measured
+    def _attention_call(self) -> tuple[str, int] | None:
+        """(name, call number) of the module running an attention op now, if it is to be measured
         here (not a structural kind measuring itself, not outside the model, selected)."""
         if not self._stack:
             return None
-        name, cross = self._stack[-1]
+        name, call = self._stack[-1]
         if name in self._kind or name not in self._selected:
             return None
-        return name, cross
+        return name, call
+
+    def _self_attention(self, name: str, same_input: bool | None, tq: int, tk: int) -> bool:
+        """Whether the padding rules of self-attention apply to a call: its queries and keys derive
+        from the same input of the module's call (`adapters.Provenance`), never a guess from shapes.
+        Not known with Tq = Tk: every row that sees a key is counted, and `coverage` says so."""
+        if same_input is None and tq == tk:
+            self._pass_all_rows.setdefault(name, "whether its queries and keys come from the same input was not "
+                                            "known (torch.compile, or keys not computed in the call): every "
+                                            "row that sees a key is counted, padding rows included")
+        return bool(same_input) and tq == tk
 
     # ---- called by adapters.AttentionMode during a measured pass --------------------------------
 
@@ -362,7 +382,7 @@ class Monitor:
         where = self._attention_call()
         if where is None:
             return F.scaled_dot_product_attention(**call)
-        name, cross = where
+        name, module_call = where
         query, key = call.get("query"), call.get("key")
         if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)) or query.dim() < 4 \
                 or key.dim() < 4:
@@ -372,6 +392,7 @@ class Monitor:
             self._refuse(name, f"scaled_dot_product_attention on a {len(shape)}-D query {shape}: heads folded "
                                "into the batch (or absent) cannot be read from the call; pass [B, H, T, D]")
             return F.scaled_dot_product_attention(**call)
+        query_passed, key_passed = query, key
         dtype = adapters.autocast_dtype(query.device.type)
         if dtype is not None:
             # Exactly what autocast hands the op (bit-identical output); the statistics then read the
@@ -388,7 +409,7 @@ class Monitor:
         if query.dim() == 4 and not packed:
             b, h, tq, _ = query.shape
             tk = key.shape[-2]
-            if not cross and tq == tk:
+            if self._self_attention(name, self.provenance.same_input(module_call, query_passed, key_passed), tq, tk):
                 if attn_mask is not None:
                     hidden = adapters.masked(adapters.as_bhqk(attn_mask, (b,), h, tq, tk))
                     rows = adapters.real_positions(hidden).expand(b, tq)
@@ -424,7 +445,7 @@ class Monitor:
         where = self._attention_call()
         if where is None:
             return
-        name, cross = where
+        name, module_call = where
         b, h, tq, tk = probs.shape
         if probs.numel() == 0:
             if b == 0 and min(h, tq, tk) > 0:  # an empty batch: no rows, exactly (as on the SDPA path)
@@ -440,7 +461,8 @@ class Monitor:
         if sink:
             hidden = hidden[..., :-1]
         rows = adapters.sees_a_key(hidden)
-        if not cross and tq == hidden.shape[-1]:
+        if self._self_attention(name, self.provenance.scores_of_same_input(module_call, scores), tq,
+                                hidden.shape[-1]):
             rows = self._with_padding(rows & adapters.real_positions(hidden), b, tq, probs.device, name)
         self._add(name, adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend),
                   "probabilities with sink" if sink else "probabilities")
@@ -468,6 +490,8 @@ class Monitor:
         """After a measured pass: nothing found is an error; an expected module without statistics
         is warned about once (raised with strict)."""
         self._how.update(self._pass_how)
+        for name, why in self._pass_all_rows.items():
+            self._all_rows.setdefault(name, why)
         for name, reason in self._pass_refused.items():
             if name in self._missing:
                 continue
@@ -500,12 +524,14 @@ class Monitor:
 
     def coverage(self) -> dict:
         """What attach found and measured so far: ``found`` (module names, expected at attach time or
-        seen doing attention on a measured pass), ``measured`` (name → how) and ``missing``
-        (name → why it has no statistics)."""
+        seen doing attention on a measured pass), ``measured`` (name → how), ``missing``
+        (name → why it has no statistics) and ``all_rows`` (measured layers whose padding rows could
+        not be told from the call, so every row that sees a key is counted: name → why)."""
         found = list(self._expected) + [n for n in self._how if n not in self._expected]
         measured = {name: HOW[how] for name, how in self._how.items()}
         missing = {name: reason for name, reason in self._missing.items() if name not in self._how}
-        return {"found": found, "measured": measured, "missing": missing}
+        all_rows = {name: why for name, why in self._all_rows.items() if name in self._how}
+        return {"found": found, "measured": measured, "missing": missing, "all_rows": all_rows}
 
     def _record(self, step: int, mode: str, stats: dict[str, HeadStats]) -> None:
         self._records.add(step, mode, stats)

@@ -278,3 +278,84 @@ def test_qk_head_stats_errors_name_the_argument(kwargs, error, match):
 def test_head_stats_refuses_sparse_probabilities_by_name():
     with pytest.raises(TypeError, match="probs: expected a dense"):
         fastdiag.head_stats(torch.rand(2, 2, 5, 5).to_sparse())
+
+
+# ---- 3. self- or cross-attention from provenance, not from Tq = Tk -----------------------------------
+
+class ContextAttention(nn.Module):
+    """``attn(x, context=...)``: queries from x, keys and values from the context (x itself if None);
+    the context's padding is a key mask. Tq = Tk, so shapes cannot tell self from cross."""
+
+    def __init__(self, softmax):
+        super().__init__()
+        self.softmax, self.q, self.kv = softmax, nn.Linear(8, 8), nn.Linear(8, 16)
+
+    def forward(self, x, context=None, context_mask=None):
+        context = x if context is None else context
+        b, t = x.shape[:2]
+        q = self.q(x).view(b, t, 2, 4).transpose(1, 2)
+        k, v = (z.view(b, -1, 2, 4).transpose(1, 2) for z in self.kv(context).split(8, -1))
+        mask = context_mask[:, None, None, :]
+        self.seen = (q.detach(), k.detach(), mask)
+        if not self.softmax:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        scores = (q @ k.transpose(-1, -2) / 2).masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("softmax", [False, True], ids=["sdpa", "eager"])
+@pytest.mark.parametrize("cross", [True, False], ids=["cross", "self"])
+def test_padding_rows_are_left_out_only_where_queries_and_keys_share_their_input(softmax, cross):
+    torch.manual_seed(0)
+    model, x, other = ContextAttention(softmax), torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, 4:] = False                      # the context's padding: keys 4, 5 of sequence 0
+    monitor, problems = _unchanged(model, lambda m: m(x, context=other if cross else x, context_mask=mask))
+    assert not problems
+    q, k, m = model.seen
+    probs, _ = eager_probs(q, k, m)
+    # every row sees a real key; cross: every query row is real (Perceiver's latents); self: its own
+    # position is padding where the key is
+    want_rows = torch.ones(2, 6, dtype=torch.bool) if cross else mask
+    stats = monitor.latest_stats()["<root>"]
+    assert stats.rows.item() == (12 if cross else 10)
+    assert_stats_close(stats, _hs(probs, want_rows))
+    assert monitor.coverage()["all_rows"] == {}
+
+
+def test_hf_callback_hands_the_encoder_mask_to_the_encoder_only():
+    """T5 with source and target of equal length: the encoder's attention_mask must not drop real
+    decoder rows (decoder self-attention and cross-attention count every target row)."""
+    from fastdiag.integrations.hf import FastdiagCallback
+
+    from tests.test_attach_matrix import reference
+    arch = "t5 (relative position bias)"
+    model = build(arch, "eager")
+    batch = inputs(arch, padded=True)
+    batch["decoder_input_ids"] = batch["input_ids"].flip(-1)          # target length = source length
+    callback = FastdiagCallback(every=1)
+    callback.on_train_begin(None, None, None, model=model)
+    try:
+        model(**batch)
+        stats = list(callback.monitor.latest_stats().values())
+    finally:
+        callback.on_train_end(None, None, None)
+    ref = reference(arch, model, batch)
+    assert [s.rows.item() for s in stats] == [15, 15, 20, 20, 20, 20]   # 5 source positions padded
+    for got, want in zip(stats, ref):
+        assert_stats_close(got, want)
+
+
+def test_compiled_self_attention_counts_every_row_and_says_so():
+    """Under torch.compile the provenance is not traced: padding rows cannot be told from the call,
+    so every row that sees a key is counted and coverage() names the layer (never a guess)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = ContextAttention(softmax=False), torch.randn(2, 6, 8)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, 4:] = False
+    compiled = torch.compile(model, backend=lambda gm, example_inputs: gm.forward, fullgraph=True)
+    with fastdiag.attach(model, every=1) as monitor:
+        compiled(x, context_mask=mask)
+    assert monitor.latest_stats()["<root>"].rows.item() == 12
+    assert "not known" in monitor.coverage()["all_rows"][""]

@@ -7,7 +7,8 @@ after this one, and ``trainer.state.log_history``, see them) as ``fastdiag/s_bar
 ``fastdiag/sigma_h``, ``fastdiag/sync/<layer>`` and ``fastdiag/spread/<layer>``. Every record is in
 ``callback.monitor.history()``; pass ``log=SummaryWriter(...)`` to write each one to TensorBoard.
 Each forward's ``attention_mask`` is handed to `Monitor.set_padding`, so padded positions are left
-out of the statistics (docs/attach.md, "Padding") even where the attention itself does not mask them.
+out of the statistics (docs/attach.md, "Padding") even where the attention itself does not mask them;
+in an encoder-decoder only to the encoder's attention (``decoder_attention_mask`` to the decoder's).
 """
 from __future__ import annotations
 
@@ -32,11 +33,23 @@ class FastdiagCallback(TrainerCallback):
         self.monitor = attach(model, every=self.every, **self.attach_kwargs)
         self._records_seen = 0
         monitor = self.monitor
+        # An encoder-decoder's attention_mask is the encoder's: handed to the encoder's attention only
+        # (T5 with equal source and target lengths would otherwise drop real decoder rows), and
+        # decoder_attention_mask to the decoder's. Where the two cannot be found, none is handed in.
+        scopes = {"attention_mask": ""}
+        if getattr(getattr(monitor.model, "config", None), "is_encoder_decoder", False):
+            names = {id(m): n for n, m in monitor.model.named_modules()}
+            parts = [getattr(monitor.model, f"get_{part}", lambda: None)() for part in ("encoder", "decoder")]
+            scopes = {key: names[id(part)] for key, part in zip(("attention_mask", "decoder_attention_mask"), parts)
+                      if part is not None and id(part) in names}
 
         @torch.compiler.disable
         def hand_in_padding(module, args, kwargs):
-            mask = kwargs.get("attention_mask")
-            monitor.set_padding(mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
+            monitor.set_padding(None)
+            for key, within in scopes.items():
+                mask = kwargs.get(key)
+                if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                    monitor.set_padding(mask, within=within)
 
         self._padding_hook = self.monitor.model.register_forward_pre_hook(hand_in_padding, with_kwargs=True)
 
