@@ -59,6 +59,35 @@ def real_positions(hidden: torch.Tensor) -> torch.Tensor:
     return ~hidden.all(-2).all(1)
 
 
+def zero_probability_keys(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor, is_causal: bool,
+                          scale: float | None, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """Bool ``[B, Tk]``: the keys an SDPA call's own softmax gives probability exactly 0 in every query
+    row and head, ``exp(s + mask − LSE) == 0`` in float32 (what SDPA computes its softmax in). A
+    finite additive mask (MarkupLM −1e4, Funnel −1e6, XLNet −1e30) masks a key by driving it there:
+    its effect on the row's LSE, read from the call, not a threshold on the mask value. ``query``
+    ``[B, H, Tq, D]``, ``key`` ``[B, Hk, Tk, D]``, ``attn_mask`` additive, broadcastable to the scores.
+    Chunked over query rows (at most ``chunk_bytes`` of scores at a time)."""
+    acc = torch.promote_types(query.dtype, torch.float32)
+    b, h, tq, d = query.shape
+    q = query.detach().to(acc) * (d ** -0.5 if scale is None else float(scale))
+    k = key.detach().to(acc).repeat_interleave(h // key.shape[1], dim=1).transpose(-1, -2)
+    tk = k.shape[-1]
+    mask = attn_mask.detach().to(acc)
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    zero = torch.ones(b, tk, dtype=torch.bool, device=query.device)
+    rows = min(tq, max(1, chunk_bytes // max(1, b * h * tk * 4)))
+    for r0 in range(0, tq, rows):
+        r1 = min(tq, r0 + rows)
+        s = (q[:, :, r0:r1] @ k) + (mask[..., r0:r1, :] if mask.shape[-2] > 1 else mask)
+        if is_causal:
+            future = torch.ones(r1 - r0, tk, dtype=torch.bool, device=s.device).triu(r0 + 1)
+            s = s.masked_fill(future, float("-inf"))
+        p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))
+        zero &= (p == 0).all(1).all(1)
+    return zero
+
+
 def sink_logits(module) -> int | None:
     """Heads of a module's attention-sink logits (a 1-D ``sinks`` tensor, one logit per head, which the
     module concatenates to its scores as a last column before the softmax: Hugging Face gpt-oss), else None."""

@@ -156,6 +156,7 @@ class Monitor:
         self._missing: dict[str, str] = {}           # expected modules never measured, and why
         self._pass_refused: dict[str, str] = {}      # this pass's attention calls that cannot be measured, and why
         self._pass_all_rows: dict[str, str] = {}     # this pass's layers of `_all_rows`
+        self._pass_called: set[str] = set()
         self._warned_padding: set[tuple] = set()     # set_padding shapes already warned about
         self._handles: list = []
         self._zoo: list[torch.nn.Module] = []       # fastdiag-model attention whose attributes are set
@@ -271,6 +272,7 @@ class Monitor:
                 call = next(self._calls)
                 self.provenance.seed(call, args, kwargs)
             self._stack.append((name, call))
+            self._pass_called.add(name)
             if selected and kind == "zoo":
                 mod.record = True
             elif selected and kind == "mha":
@@ -325,6 +327,7 @@ class Monitor:
         self.provenance.clear()
         # per-pass dicts, fresh every pass: a compiled graph sees the same state on every pass
         self._pending, self._pass_how, self._pass_refused, self._pass_all_rows = {}, {}, {}, {}
+        self._pass_called = set()                    # hooked modules whose forward ran on this pass
         self._padding_used = False
         if self._measuring and not self._mode_entered:
             self._mode.__enter__()
@@ -413,6 +416,10 @@ class Monitor:
                 if attn_mask is not None:
                     hidden = adapters.masked(adapters.as_bhqk(attn_mask, (b,), h, tq, tk))
                     rows = adapters.real_positions(hidden).expand(b, tq)
+                    if attn_mask.is_floating_point():  # finite masks: keys the op's softmax zeroes
+                        rows = rows & ~adapters.own_statistics(
+                            adapters.zero_probability_keys, query, key, attn_mask, call.get("is_causal", False),
+                            call.get("scale"), self.chunk_bytes)
                 rows = self._with_padding(rows, b, tq, query.device, name)
         measure = adapters.sdpa_reissued_with_stats if adapters.outer_attention_mode() else sdpa_with_stats
         out, stats = adapters.own_statistics(measure, **call, query_mask=rows, backend=self.backend,
@@ -454,7 +461,10 @@ class Monitor:
             else:
                 self._refuse(name, f"a softmax over empty scores {tuple(probs.shape)}")
             return
-        hidden = adapters.masked(scores.detach())
+        # A key is masked where the model's own softmax gave it exactly 0 (a finite mask: XLNet -1e30,
+        # MarkupLM -1e4, Funnel -1e6) or where its score is the dtype's most negative value (a fully
+        # masked row, which HF softmaxes to a uniform row): read from what was computed, no threshold.
+        hidden = adapters.masked(scores.detach()) | (probs.detach() == 0)
         # An attention sink (a per-head logit concatenated as the last score column, gpt-oss) is in the
         # measured distribution, but it is no key: the padding rules read the real keys only.
         sink = name in self._sinks and self._sinks[name] == h and tk > 1
@@ -509,12 +519,14 @@ class Monitor:
                 f"{step}): {_LOOKED_FOR}")
         measured = list(self._pass_how)
         for name in self._expected:
+            if name not in self._pass_called:
+                continue  # not run on this pass (a helper such as Funnel's FunnelAttentionStructure, an unused branch)
             if name in self._missing or name in self._pass_refused or any(m == name or m.startswith(name + ".") or not name for m in measured):
                 continue
             reason = (f"no statistics on the measured pass of step {step}: no "
                       "scaled_dot_product_attention call and no softmax over [B, H, Tq, Tk] scores ran "
                       "inside it (attention it computes some other way — flash-attn, xformers, a "
-                      "fused or 3-D kernel, flex attention — or not run on that pass, cannot be measured)")
+                      "fused or 3-D kernel, flex attention — cannot be measured)")
             self._missing[name] = reason
             message = f"fastdiag.attach: attention module {name!r} ({type(self.model.get_submodule(name)).__name__}): {reason}"
             if self.strict:

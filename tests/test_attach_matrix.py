@@ -100,6 +100,8 @@ ARCHS = {
                                                    attn_config={"alibi": True, "attn_pdrop": 0}),
                     "MptForCausalLM", "causal"),
     "mbart": (lambda: transformers.MBartConfig(**BART_SMALL), "MBartModel", "seq2seq"),
+    "markuplm (finite mask -1e4)": (lambda: transformers.MarkupLMConfig(
+        **SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "MarkupLMModel", "encoder"),
     "vit": (lambda: transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
                                            num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
                                            attention_probs_dropout_prob=0.0),
@@ -273,7 +275,8 @@ def measure(arch: str, impl: str, padded: bool):
 
 
 NO_SDPA = ["gemma2 (softcap 5, window 4)", "bloom (alibi)", "gpt_oss (attention sinks, window 4)",
-           "deberta-v2 (disentangled relative attention)", "mpt (alibi)"]  # transformers has no sdpa path for them
+           "deberta-v2 (disentangled relative attention)", "mpt (alibi)",
+           "markuplm (finite mask -1e4)"]  # transformers has no sdpa path for them
 CASES = [(arch, impl, padded) for arch in ARCHS for impl in ("eager", "sdpa") for padded in (False, True)
          if not (padded and ARCHS[arch][2] == "vision") and not (impl == "sdpa" and arch in NO_SDPA)]
 

@@ -359,3 +359,59 @@ def test_compiled_self_attention_counts_every_row_and_says_so():
         compiled(x, context_mask=mask)
     assert monitor.latest_stats()["<root>"].rows.item() == 12
     assert "not known" in monitor.coverage()["all_rows"][""]
+
+
+# ---- 4. finite masks: a key is masked where the model's softmax gave it exactly 0 -----------------
+
+class AdditiveMaskAttention(nn.Module):
+    """Padding masked with a finite additive value (MarkupLM -1e4, Funnel -1e6, XLNet -1e30)."""
+
+    def __init__(self, fill, use_sdpa):
+        super().__init__()
+        self.fill, self.use_sdpa, self.qkv = fill, use_sdpa, nn.Linear(8, 24)
+
+    def forward(self, x, real):
+        b, t = x.shape[:2]
+        q, k, v = (z.view(b, t, 2, 4).transpose(1, 2) for z in self.qkv(x).split(8, -1))
+        mask = (~real[:, None, None, :]).float() * self.fill
+        self.seen = (q.detach(), k.detach(), mask)
+        if self.use_sdpa:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return (q @ k.transpose(-1, -2) / 2 + mask).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("use_sdpa", [False, True], ids=["eager", "sdpa"])
+@pytest.mark.parametrize("fill", [-1e4, -1e6, -1e30])
+def test_padding_masked_with_a_finite_value_leaves_padded_rows_out(fill, use_sdpa):
+    torch.manual_seed(0)
+    model, x = AdditiveMaskAttention(fill, use_sdpa), torch.randn(2, 6, 8)
+    real = torch.ones(2, 6, dtype=torch.bool)
+    real[0, 4:] = False
+    real[1, :1] = False
+    monitor, problems = _unchanged(model, lambda m: m(x, real))
+    assert not problems
+    q, k, mask = model.seen
+    scores = q.double() @ k.double().transpose(-1, -2) / 2 + mask.double()
+    stats = monitor.latest_stats()["<root>"]
+    assert stats.rows.item() == 9
+    assert_stats_close(stats, _hs(scores.softmax(-1), real))
+
+
+def test_funnel_helper_structure_is_not_warned_about_and_strict_passes():
+    """FunnelAttentionStructure is named like attention but is a helper whose forward never runs."""
+    config = transformers.FunnelConfig(d_model=32, n_head=4, d_head=8, d_inner=64, block_sizes=[1, 1],
+                                       vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0,
+                                       activation_dropout=0.0)
+    torch.manual_seed(0)
+    model = transformers.FunnelBaseModel._from_config(config, attn_implementation="eager").train()
+    batch = inputs("bert", padded=False)
+    with torch.no_grad():
+        want = model(**batch, output_attentions=True).attentions
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fastdiag.attach(model, every=1, strict=True) as monitor:
+            model(**batch)
+    stats = monitor.latest_stats()
+    assert len(stats) == len(want) == 2 and monitor.coverage()["missing"] == {}
+    for got, probs in zip(stats.values(), want):
+        assert_stats_close(got, _hs(probs))
