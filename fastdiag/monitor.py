@@ -171,6 +171,19 @@ class Monitor:
         named = {name for name, m in modules.items() if adapters.named_attention(m)}
         innermost = {n for n in named if not any(o.startswith(n + ".") for o in named if o != n)}
         self._expected = [n for n in modules if (n in self._kind or n in innermost) and n in self._selected]
+        # torch's eval fast paths (MultiheadAttention's native path, the encoder layer's fused kernel,
+        # nested tensors) are off whenever a torch function mode is active: the mode is left out of
+        # these modules in eval mode, so their outputs stay bit-identical (`_suspend_mode`)
+        # and nn.TransformerEncoderLayer takes its fused kernel only when no hook sits on it or inside it:
+        # the modules inside one are hooked only for measured training passes (`_lazy`)
+        encoder_layers = [n for n, m in modules.items()
+                          if isinstance(m, torch.nn.TransformerEncoderLayer) and m is not model]
+        self._lazy = {n for n in modules for layer in encoder_layers if n == layer or n.startswith(layer + ".")}
+        self._fast_path = {name for name, m in modules.items() if name not in self._lazy and isinstance(
+            m, (torch.nn.TransformerEncoder, torch.nn.MultiheadAttention))}
+        self._suspended: list[str] = []              # fast-path modules running with the mode left out
+        self._lazy_hooks: list[tuple] = []           # (name, module, kind) hooked on measured training passes
+        self._lazy_handles: list = []
         if not self._expected and all(adapters.is_torch_builtin(m) for m in modules.values()):
             raise ValueError(f"attach: found no attention in {type(model).__name__}: {_LOOKED_FOR}; "
                              "it is made of torch.nn modules only, none of them attention")
@@ -179,8 +192,11 @@ class Monitor:
         _ATTACHED[model] = self
         try:
             for name, m in modules.items():
-                if m is model or name in self._kind or not adapters.is_torch_builtin(m):
-                    self._hook(name, m, self._kind.get(name), root=m is model)
+                if m is model or name in self._kind or name in self._fast_path or not adapters.is_torch_builtin(m):
+                    if name in self._lazy:
+                        self._lazy_hooks.append((name, m, self._kind.get(name)))
+                    else:
+                        self._hook(name, m, self._kind.get(name), root=m is model)
             for name, kind in self._kind.items():
                 if kind == "zoo":
                     zoo.hold(modules[name], self._id, self.backend)
@@ -260,7 +276,8 @@ class Monitor:
 
     # ---- hooks (these run inside a compiled region: they read bools and names only) -----------
 
-    def _hook(self, name: str, module: torch.nn.Module, kind: str | None, root: bool) -> None:
+    def _hook(self, name: str, module: torch.nn.Module, kind: str | None, root: bool, handles=None) -> None:
+        handles = self._handles if handles is None else handles
         selected = name in self._selected
         record_at_attach = getattr(module, "record", False)
 
@@ -273,6 +290,7 @@ class Monitor:
                 self.provenance.seed(call, args, kwargs)
             self._stack.append((name, call))
             self._pass_called.add(name)
+            fast_path = name in self._fast_path and not mod.training
             if selected and kind == "zoo":
                 mod.record = True
             elif selected and kind == "mha":
@@ -281,19 +299,23 @@ class Monitor:
                 padding = lambda n, t, dev: self._with_padding(None, n, t, dev, name)  # noqa: E731
                 self._add(name, adapters.own_statistics(adapters.mha_head_stats, mod, args, kwargs,
                                                         self.backend, self.chunk_bytes, padding, dtype), "mha")
+            if fast_path and not self._suspended:
+                self._suspend_mode(name)
 
         def post(mod, args, output):
             if not self._measuring or self._other_thread():
                 return
             if self._stack:
                 self._stack.pop()
+            if self._suspended and self._suspended[-1] == name:
+                self._resume_mode()
             if kind == "zoo" and selected:
                 if mod.stats is not None:
                     self._add(name, mod.stats, "zoo")
                 mod.record = record_at_attach
 
-        self._handles.append(module.register_forward_pre_hook(_Hook(pre), with_kwargs=True))
-        self._handles.append(module.register_forward_hook(_Hook(post), always_call=True))
+        handles.append(module.register_forward_pre_hook(_Hook(pre), with_kwargs=True))
+        handles.append(module.register_forward_hook(_Hook(post), always_call=True))
         if root and self._auto:
             # Outermost: a pass begins before the stack hooks above and ends after them. These two
             # run eagerly even when the model is compiled (torch.compile(model) and model.compile()
@@ -312,6 +334,21 @@ class Monitor:
                                                                   prepend=True))
             self._handles.append(module.register_forward_hook(_EagerHook(end), always_call=True))
 
+    def _suspend_mode(self, name: str) -> None:
+        """Leave the mode out of fast-path module ``name`` (eval): with a mode active torch takes its
+        slow path, whose outputs differ (nested-tensor padding 0 vs 2.3, 1e-6 elsewhere). Its
+        MultiheadAttention is measured by its adapter, which needs no mode."""
+        if torch.compiler.is_compiling() or not self._mode_entered:
+            return
+        stack = torch.overrides._get_current_function_mode_stack()
+        if stack and stack[-1] is self._mode:
+            self._mode.__exit__(None, None, None)
+            self._suspended.append(name)
+
+    def _resume_mode(self) -> None:
+        self._suspended.pop()
+        self._mode.__enter__()
+
     def _other_thread(self) -> bool:
         """Whether this hook runs in another thread than the pass in progress (an evaluation thread
         running the same model): that pass is neither a step nor measured. Compiled code skips the
@@ -328,6 +365,15 @@ class Monitor:
         # per-pass dicts, fresh every pass: a compiled graph sees the same state on every pass
         self._pending, self._pass_how, self._pass_refused, self._pass_all_rows = {}, {}, {}, {}
         self._pass_called = set()                    # hooked modules whose forward ran on this pass
+        if self._measuring and training:
+            for name, module, kind in self._lazy_hooks:
+                self._hook(name, module, kind, False, self._lazy_handles)
+        elif self._measuring:
+            for name, module, kind in self._lazy_hooks:
+                if kind == "mha" and name in self._selected:
+                    self._refuse(name, "an eval pass: nn.TransformerEncoderLayer keeps torch's eval fast path (one "
+                                       "fused kernel, no probabilities, and no hooks allowed inside it), so its "
+                                       "attention is measured on training passes only")
         self._padding_used = False
         if self._measuring and not self._mode_entered:
             self._mode.__enter__()
@@ -337,9 +383,14 @@ class Monitor:
         self._pass_thread = None
         if self._mode_entered:
             self._mode_entered = False
-            self._mode.__exit__(None, None, None)
+            if not self._suspended:  # a suspended mode is off the stack already
+                self._mode.__exit__(None, None, None)
+            self._suspended = []
         measured, self._measuring = self._measuring, False
         self.provenance.clear()
+        for handle in self._lazy_handles:
+            handle.remove()
+        self._lazy_handles = []
         if measured and not raised:
             self._check_padding(self.step)
         self._padding = []
@@ -596,11 +647,14 @@ class Monitor:
             if self._records.log is not None:
                 self.flush()
         finally:
-            for handle in self._handles:
+            for handle in self._handles + self._lazy_handles:
                 handle.remove()
+            self._lazy_handles = []
             if self._mode_entered:  # detached inside a measured pass
                 self._mode_entered = False
-                self._mode.__exit__(None, None, None)
+                if not self._suspended:
+                    self._mode.__exit__(None, None, None)
+                self._suspended = []
             zoo.release(self._zoo, self._id)
             self._zoo = []
             self._handles = []

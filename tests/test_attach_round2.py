@@ -415,3 +415,37 @@ def test_funnel_helper_structure_is_not_warned_about_and_strict_passes():
     assert len(stats) == len(want) == 2 and monitor.coverage()["missing"] == {}
     for got, probs in zip(stats.values(), want):
         assert_stats_close(got, _hs(probs))
+
+
+# ---- 7. torch's eval fast paths: outputs bit-identical -------------------------------------------
+
+def test_eval_fast_paths_keep_their_outputs_and_say_what_they_cannot_measure():
+    """measure_eval=True: nn.TransformerEncoder's nested-tensor fast path and MultiheadAttention's
+    native path run exactly as without attach (a function mode would switch them off); the fused
+    encoder layers are named as not measured, a bare MultiheadAttention is measured by its adapter."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(2, 6, 16)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[0, 4:] = True
+    with torch.no_grad():
+        want = encoder(x, src_key_padding_mask=pad)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with fastdiag.attach(encoder, every=1, measure_eval=True) as monitor:
+                got = encoder(x, src_key_padding_mask=pad)
+    assert torch.equal(got, want)
+    named = [str(w.message) for w in caught if "fast path" in str(w.message)]
+    assert len(named) == 2 and "'layers.0.self_attn'" in named[0]
+    assert set(monitor.coverage()["missing"]) == {"layers.0.self_attn", "layers.1.self_attn"}
+
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    with torch.no_grad():
+        want = mha(x, x, x, need_weights=False)[0]
+        with fastdiag.attach(mha, every=1, measure_eval=True) as monitor:
+            got = mha(x, x, x, need_weights=False)[0]
+    assert torch.equal(got, want)
+    q, k = (F.linear(x, w, b).view(2, 6, 4, 4).transpose(1, 2)
+            for w, b in list(zip(mha.in_proj_weight.split(16), mha.in_proj_bias.split(16)))[:2])
+    assert_stats_close(monitor.latest_stats()["<root>"], _hs(eager_probs(q, k)[0]))
