@@ -186,6 +186,7 @@ def mha_head_stats(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dic
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA = F.scaled_dot_product_attention
 _SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax}
+_LOGSUMEXPS = {torch.logsumexp, torch.Tensor.logsumexp}
 
 
 def softmax_dim(args: tuple, kwargs: dict) -> int | None:
@@ -304,15 +305,26 @@ class Provenance:
     def clear(self):
         self.labels = WeakIdKeyDictionary()    # tensor -> frozenset of (call, argument)
         self.products = WeakIdKeyDictionary()  # tensor -> frozenset of (query labels, key labels)
+        self.candidates = WeakIdKeyDictionary()  # tensor -> frozenset of softmax candidates it carries
+        self.candidate_rows: dict[int, int] = {}  # candidate -> B·H·Tq, the rows of its probabilities
+
+    def mark_candidate(self, probs: torch.Tensor, candidate: int) -> None:
+        """``probs`` (a softmax output) is attention if it, or a tensor with its rows made from it (a
+        dropout, a cast, the sink column sliced off, a reshape), is then multiplied with values along
+        its last (key) axis: `propagate` returns the candidate when that product runs."""
+        self.candidates[probs] = frozenset({candidate})
+        self.candidate_rows[candidate] = probs.numel() // max(1, probs.shape[-1])
 
     def seed(self, call: int, args: tuple, kwargs: dict) -> None:
         for slot, value in (*enumerate(args), *kwargs.items()):
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 self.labels[value] = self.labels.get(value, frozenset()) | {(call, slot)}
 
-    def propagate(self, func, args: tuple, kwargs: dict, out) -> None:
+    def propagate(self, func, args: tuple, kwargs: dict, out) -> frozenset:
+        """Hands labels, products and softmax candidates on to ``out``; returns the candidates this
+        call confirms as attention."""
         if torch.compiler.is_compiling():
-            return
+            return frozenset()
         inputs = list(_tensors(args, kwargs))
         labels = frozenset().union(*(self.labels.get(t, ()) for t in inputs))
         product = _PRODUCTS.get(func)
@@ -327,14 +339,40 @@ class Provenance:
                                         else frozenset() for t in (a, b))})
         else:
             products = frozenset().union(*(self.products.get(t, ()) for t in inputs))
-        if not labels and not products:
-            return
+        confirmed = self._confirmed(func, args, kwargs, product) if self.candidates else frozenset()
+        carried = frozenset() if product is not None or not self.candidates else \
+            frozenset().union(*(self.candidates.get(t, ()) for t in inputs))
         for o in (out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(o, torch.Tensor):
                 if labels:
                     self.labels[o] = labels
                 if products:
                     self.products[o] = products
+                kept = frozenset(c for c in carried if o.dim() >= 2 and o.shape[-1] > 0
+                                 and o.numel() // o.shape[-1] == self.candidate_rows[c])
+                if kept:
+                    self.candidates[o] = kept
+        return confirmed
+
+    def _confirmed(self, func, args, kwargs, product) -> frozenset:
+        """The softmax candidates this call multiplies with values along their key axis: the first
+        operand of a matmul / bmm (its last axis is contracted), or an einsum operand whose last
+        subscript is summed over."""
+        if product is None:
+            return frozenset()
+        if func is torch.einsum:
+            operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+            equation = args[0] if args and isinstance(args[0], str) else ""
+            inputs, _, output = equation.replace(" ", "").partition("->")
+            found = frozenset()
+            for subscripts, operand in zip(inputs.split(","), operands):
+                if isinstance(operand, torch.Tensor) and subscripts and subscripts[-1].isalpha() \
+                        and output and subscripts[-1] not in output:
+                    found |= self.candidates.get(operand, frozenset())
+            return found
+        (i, _), (name, _) = product[0], product[1] or (None, None)
+        first = args[i] if i < len(args) else kwargs.get(name)
+        return self.candidates.get(first, frozenset()) if isinstance(first, torch.Tensor) else frozenset()
 
     @staticmethod
     def _of(labels, call: int) -> frozenset:
@@ -381,7 +419,13 @@ class AttentionMode(TorchFunctionMode):
                 or _in_compiled_graph():
             out = func(*args, **kwargs)
             if not self.busy and not torch.compiler.is_compiling() and not _computing_own_statistics():
-                self.monitor.provenance.propagate(func, args, kwargs, out)
+                confirmed = self.monitor.provenance.propagate(func, args, kwargs, out)
+                if confirmed:
+                    self.monitor.confirm(confirmed)
+                scores = softmax_input(args, kwargs)
+                if func in _LOGSUMEXPS and isinstance(scores, torch.Tensor) and scores.dim() == 4 \
+                        and softmax_dim(args, kwargs) in (-1, 3):
+                    self.monitor.on_logsumexp()
             return out
         self.busy = True
         try:
@@ -394,6 +438,8 @@ class AttentionMode(TorchFunctionMode):
             if func in _SOFTMAXES and isinstance(out, torch.Tensor) and out.dim() == 4 \
                     and softmax_dim(args, kwargs) in (-1, 3):
                 self.monitor.on_probs(softmax_input(args, kwargs), out)
+            elif func in _SOFTMAXES and isinstance(out, torch.Tensor) and softmax_dim(args, kwargs) in (-1, out.dim() - 1):
+                self.monitor.on_softmax_elsewhere(out)
             return out
         finally:
             self.busy = False
@@ -411,6 +457,16 @@ def is_mha(module) -> bool:
 
 def is_torch_builtin(module) -> bool:
     return type(module).__module__.startswith("torch.nn.modules")
+
+
+def module_heads(module) -> int | None:
+    """The head count a module states about itself (``num_heads``, ``num_attention_heads``,
+    ``n_heads``, ``n_head``), or None."""
+    for attribute in ("num_heads", "num_attention_heads", "n_heads", "n_head"):
+        value = getattr(module, attribute, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def named_attention(module) -> bool:

@@ -157,6 +157,11 @@ class Monitor:
         self._pass_refused: dict[str, str] = {}      # this pass's attention calls that cannot be measured, and why
         self._pass_all_rows: dict[str, str] = {}     # this pass's layers of `_all_rows`
         self._pass_called: set[str] = set()
+        self._candidates: dict[int, tuple] = {}      # this pass's softmaxes not yet multiplied with values
+        self._candidate_ids = itertools.count()
+        self._pass_ops: dict[tuple, int] = {}        # (module, call) -> attention ops in that call
+        self._pass_lse: set[str] = set()             # modules taking logsumexp over 4-D scores this pass
+        self._warned_softmax: set[str] = set()
         self._warned_padding: set[tuple] = set()     # set_padding shapes already warned about
         self._handles: list = []
         self._zoo: list[torch.nn.Module] = []       # fastdiag-model attention whose attributes are set
@@ -262,6 +267,23 @@ class Monitor:
             rows = padding if rows is None else rows & padding
         return rows
 
+    def _unconfirmed(self) -> None:
+        """End of a measured pass: a softmax never multiplied with values along its key axis is no
+        attention (a heat map, a router): not a layer, named once; attention written as
+        exp(s − logsumexp) in a module with no statistics is named as unmeasured."""
+        for name, _, stats, how in self._candidates.values():
+            if name in self._warned_softmax:
+                continue
+            self._warned_softmax.add(name)
+            warnings.warn(f"fastdiag.attach: module {name!r} ({type(self._modules[name]).__name__}) takes a softmax "
+                          "over the last axis of 4-D (or larger) scores whose output is never multiplied with values "
+                          "along that axis: not attention, not recorded", RuntimeWarning, stacklevel=4)
+        self._candidates = {}
+        for name in self._pass_lse:
+            if name not in self._pass_how:
+                self._refuse(name, "it takes logsumexp over [B, H, Tq, Tk] scores with no softmax or SDPA: "
+                                   "attention written as exp(s − logsumexp) cannot be measured")
+
     def _check_padding(self, step: int) -> None:
         """After a measured pass: a handed-in mask that no self-attention call used is named once."""
         if not self._padding or self._padding_used:
@@ -365,6 +387,7 @@ class Monitor:
         # per-pass dicts, fresh every pass: a compiled graph sees the same state on every pass
         self._pending, self._pass_how, self._pass_refused, self._pass_all_rows = {}, {}, {}, {}
         self._pass_called = set()                    # hooked modules whose forward ran on this pass
+        self._candidates, self._pass_ops, self._pass_lse = {}, {}, set()
         if self._measuring and training:
             for name, module, kind in self._lazy_hooks:
                 self._hook(name, module, kind, False, self._lazy_handles)
@@ -387,6 +410,8 @@ class Monitor:
                 self._mode.__exit__(None, None, None)
             self._suspended = []
         measured, self._measuring = self._measuring, False
+        if measured and not raised:
+            self._unconfirmed()
         self.provenance.clear()
         for handle in self._lazy_handles:
             handle.remove()
@@ -475,7 +500,7 @@ class Monitor:
         measure = adapters.sdpa_reissued_with_stats if adapters.outer_attention_mode() else sdpa_with_stats
         out, stats = adapters.own_statistics(measure, **call, query_mask=rows, backend=self.backend,
                                              chunk_bytes=self.chunk_bytes, packed_query_heads=packed)
-        self._add(name, stats, "sdpa")
+        self._add_op(name, module_call, stats, "sdpa")
         return out
 
     def _packed_query_heads(self, name: str, call: dict) -> int | None:
@@ -508,7 +533,8 @@ class Monitor:
         if probs.numel() == 0:
             if b == 0 and min(h, tq, tk) > 0:  # an empty batch: no rows, exactly (as on the SDPA path)
                 zeros = torch.zeros(h, h, dtype=torch.float64, device=probs.device)
-                self._add(name, HeadStats(zeros, zeros[0], zeros[0, 0], zeros[0, 0]), "probabilities")
+                self._candidate(name, module_call, probs,
+                                HeadStats(zeros, zeros[0], zeros[0, 0], zeros[0, 0]), "probabilities")
             else:
                 self._refuse(name, f"a softmax over empty scores {tuple(probs.shape)}")
             return
@@ -525,8 +551,64 @@ class Monitor:
         if self._self_attention(name, self.provenance.scores_of_same_input(module_call, scores), tq,
                                 hidden.shape[-1]):
             rows = self._with_padding(rows & adapters.real_positions(hidden), b, tq, probs.device, name)
-        self._add(name, adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend),
-                  "probabilities with sink" if sink else "probabilities")
+        self._candidate(name, module_call, probs,
+                        adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend),
+                        "probabilities with sink" if sink else "probabilities")
+
+    def on_softmax_elsewhere(self, probs: torch.Tensor) -> None:
+        """A softmax over the last axis of a tensor that is not 4-D (ProphetNet's 5-D n-gram streams):
+        if it is attention (multiplied with values), its layout cannot be read, and its module is named."""
+        where = self._attention_call()
+        if where is not None and probs.dim() > 4:
+            self._candidate(*where, probs, None, f"a softmax over {probs.dim()}-D scores {tuple(probs.shape)}: "
+                                                 "no [B, H, Tq, Tk] layout to read heads and rows from")
+
+    def on_logsumexp(self) -> None:
+        """``logsumexp`` over the last axis of 4-D scores: attention written as exp(s − logsumexp)
+        forms its probabilities without a softmax; its module is named unless measured otherwise."""
+        where = self._attention_call()
+        if where is not None:
+            self._pass_lse.add(where[0])
+
+    def _candidate(self, name: str, call: int, probs: torch.Tensor, stats, how: str) -> None:
+        """A softmax in module ``name``: attention once its output is multiplied with values along
+        its key axis (`adapters.Provenance`); ``stats`` None: attention whose layout is unreadable
+        (``how`` says why). Under torch.compile nothing is tracked: it counts as attention at once."""
+        if torch.compiler.is_compiling():
+            self._confirm_entry((name, call, stats, how))
+            return
+        if stats is not None:
+            heads = adapters.module_heads(self._modules.get(name))
+            if heads is not None and probs.shape[1] != heads:
+                stats, how = None, (f"a softmax over {tuple(probs.shape)} whose dim 1 is not the module's {heads} "
+                                    "heads (a [B, T, H, window] or other layout)")
+        candidate = next(self._candidate_ids)
+        self._candidates[candidate] = (name, call, stats, how)
+        self.provenance.mark_candidate(probs, candidate)
+
+    def confirm(self, candidates) -> None:
+        """Softmax outputs just multiplied with values along their key axis: attention."""
+        for candidate in sorted(candidates):
+            entry = self._candidates.pop(candidate, None)
+            if entry is not None:
+                self._confirm_entry(entry)
+
+    def _confirm_entry(self, entry) -> None:
+        name, call, stats, how = entry
+        if stats is None:
+            self._refuse(name, how)
+        else:
+            self._add_op(name, call, stats, how)
+
+    def _add_op(self, name: str, call: int, stats: HeadStats, how: str) -> None:
+        """One attention op of module ``name``'s call ``call``: a second one in the same call (partial
+        or factored softmaxes: BigBird block-sparse, Nyströmformer) makes the module unmeasured."""
+        if call >= 0:
+            ops = self._pass_ops[(name, call)] = self._pass_ops.get((name, call), 0) + 1
+            if ops > 1:
+                self._refuse(name, f"{ops} attention ops (softmaxes or SDPA calls) in one call: partial, "
+                                   "block-sparse or factored attention is not one [B, H, Tq, Tk] map")
+        self._add(name, stats, how)
 
     # ---- end of a pass: eager, outside any compiled graph ---------------------------------------
 
@@ -576,8 +658,9 @@ class Monitor:
                 continue
             reason = (f"no statistics on the measured pass of step {step}: no "
                       "scaled_dot_product_attention call and no softmax over [B, H, Tq, Tk] scores ran "
-                      "inside it (attention it computes some other way — flash-attn, xformers, a "
-                      "fused or 3-D kernel, flex attention — cannot be measured)")
+                      "inside it, or its softmax was never multiplied with values along its key axis "
+                      "(attention it computes some other way — flash-attn, xformers, a fused or 3-D "
+                      "kernel, flex attention, a windowed layout — cannot be measured)")
             self._missing[name] = reason
             message = f"fastdiag.attach: attention module {name!r} ({type(self.model.get_submodule(name)).__name__}): {reason}"
             if self.strict:

@@ -2,6 +2,7 @@
 step torch accepts (issue 26 and the attach items of issue 30). Each case is checked against float64
 statistics of the probabilities the model really used, with outputs and gradients unchanged."""
 import copy
+import re
 import warnings
 
 import pytest
@@ -449,3 +450,71 @@ def test_eval_fast_paths_keep_their_outputs_and_say_what_they_cannot_measure():
     q, k = (F.linear(x, w, b).view(2, 6, 4, 4).transpose(1, 2)
             for w, b in list(zip(mha.in_proj_weight.split(16), mha.in_proj_bias.split(16)))[:2])
     assert_stats_close(monitor.latest_stats()["<root>"], _hs(eager_probs(q, k)[0]))
+
+
+# ---- 5, 6. one module = one layer record, and a softmax is attention only when it weighs values ---
+
+class OddSoftmaxes(nn.Module):
+    """Softmaxes over 4-D (or 5-D) tensors, written the ways that are not one [B, H, Tq, Tk] map."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.qkv, self.num_heads = how, nn.Linear(8, 24), 2
+
+    def forward(self, x):
+        b, t = x.shape[:2]
+        q, k, v = (z.view(b, t, 2, 4).transpose(1, 2) for z in self.qkv(x).split(8, -1))
+        scores = q @ k.transpose(-1, -2) / 2                                   # [B, H, T, T]
+        if self.how == "heat map":      # a spatial softmax used elementwise: no values weighed
+            return (scores.softmax(-1) * scores).sum(-1, keepdim=True) * v
+        if self.how == "router":        # grouped MoE router [B, T, G, E], experts mixed elementwise
+            gates = q.transpose(1, 2).softmax(-1)                              # [B, T, H, 4]
+            return (gates.unsqueeze(-1) * v.transpose(1, 2).unsqueeze(-2)).sum(-2).transpose(1, 2)
+        if self.how == "factored":      # Nyströmformer-like: two softmax factors in one call
+            landmarks = k[:, :, :2]
+            return (q @ landmarks.transpose(-1, -2)).softmax(-1) @ ((landmarks @ k.transpose(-1, -2)).softmax(-1) @ v)
+        if self.how == "5-D":           # n-gram streams: [B, S, H, T, T]
+            probs = torch.stack([scores, scores * 2], 1).softmax(-1)
+            return (probs @ v.unsqueeze(1)).sum(1)
+        if self.how == "window":        # Longformer-like [B, T, H, window] scores
+            window = scores.transpose(1, 2)[..., :3]
+            return torch.einsum("bthw,bhwd->bhtd", window.softmax(-1), v[:, :, :3])
+        if self.how == "logsumexp":     # exp(s - logsumexp), no softmax
+            return torch.exp(scores - scores.logsumexp(-1, keepdim=True)) @ v
+        raise AssertionError(self.how)
+
+
+@pytest.mark.parametrize("how,message", [
+    ("heat map", "never multiplied with values"), ("router", "never multiplied with values"),
+    ("factored", "2 attention ops"), ("5-D", "5-D scores"), ("window", "not the module's 2 heads"),
+    ("logsumexp", "exp\\(s − logsumexp\\)")])
+def test_softmaxes_that_are_not_one_attention_map_are_no_layer_and_are_named(how, message):
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.real, self.odd = HandWritten("softmax"), OddSoftmaxes(how)
+
+        def forward(self, x):
+            return self.odd(self.real(x).transpose(1, 2).reshape(x.shape))
+
+    torch.manual_seed(0)
+    model, x = Pair(), torch.randn(2, 6, 8)
+    monitor, problems = _unchanged(model, lambda m: m(x))
+    assert len(problems) == 1 and "'odd'" in problems[0]
+    assert re.search(message, problems[0])
+    assert list(monitor.latest_stats()) == ["real"] and list(monitor.coverage()["measured"]) == ["real"]
+    assert_stats_close(monitor.latest_stats()["real"], _hs(model.real.probs))
+
+
+def test_nystromformer_factors_are_not_recorded_as_layers():
+    """Its three softmax factors were three layers; now the module is named as not measured."""
+    config = transformers.NystromformerConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=40, num_landmarks=4,
+        segment_means_seq_len=16)
+    torch.manual_seed(0)
+    model = transformers.NystromformerModel(config).train()
+    ids = torch.randint(2, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    monitor, problems = _unchanged(model, lambda m: m(input_ids=ids).last_hidden_state)
+    assert len(problems) == 1 and "'encoder.layer.0.attention.self'" in problems[0] and "attention ops" in problems[0]
+    assert monitor.latest() is None
