@@ -51,25 +51,38 @@ def test_ensemble_adamw_matches_torch_adamw_per_member():
         torch.testing.assert_close(stacked[k].detach(), p.detach(), rtol=1e-6, atol=1e-7)
 
 
-def test_members_follow_their_single_runs_and_finished_members_are_dropped():
-    cfgs = [RunConfig(seed=0, weight_decay=1.0, **SMALL), RunConfig(seed=2, weight_decay=0.0, **SMALL),
-            RunConfig(seed=0, weight_decay=0.5, **SMALL)]
-    ensemble = train_ensemble(cfgs)
-    for cfg, member in zip(cfgs, ensemble):
-        single = train_run(cfg)
-        assert member.result["run_id"] == single.result["run_id"]
+def _diagnostic(key: str) -> bool:
+    return "s_bar" in key or "sigma_h" in key or key.startswith(("sync/", "spread/"))
+
+
+def test_members_are_their_single_runs_bit_for_bit_and_finished_members_are_dropped(small_grok_runs, one_thread):
+    """At one thread a packed member does its single run's arithmetic op for op (each member's rows
+    through the same linear, layer-norm and SDPA kernels, the same AdamW), so its training is the single
+    run's to the last bit: every loss, accuracy and weight norm of the trace, t_grok, the regime. The
+    head diagnostics agree to float32 rounding only: `head_stats` chunks the members' probabilities
+    together, in another summation order, and they never feed back into training.
+
+    Before the shared layer norm (`fastdiag.models.norm`) the fused layer-norm backward summed the
+    gradients of its weight and bias in another order than the ensemble's: 1e-9 apart after one step,
+    and training is chaotic, so the two stopped up to two evaluations apart."""
+    singles = small_grok_runs
+    ensemble = train_ensemble([s.config for s in singles])
+    for single, member in zip(singles, ensemble):
+        assert [list(r) for r in member.trace] == [list(r) for r in single.trace]
+        for a, b in zip(member.trace, single.trace):
+            for key in a:
+                if _diagnostic(key):
+                    assert a[key] == pytest.approx(b[key], rel=1e-6), (a["epoch"], key)
+                else:
+                    assert a[key] == b[key], (a["epoch"], key)
         assert set(member.result) - {"ensemble_size"} == set(single.result)
-        assert set(member.trace[0]) == set(single.trace[0])
-        assert abs(len(member.trace) - len(single.trace)) <= 1
-        # the first evaluations (hundreds of steps) agree to float tolerance
-        for a, b in zip(member.trace[:3], single.trace[:3]):
-            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=5e-3, abs=1e-4)
-            assert a["s_bar"] == pytest.approx(b["s_bar"], rel=1e-3)
-        assert member.trace[0]["s_bar"] == pytest.approx(single.trace[0]["s_bar"], rel=1e-5)
-        assert member.result["regime"] == single.result["regime"]
-        if single.result["t_grok_epoch"] is not None:
-            assert abs(member.result["t_grok_epoch"] - single.result["t_grok_epoch"]) <= cfg.eval_every
+        for key, value in single.result.items():
+            if _diagnostic(key):
+                assert member.result[key] == pytest.approx(value, rel=1e-6), key
+            elif key != "wall_seconds":
+                assert member.result[key] == value, key
     # λ = 1 grokked and stopped early while the λ = 0 member trained on to the horizon
+    assert ensemble[0].result["regime"] == "grok"
     assert ensemble[0].result["epochs_run"] < ensemble[1].result["epochs_run"] == SMALL["epochs"]
 
 

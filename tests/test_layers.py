@@ -3,8 +3,8 @@
     cli → bench → plots → analysis → store
           bench → sweep → grokking → models → core → kernels
 
-``analysis`` and ``plots`` take only ``grokking/config`` (the torch-free vocabulary) from the
-training side; ``store`` imports nothing of fastdiag; nothing imports ``cli``; there are no import
+``analysis`` and ``plots`` take only ``grokking/config`` and ``grokking/labels`` (the vocabulary and
+the regime rules, free of torch and numpy) from the training side; ``store`` imports nothing of fastdiag; nothing imports ``cli``; there are no import
 cycles; project imports sit at module top everywhere but in ``cli/`` (whose command bodies may import
 late to keep ``fastdiag --help`` fast). The checker is a plain function so that it is also run on a
 synthetic package full of violations: a checker that finds nothing there is broken.
@@ -41,7 +41,7 @@ FORBIDDEN = {"analysis": {"torch"}, "plots": {"torch"}, "config": {"torch", "num
 
 def layer_of(module: str) -> str:
     parts = module.split(".")
-    if parts[:2] == ["fastdiag", "grokking"] and parts[2:3] == ["config"]:
+    if parts[:2] == ["fastdiag", "grokking"] and parts[2:3] in (["config"], ["labels"]):
         return "config"
     second = parts[1] if len(parts) > 1 else ""
     if second in ("cli", "bench", "plots", "analysis", "store", "sweep", "grokking", "models", "kernels"):

@@ -14,22 +14,12 @@ from fastdiag.grokking.train import train_run
 from fastdiag.models.transformer import CausalSelfAttention
 from fastdiag.plots.run import write_outputs
 
-# A configuration small enough for CI that still shows the phenomenon (measured on 2 CPU cores,
-# seeds 0-2): a 2-layer, 4-head, width-64 transformer on a + b mod 31 with 70 % of the pairs for
-# training, lr 3e-3 and batch 128 (6 steps per epoch). At λ = 1 it memorises at epoch 40-50 and
-# groks at epoch 100-150 (~10 s); at λ = 0 it memorises at epoch 30 and is still at test accuracy
-# 0.40-0.57 at the 300-epoch horizon (~20 s).
-GROK_CFG = dict(arch="transformer", preset="custom", n_layers=2, n_heads=4, d_model=64, d_ff=256, op="+",
-                p=31, train_frac=0.7, lr=3e-3, batch_size=128, epochs=300, eval_every=10, seed=0,
-                device="cpu")
-
 TINY = dict(preset="custom", n_layers=1, n_heads=2, d_model=16, d_ff=32, p=7, train_frac=0.6,
             batch_size=8, epochs=3, eval_every=1, diag_every=2, device="cpu")
 
 
-@pytest.mark.slow
-def test_weight_decay_groks_and_no_weight_decay_memorises():
-    grok = train_run(RunConfig(**GROK_CFG, weight_decay=1.0, patience=20))
+def test_weight_decay_groks_and_no_weight_decay_memorises(small_grok_runs):
+    grok, mem = small_grok_runs
     r = grok.result
     assert r["regime"] == "grok", r
     assert r["t_mem_epoch"] is not None and r["t_grok_epoch"] > r["t_mem_epoch"]
@@ -39,7 +29,7 @@ def test_weight_decay_groks_and_no_weight_decay_memorises():
     assert at_grok["test_acc"] >= 0.99 and at_grok["train_acc"] >= 0.99
     assert r["has_attention"] and 0 < r["peak_s_bar"] <= 1 + 1e-9 and r["peak_sigma_h"] > 0
 
-    mem = train_run(RunConfig(**GROK_CFG, weight_decay=0.0)).result
+    mem = mem.result
     assert mem["regime"] == "memorization", mem
     assert mem["t_mem_epoch"] is not None and mem["t_grok_epoch"] is None
     assert mem["epochs_run"] == 300 and mem["final_train_acc"] >= 0.99 and mem["final_test_acc"] < 0.9

@@ -22,9 +22,8 @@ The labels (SPEC §4, with the paper's meaning):
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Sequence
-
-import numpy as np
 
 # Anti-grokking, sustained: after grokking, test accuracy falls below ANTI_GROK_BELOW at an evaluation
 # from which at least ANTI_GROK_PERSIST of the evaluations to the end of the run are below it too, and
@@ -65,9 +64,11 @@ def anti_grok_epoch(trace: Sequence[dict], grok_threshold: float, *, below: floa
     grok = next((i for i, r in enumerate(rows) if r["test_acc"] >= grok_threshold), None)
     if grok is None:
         return None
-    low = np.array([r["test_acc"] < below for r in rows])
+    low = [r["test_acc"] < below for r in rows]
     n = len(rows)
-    low_to_end = np.cumsum(low[::-1])[::-1]            # low evaluations from i to the end
+    low_to_end = [0] * (n + 1)                         # low evaluations from i to the end
+    for i in range(n - 1, -1, -1):
+        low_to_end[i] = low_to_end[i + 1] + low[i]
     for i in range(grok + 1, n):
         if low[i] and low_to_end[i] >= min_evals and low_to_end[i] / (n - i) >= persist:
             return int(rows[i]["epoch"])
@@ -77,7 +78,7 @@ def anti_grok_epoch(trace: Sequence[dict], grok_threshold: float, *, below: floa
 def final_s_bar(trace: Sequence[dict], tail: int = COLLAPSE_TAIL_EVALS) -> float | None:
     """Median s̄ of the last ``tail`` evaluations that have one (None without any)."""
     values = [r["s_bar"] for r in trace if _finite(r.get("s_bar"))][-tail:]
-    return float(np.median(values)) if values else None
+    return float(statistics.median(values)) if values else None
 
 
 def regime_label(trace: Sequence[dict], grok_threshold: float, *, diverged: bool = False,

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .mamba import MambaLM, causal_depthwise_conv, selective_scan_members
 from .mlp import MLP
+from .norm import layer_norm
 from .transformer import Transformer, _head_stats
 
 VECTORISED = ("transformer", "mlp", "mamba")
@@ -41,7 +42,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     view = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)
-    return F.layer_norm(x, x.shape[-1:], eps=eps) * weight.view(view) + bias.view(view)
+    return layer_norm(x, weight.view(view), bias.view(view), eps)
 
 
 class _Stacked(nn.Module):
@@ -99,7 +100,10 @@ class EnsembleTransformer(_Stacked):
             self.stats[f"blocks.{i}.attn"] = _head_stats(probs.detach(), self.diag_backend)
             y = probs @ v
         else:
-            y = F.scaled_dot_product_attention(q, kk, v, is_causal=True)
+            # members folded into the batch: SDPA's fused CPU kernel takes 4-D inputs (5-D falls back
+            # to the unfused maths, whose bits differ from the single model's)
+            y = F.scaled_dot_product_attention(q.flatten(0, 1), kk.flatten(0, 1), v.flatten(0, 1),
+                                               is_causal=True).view(q.shape)
         return _linear(y.transpose(2, 3).reshape(k, b, t, c), self[p + "proj.weight"], self[p + "proj.bias"])
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .norm import LayerNorm
+
 
 @dataclass(frozen=True)
 class MambaConfig:
@@ -359,7 +361,7 @@ class SelectiveSSM(nn.Module):
 class MambaBlock(nn.Module):
     def __init__(self, cfg: MambaConfig, mixer: nn.Module) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(cfg.d_model)
+        self.norm = LayerNorm(cfg.d_model)
         self.mixer = mixer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -373,7 +375,7 @@ class MambaLM(nn.Module):
         self.uses_mamba_ssm = use_mamba_ssm(device)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(MambaBlock(cfg, self._mixer(cfg, i, device)) for i in range(cfg.n_layers))
-        self.norm_f = nn.LayerNorm(cfg.d_model)
+        self.norm_f = LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def _mixer(self, cfg: MambaConfig, layer_idx: int, device) -> nn.Module:
@@ -388,5 +390,6 @@ class MambaLM(nn.Module):
         x = self.tok_emb(idx)
         for layer in self.layers:
             x = layer(x)
-        x = self.norm_f(x)
-        return self.head(x) if all_positions else self.head(x[:, -1])
+        if not all_positions:
+            x = x[:, -1]     # before the final norm, as the ensemble does: the same rows, the same gradient sums
+        return self.head(self.norm_f(x))
