@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test bench lean clean
+.PHONY: setup demo test bench bench-test lean clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,14 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/fastdiag run --out runs/demo
 
+# --durations: where the suite's time goes, printed by every run (CI's log included)
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=15
+
+# The benchmarks' own tests, timing off: each checks its timed path against the float64 reference
+# first, so a benchmark that drifted from the library fails here (CI runs it after `make test`).
+bench-test: $(STAMP)
+	FASTDIAG_BENCH_SHAPES=grokking $(PY) -m pytest -q -p no:cacheprovider benchmarks/ --benchmark-disable
 
 bench: $(STAMP)
 	$(VENV)/bin/fastdiag bench
