@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import fastdiag
 import fastdiag.models as M
 from fastdiag.grokking.build import build_model
-from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.config import ARCHS, RunConfig
 
 
 @pytest.mark.parametrize("preset, target", [("canonical", 0.82e6), ("19m", 19e6), ("85m", 85e6)])
@@ -27,7 +27,7 @@ def test_canonical_is_untied_and_counted_exactly():
     assert model.head.weight is not model.tok_emb.weight
 
 
-@pytest.mark.parametrize("arch", M.ARCHS)
+@pytest.mark.parametrize("arch", ARCHS)   # every architecture the run config accepts builds
 def test_every_architecture_maps_tokens_to_last_position_logits(arch):
     torch.manual_seed(0)
     kwargs = {"transformer": dict(n_layers=2, d_model=32, n_heads=4), "mlp": dict(hidden=32),

@@ -18,20 +18,21 @@ from .mlp import MLP, MLPConfig
 from .transformer import PRESETS, CausalSelfAttention, Transformer, TransformerConfig
 
 __all__ = [
-    "ARCHS", "PRESETS", "build", "attention_modules",
+    "PRESETS", "build", "attention_modules",
     "count_parameters", "Transformer", "TransformerConfig", "CausalSelfAttention", "MLP", "MLPConfig",
     "LSTM", "LSTMConfig", "MambaLM", "MambaConfig", "SelectiveSSM", "selective_scan_fn", "selective_scan_ref",
     "mamba_ssm_available", "mamba_ssm_missing", "selective_scan_members",
 ]
 
+# The builders of the architectures `fastdiag.grokking.config.ARCHS` names (the torch-free vocabulary,
+# the one home of the list; tests/test_models.py checks that every name there builds here).
 _CONFIGS = {"transformer": TransformerConfig, "mlp": MLPConfig, "lstm": LSTMConfig, "mamba": MambaConfig}
-ARCHS = tuple(_CONFIGS)
 
 
 def build(arch: str, **config) -> nn.Module:
     """Build a model: ``build("transformer", preset="canonical", vocab_size=98)``, ``build("mlp", hidden=256)``."""
     if arch not in _CONFIGS:
-        raise ValueError(f"arch: unknown architecture {arch!r}; expected one of {', '.join(ARCHS)}")
+        raise ValueError(f"arch: unknown architecture {arch!r}; expected one of {', '.join(_CONFIGS)}")
     device = config.pop("device", None) if arch == "mamba" else None
     if arch == "transformer":
         preset = config.pop("preset", "canonical")
