@@ -8,7 +8,7 @@ the current chunked pass, the current pass with ``causal=True`` (causal input on
 bench`) or ``dense`` (no zero key: nothing to skip). Each sample repeats a call until it has run
 ≥ 50 ms (grokking calls take ~1 ms). Prints, per method, the median wall time and the median CPU time
 of this process (on a machine shared with other jobs, CPU time is the steadier of the two), then the
-median over repeats of the per-repeat ratios, by CPU time and (in brackets) by wall time (issue 14)."""
+median over repeats of the per-repeat ratios, by CPU time and (in brackets) by wall time."""
 import statistics
 import sys
 import time

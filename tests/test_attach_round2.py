@@ -1,5 +1,5 @@
 """fastdiag.attach, round two: exact under autocast, in grouped-query decode, and never breaking a
-step torch accepts (issue 26 and the attach items of issue 30). Each case is checked against float64
+step torch accepts (mixed precision, KV caches, cross-attention, odd layouts, hostile inputs). Each case is checked against float64
 statistics of the probabilities the model really used, with outputs and gradients unchanged."""
 import copy
 import re
@@ -159,7 +159,7 @@ def test_gqa_decode_step_under_sdpa_records_every_query_head():
         assert_stats_close(got, _hs(probs))
 
 
-# ---- issue 30: attach never breaks a step torch accepts --------------------------------------------
+# ---- attach never breaks a step torch accepts --------------------------------------------------------
 
 class HandWritten(nn.Module):
     """Softmax attention written by hand, in the ways torch accepts."""
@@ -245,7 +245,7 @@ def test_set_padding_with_a_mask_on_the_host_for_a_model_on_the_gpu():
     assert monitor.latest_stats()["<root>"].rows.item() == 8
 
 
-# ---- issue 30: qk_head_stats memory and argument errors -------------------------------------------
+# ---- qk_head_stats memory and argument errors -------------------------------------------------------
 
 def test_a_shared_mask_under_5d_q_is_not_copied_per_batch_and_head():
     g = torch.Generator().manual_seed(0)

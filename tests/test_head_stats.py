@@ -1,4 +1,4 @@
-"""Every fast backend against the float64 reference (SPEC §3 exactness targets)."""
+"""Every fast backend against the float64 reference (the exactness targets of README, "The diagnostics")."""
 import itertools
 
 import pytest
@@ -8,7 +8,7 @@ import fastdiag
 from fastdiag.diagnostics import triton_available
 from fastdiag.testing import random_probs, random_query_mask
 
-# SPEC §3: relative error against float64 on the same (rounded) inputs.
+# Relative error against float64 on the same (rounded) inputs: 1e-5 for fp32, 1e-3 for 16-bit.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-3}
 FAST_BACKENDS = ["torch", "triton"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,7 +52,7 @@ def test_backend_matches_float64_reference(backend, dtype, h, tq, tk, b, n):
 
 
 def _assert_spread_close(got, ref, tol):
-    """σ relative to itself (SPEC §3: whenever σ ≥ 1e-6), each problem on its own."""
+    """σ relative to itself (the target holds whenever σ ≥ 1e-6), each problem on its own."""
     want = ref.entropy_spread()
     err = (got.entropy_spread() - want).abs() / want.abs().clamp_min(1e-6)
     assert err.max().item() <= tol, f"σ relative error {err.max().item():.2e} > {tol:.0e}"
@@ -78,7 +78,7 @@ PRECISION_CASES = [((2, 2, 8, 64, 64), True), ((1, 2, 6, 40, 200), False), ((1, 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize("shape,causal", PRECISION_CASES, ids=[f"{'x'.join(map(str, s))}-{c}" for s, c in PRECISION_CASES])
 def test_near_uniform_attention_keeps_sigma(backend, shape, causal):
-    """SPEC §3 / issue 13 item 6: float32 sums gave σ_H 2e-4..7e-3 relative off at default init."""
+    """Float32 sums gave σ_H 2e-4..7e-3 relative off at default init."""
     _check_backend(backend)
     probs = _near_uniform_probs(shape, seed=sum(shape), causal=causal)
     mask = random_query_mask((shape[0], shape[1], shape[3]), seed=1, device=DEVICE)
@@ -156,7 +156,7 @@ def test_causal_hint_must_be_bool():
 
 
 def test_reference_matches_definition_by_hand():
-    """The reference itself against SPEC §3 written with Python loops."""
+    """The reference itself against the definitions written with Python loops."""
     probs = random_probs((2, 3, 4, 5), dtype=torch.float64, seed=11)
     mask = torch.tensor([[True, False, True, True], [False, True, True, False]])
     s = fastdiag.head_stats(probs, mask, backend="reference")

@@ -2,7 +2,7 @@
 label (``fastdiag.grokking.tracking``), the collapse stage of ``segment_stages`` and the re-labelling
 of stored runs (``relabel``) cannot disagree.
 
-The labels (SPEC §4, with the paper's meaning):
+The labels (docs/experiments.md, "Setup", with the paper's meaning):
 
 * ``grok``          test accuracy reached the run's threshold (0.99 by default) within the horizon.
 * ``anti-grok``     grokked, then lost it *for good*: the paper's anti-grokking (its Fig. 3) is the

@@ -5,7 +5,7 @@ row) and return the four sums of `fastdiag.HeadStats` as a tuple
 ``(gram [N, H, H], entropy_sum [N, H] float64, rows [N], invalid [N])``. Tests and benchmarks import
 these same functions, so the ground truth never drifts between them.
 
-Precision (SPEC §3). Near-uniform attention makes every row entropy ≈ log(keys) while the heads
+Precision (README, "The diagnostics": the exactness targets). Near-uniform attention makes every row entropy ≈ log(keys) while the heads
 differ by ~1e-5 of that, so float32 sums of ``-p log p`` lose σ_H. Each row's entropy is therefore
 taken relative to ``c = log n`` for a per-row key count ``n``:
 
@@ -35,7 +35,7 @@ def causal_keys(tq: int, tk: int) -> int:
 
 def head_stats_ref(probs: torch.Tensor, query_mask: torch.Tensor | None = None,
                    acc_dtype: torch.dtype = torch.float64):
-    """SPEC §3 written the obvious way: flatten each head over (batch, rows, keys), Gram, entropies."""
+    """The definitions (README, "The diagnostics") written the obvious way: flatten each head over (batch, rows, keys), Gram, entropies."""
     n, b, h, tq, tk = probs.shape
     valid = _valid_rows(probs, query_mask)
     p = probs.to(acc_dtype)

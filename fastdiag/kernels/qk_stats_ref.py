@@ -1,4 +1,4 @@
-"""Float64 reference for head statistics taken straight from Q and K (SPEC §3 masking semantics).
+"""Float64 reference for head statistics taken straight from Q and K (the masking rules of README, "The diagnostics").
 
 Builds the full probabilities ``softmax(q kᵀ · scale + mask)`` in float64 and hands them to
 `head_stats_ref`, so the Q/K kernels are checked against the same ground truth as the probability
