@@ -1,8 +1,28 @@
-"""Inputs shared by tests and benchmarks: random causal attention probabilities with padded query
-rows, and a nanoGPT-style model that calls SDPA."""
+"""What tests and benchmarks share: random causal attention probabilities with padded query rows, the
+exactness targets and the error measure they are checked with, and a free local port for
+multi-process tests."""
 from __future__ import annotations
 
+import socket
+
 import torch
+
+# The exactness targets (README, "The diagnostics"): relative error against float64 on the same
+# rounded inputs.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-3}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor, floor: float = 1e-30) -> float:
+    """Largest absolute difference relative to the largest magnitude of ``want`` (in float64)."""
+    got, want = got.double(), want.double()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(floor)).item()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for torch.distributed's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def random_probs(shape, dtype=torch.float32, causal=True, seed=0, device="cpu", garbage_rows=None):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import fastdiag
 from fastdiag.qk import qk_head_stats
-from fastdiag.testing import NanoGPT
+from fastdiag.testing import NanoGPT, rel_err
 
 ORIGINAL_SDPA = F.scaled_dot_product_attention
 TOL = 1e-5
@@ -28,17 +28,12 @@ def detach_everything():
         monitor.detach()
 
 
-def _rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
 def assert_stats_close(got, want, tol=TOL):
     """HeadStats against a float64 reference: sums, rows, and the derived s_l and σ_l."""
     assert torch.equal(got.rows.double(), want.rows.double())
     assert got.invalid.item() == 0
-    assert _rel_err(got.gram, want.gram) <= tol
-    assert _rel_err(got.entropy_sum, want.entropy_sum) <= tol
+    assert rel_err(got.gram, want.gram) <= tol
+    assert rel_err(got.entropy_sum, want.entropy_sum) <= tol
     if got.num_heads > 1:
         assert abs(got.sync().item() - want.sync().item()) <= tol * abs(want.sync().item())
     scale = max(1.0, want.head_entropy().abs().max().item())

@@ -1,20 +1,13 @@
 """fastdiag.attach(all_reduce=True) under DDP on a real gloo group: every rank records the
 statistics of the whole global batch."""
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastdiag
-from fastdiag.testing import NanoGPT
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fastdiag.testing import NanoGPT, free_port
 
 
 def _model():
@@ -41,7 +34,7 @@ def _worker(rank, world, port, out):
 
 def test_all_reduce_gives_every_rank_the_global_statistics():
     out = mp.Manager().dict()
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
     model = _model()
     with fastdiag.attach(model, every=1) as monitor:
         model(_batch())  # the whole global batch in one process

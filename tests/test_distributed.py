@@ -1,19 +1,12 @@
 """HeadStats.all_reduce over a real gloo group: every rank gets the statistics of all the data."""
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastdiag
-from fastdiag.testing import random_probs
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fastdiag.testing import free_port, random_probs
 
 
 def _worker(rank, world, port, out):
@@ -30,7 +23,7 @@ def _worker(rank, world, port, out):
 
 def test_all_reduce_equals_global_statistics():
     out = mp.Manager().dict()
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
     whole = fastdiag.head_stats(random_probs((6, 3, 5, 5), seed=9), backend="reference")
     want = torch.stack([whole.sync(), whole.entropy_spread()])
     for rank in range(2):
