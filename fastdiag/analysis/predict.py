@@ -253,30 +253,18 @@ def _verdict(diff_ci: tuple[float, float], better_if_positive: bool) -> str:
     return "adds measurable value" if gain else "is measurably worse than the baselines alone"
 
 
-def predictive_analysis(runs: Sequence[dict], traces: dict[str, list[dict]], t0: float | None = None,
-                        test_frac: float = 0.5, split_seed: int = 0, n_boot: int = 1500, seed: int = 0,
-                        alpha: float = 1.0) -> dict:
-    """Held-out test of the attention readouts' predictive value (see the module docstring).
+def _default_t0(done: Sequence[dict]) -> tuple[float, str]:
+    """The median memorisation epoch of the runs, else 10 % of the shortest horizon."""
+    t_mems = [r["result"]["t_mem_epoch"] for r in done if finite(r["result"].get("t_mem_epoch"))]
+    if t_mems:
+        return float(np.median(t_mems)), "median t_mem"
+    horizons = [r["config"]["epochs"] for r in done]
+    return (0.1 * min(horizons) if horizons else 1.0), "10% of the shortest horizon"
 
-    Cases: done runs with s̄/σ_H, a horizon beyond ``t0`` and not yet grokked at ``t0``. Seeds are
-    split (``split_seed``) into train and test seeds; every run of a seed is on one side. Models:
-    L2-logistic regression for "groks by the horizon" and ridge regression of ln t_grok (grokked runs),
-    each on the baselines alone and on baselines + attention features, fitted on the train seeds,
-    scored on the test seeds: AUC (``bootstrap_auc``) and MAE of ln t_grok
-    (``bootstrap_mae``), with 95 % bootstrap CIs of both and of the paired difference.
-    ``t0`` defaults to the median memorisation epoch of the runs (10 % of the shortest horizon if
-    none memorised)."""
-    done = [r for r in runs if r.get("result")]
-    if t0 is None:
-        t_mems = [r["result"]["t_mem_epoch"] for r in done if finite(r["result"].get("t_mem_epoch"))]
-        horizons = [r["config"]["epochs"] for r in done]
-        t0 = float(np.median(t_mems)) if t_mems else (0.1 * min(horizons) if horizons else 1.0)
-        t0_source = "median t_mem" if t_mems else "10% of the shortest horizon"
-    else:
-        t0_source = "given"
-    out: dict = {"t0": t0, "t0_source": t0_source, "test_frac": test_frac, "split_seed": split_seed,
-                 "n_boot": n_boot, "alpha": alpha, "baseline_features": list(BASELINE_FEATURES),
-                 "attention_features": list(ATTENTION_FEATURES), "excluded": {}}
+
+def _cases(done: Sequence[dict], traces: dict[str, list[dict]], t0: float) -> tuple[list[dict], dict[str, int]]:
+    """The runs that can be predicted at ``t0`` (horizon beyond it, not grokked by it, readouts at it),
+    as {run_id, seed, grokked, log_t_grok, features}, and how many were left out for each reason."""
     cases = []
     excluded = {"horizon not beyond t0": 0, "grokked by t0": 0, "no s̄/σ_H or loss at t0": 0}
     for run in done:
@@ -295,71 +283,96 @@ def predictive_analysis(runs: Sequence[dict], traces: dict[str, list[dict]], t0:
         cases.append({"run_id": run["run_id"], "seed": int(cfg["seed"]), "grokked": grokked,
                       "log_t_grok": math.log(res["t_grok_epoch"]) if grokked and finite(res.get("t_grok_epoch"))
                       else None, "features": f})
-    out["excluded"] = excluded
-    out["n_cases"] = len(cases)
+    return cases, excluded
+
+
+def _matrix(cases: Sequence[dict], names: Sequence[str]) -> np.ndarray:
+    return np.array([[c["features"][n] for n in names] for c in cases], float).reshape(len(cases), len(names))
+
+
+def _fitted_on_train(fit, train: list[dict], y_train: np.ndarray, test: list[dict], alpha: float) -> dict:
+    """Test-set outputs of ``fit`` trained on the baselines alone ("baseline") and on baselines +
+    attention readouts ("full"), features standardised on the train cases."""
+    out = {}
+    for name, names in (("baseline", BASELINE_FEATURES), ("full", BASELINE_FEATURES + ATTENTION_FEATURES)):
+        xtr, xte = _standardise(_matrix(train, names), _matrix(test, names))
+        w, b = fit(xtr, y_train, alpha)
+        out[name] = xte @ w + b
+    return out
+
+
+def _groks_by_horizon(train: list[dict], test: list[dict], alpha: float, n_boot: int, seed: int) -> dict:
+    """Logistic regression of "groks by the horizon", scored by held-out AUC."""
+    y_train = np.array([c["grokked"] for c in train], bool)
+    y_test = np.array([c["grokked"] for c in test], bool)
+    cls: dict = {"train_positives": int(y_train.sum()), "train_negatives": int((~y_train).sum()),
+                 "test_positives": int(y_test.sum()), "test_negatives": int((~y_test).sum())}
+    if y_train.all() or not y_train.any():
+        cls["error"] = "groks-by-horizon: the train seeds hold only one class; nothing to learn"
+        return cls
+    if y_test.all() or not y_test.any():
+        cls["error"] = "groks-by-horizon: the test seeds hold only one class; AUC undefined"
+        return cls
+    scores = _fitted_on_train(fit_logistic, train, y_train.astype(float), test, alpha)
+    res = bootstrap_auc(y_test, scores["full"], n_boot=n_boot, seed=seed, baseline_score=scores["baseline"])
+    base = bootstrap_auc(y_test, scores["baseline"], n_boot=n_boot, seed=seed)
+    cls.update({"auc_full": res.auc, "auc_full_ci": list(res.ci), "auc_baseline": res.baseline_auc,
+                "auc_baseline_ci": list(base.ci), "diff": res.diff, "diff_ci": list(res.diff_ci),
+                "verdict": _verdict(res.diff_ci, better_if_positive=True),
+                "test_scores": [{"run_id": c["run_id"], "grokked": bool(y), "baseline": float(sb), "full": float(sf)}
+                                for c, y, sb, sf in zip(test, y_test, scores["baseline"], scores["full"])]})
+    return cls
+
+
+def _log_t_grok(train: list[dict], test: list[dict], alpha: float, n_boot: int, seed: int) -> dict:
+    """Ridge regression of ln t_grok over the grokked runs, scored by held-out MAE."""
+    tr = [c for c in train if c["log_t_grok"] is not None]
+    te = [c for c in test if c["log_t_grok"] is not None]
+    reg: dict = {"n_train": len(tr), "n_test": len(te)}
+    if len(tr) < 3 or len(te) < 2:
+        reg["error"] = f"ln t_grok: need ≥ 3 grokked train runs and ≥ 2 grokked test runs, got {len(tr)} and {len(te)}"
+        return reg
+    ytr = np.array([c["log_t_grok"] for c in tr])
+    yte = np.array([c["log_t_grok"] for c in te])
+    preds = _fitted_on_train(fit_ridge, tr, ytr, te, alpha)
+    res = bootstrap_mae(yte, preds["full"], n_boot=n_boot, seed=seed, baseline_pred=preds["baseline"])
+    base = bootstrap_mae(yte, preds["baseline"], n_boot=n_boot, seed=seed)
+    reg.update({"mae_full": res.mae, "mae_full_ci": list(res.ci), "mae_baseline": res.baseline_mae,
+                "mae_baseline_ci": list(base.ci), "diff": res.diff, "diff_ci": list(res.diff_ci),
+                "units": "ln(epochs)", "verdict": _verdict(res.diff_ci, better_if_positive=False),
+                "test_predictions": [{"run_id": c["run_id"], "log_t_grok": float(y), "baseline": float(pb),
+                                      "full": float(pf)}
+                                     for c, y, pb, pf in zip(te, yte, preds["baseline"], preds["full"])]})
+    return reg
+
+
+def predictive_analysis(runs: Sequence[dict], traces: dict[str, list[dict]], t0: float | None = None,
+                        test_frac: float = 0.5, split_seed: int = 0, n_boot: int = 1500, seed: int = 0,
+                        alpha: float = 1.0) -> dict:
+    """Held-out test of the attention readouts' predictive value (see the module docstring).
+
+    Cases: done runs with s̄/σ_H, a horizon beyond ``t0`` and not yet grokked at ``t0``. Seeds are
+    split (``split_seed``) into train and test seeds; every run of a seed is on one side. Models:
+    L2-logistic regression for "groks by the horizon" and ridge regression of ln t_grok (grokked runs),
+    each on the baselines alone and on baselines + attention features, fitted on the train seeds,
+    scored on the test seeds: AUC (``bootstrap_auc``) and MAE of ln t_grok
+    (``bootstrap_mae``), with 95 % bootstrap CIs of both and of the paired difference.
+    ``t0`` defaults to the median memorisation epoch of the runs (10 % of the shortest horizon if
+    none memorised)."""
+    done = [r for r in runs if r.get("result")]
+    t0, t0_source = _default_t0(done) if t0 is None else (t0, "given")
+    cases, excluded = _cases(done, traces, t0)
+    out: dict = {"t0": t0, "t0_source": t0_source, "test_frac": test_frac, "split_seed": split_seed,
+                 "n_boot": n_boot, "alpha": alpha, "baseline_features": list(BASELINE_FEATURES),
+                 "attention_features": list(ATTENTION_FEATURES), "excluded": excluded, "n_cases": len(cases)}
     try:
         train_seeds, test_seeds = split_seeds([c["seed"] for c in cases], test_frac, split_seed)
     except ValueError as exc:
         out["error"] = str(exc)
         return out
-    out["train_seeds"], out["test_seeds"] = train_seeds, test_seeds
     train = [c for c in cases if c["seed"] in train_seeds]
     test = [c for c in cases if c["seed"] in test_seeds]
-    out["n_train"], out["n_test"] = len(train), len(test)
-
-    def matrix(cs, names):
-        return np.array([[c["features"][n] for n in names] for c in cs], float).reshape(len(cs), len(names))
-
-    full_names = BASELINE_FEATURES + ATTENTION_FEATURES
-
-    # ---- groks by the horizon
-    cls: dict = {}
-    y_train = np.array([c["grokked"] for c in train], bool)
-    y_test = np.array([c["grokked"] for c in test], bool)
-    cls["train_positives"], cls["train_negatives"] = int(y_train.sum()), int((~y_train).sum())
-    cls["test_positives"], cls["test_negatives"] = int(y_test.sum()), int((~y_test).sum())
-    if y_train.all() or not y_train.any():
-        cls["error"] = "groks-by-horizon: the train seeds hold only one class; nothing to learn"
-    elif y_test.all() or not y_test.any():
-        cls["error"] = "groks-by-horizon: the test seeds hold only one class; AUC undefined"
-    else:
-        scores = {}
-        for name, names in (("baseline", BASELINE_FEATURES), ("full", full_names)):
-            xtr, xte = _standardise(matrix(train, names), matrix(test, names))
-            w, b = fit_logistic(xtr, y_train.astype(float), alpha)
-            scores[name] = xte @ w + b
-        res = bootstrap_auc(y_test, scores["full"], n_boot=n_boot, seed=seed,
-                                     baseline_score=scores["baseline"])
-        base = bootstrap_auc(y_test, scores["baseline"], n_boot=n_boot, seed=seed)
-        cls.update({"auc_full": res.auc, "auc_full_ci": list(res.ci), "auc_baseline": res.baseline_auc,
-                    "auc_baseline_ci": list(base.ci), "diff": res.diff, "diff_ci": list(res.diff_ci),
-                    "verdict": _verdict(res.diff_ci, better_if_positive=True),
-                    "test_scores": [{"run_id": c["run_id"], "grokked": bool(y), "baseline": float(sb), "full": float(sf)}
-                                    for c, y, sb, sf in zip(test, y_test, scores["baseline"], scores["full"])]})
-    out["groks_by_horizon"] = cls
-
-    # ---- ln t_grok
-    reg: dict = {}
-    tr = [c for c in train if c["log_t_grok"] is not None]
-    te = [c for c in test if c["log_t_grok"] is not None]
-    reg["n_train"], reg["n_test"] = len(tr), len(te)
-    if len(tr) < 3 or len(te) < 2:
-        reg["error"] = f"ln t_grok: need ≥ 3 grokked train runs and ≥ 2 grokked test runs, got {len(tr)} and {len(te)}"
-    else:
-        ytr = np.array([c["log_t_grok"] for c in tr])
-        yte = np.array([c["log_t_grok"] for c in te])
-        preds = {}
-        for name, names in (("baseline", BASELINE_FEATURES), ("full", full_names)):
-            xtr, xte = _standardise(matrix(tr, names), matrix(te, names))
-            w, b = fit_ridge(xtr, ytr, alpha)
-            preds[name] = xte @ w + b
-        res = bootstrap_mae(yte, preds["full"], n_boot=n_boot, seed=seed, baseline_pred=preds["baseline"])
-        base = bootstrap_mae(yte, preds["baseline"], n_boot=n_boot, seed=seed)
-        reg.update({"mae_full": res.mae, "mae_full_ci": list(res.ci), "mae_baseline": res.baseline_mae,
-                    "mae_baseline_ci": list(base.ci), "diff": res.diff, "diff_ci": list(res.diff_ci),
-                    "units": "ln(epochs)", "verdict": _verdict(res.diff_ci, better_if_positive=False),
-                    "test_predictions": [{"run_id": c["run_id"], "log_t_grok": float(y), "baseline": float(pb),
-                                          "full": float(pf)}
-                                         for c, y, pb, pf in zip(te, yte, preds["baseline"], preds["full"])]})
-    out["log_t_grok"] = reg
+    out.update({"train_seeds": train_seeds, "test_seeds": test_seeds, "n_train": len(train), "n_test": len(test),
+                "groks_by_horizon": _groks_by_horizon(train, test, alpha, n_boot, seed),
+                "log_t_grok": _log_t_grok(train, test, alpha, n_boot, seed)})
     return out
