@@ -80,6 +80,17 @@ def _qk_dot(q_ptr, k_ptr, q, batch, kv_head, head, row, real, key, d0, Hk, Tk, D
                + key[None, None, :] * stride_kn)
     kt = tl.load(kt_ptrs, mask=(kv_head[:, :, None] < Hk) & (d[None, :, None] < D) & (key[None, None, :] < Tk),
                  other=0.0)
+    if q.shape[0] == 1:
+        # One key head: a 2-D dot. Triton 3.6 lays a batched dot with a size-1 batch out as
+        # warpsPerCTA [8, 1, 1], every warp computing the whole tile (8x the tensor-core and MUFU work,
+        # 255 registers and spills); 3.9 splits it [1, 4, 2]. The 2-D dot is laid out well by both.
+        q2 = tl.reshape(q, (q.shape[1], q.shape[2]))
+        kt2 = tl.reshape(kt, (kt.shape[1], kt.shape[2]))
+        if FP32_DOT:
+            s2 = tl.dot(q2, kt2, input_precision="tf32x3")
+        else:
+            s2 = tl.dot(q2, kt2)
+        return tl.reshape(s2, (1, s2.shape[0], s2.shape[1]))
     if FP32_DOT:
         return tl.dot(q, kt, input_precision="tf32x3")     # fp32 inputs keep fp32 accuracy
     return tl.dot(q, kt)                                   # 16-bit products are exact in fp32
