@@ -20,6 +20,7 @@ from matplotlib.lines import Line2D
 from fastdiag.analysis.bootstrap import FitError
 from fastdiag.analysis.fits import lambda_c_point, logistic
 from fastdiag.analysis.groups import in_fit_range
+from fastdiag.analysis.regions import regime_counts, regime_regions
 from fastdiag.plots.style import FORMATS, REGIME_STYLE, REGION_COLOURS, STYLE, figure, fmt_lambda, save, why, wrap
 
 
@@ -32,7 +33,6 @@ def regime_diagram(groups, analyses, stem: Path, formats=FORMATS) -> list[Path]:
         rng = np.random.default_rng(0)
         points = {r: ([], []) for r in REGIME_STYLE}
         all_lams, zero_count, sizes = [], 0, []
-        per_lambda: dict[float, dict[str, int]] = {}
         for g in groups:
             n = g.n_params or 1
             sizes.append(n)
@@ -47,8 +47,6 @@ def regime_diagram(groups, analyses, stem: Path, formats=FORMATS) -> list[Path]:
                 all_lams.append(lam)
                 points[regime][0].append(lam * 10 ** rng.normal(0, 0.012))
                 points[regime][1].append(n * 10 ** rng.normal(0, 0.025))
-                per_lambda.setdefault(lam, {}).setdefault(regime, 0)
-                per_lambda[lam][regime] += 1
         handles = []
         for regime, (xs, ys) in points.items():
             if xs:
@@ -84,28 +82,10 @@ def regime_diagram(groups, analyses, stem: Path, formats=FORMATS) -> list[Path]:
                      else "$\\lambda_c$ per size")
             handles.append(Line2D([], [], color="#6c7a89", linestyle="--", label=label))
 
-        # Regions.
         lam_c = reference[1]["lambda_c"]["lambda_c"] if reference else None
-        grok_lams = [lam for lam, c in per_lambda.items() if c.get("grok", 0) + c.get("anti-grok", 0) > 0]
-        collapse_edge = None
-        if grok_lams:
-            top_grok = max(grok_lams)
-            collapse_lams = [lam for lam, c in per_lambda.items()
-                             if lam > top_grok and c.get("collapse", 0) * 2 >= sum(c.values())]
-            if collapse_lams:
-                first = min(collapse_lams)
-                below = [lam for lam in per_lambda if top_grok <= lam < first]
-                collapse_edge = math.sqrt(max(below) * first) if below else first / 1.5
-        regions = []
-        if lam_c is not None and lo < lam_c:
-            regions.append(("memorization", lo, min(lam_c, hi)))
-        if lam_c is not None:
-            regions.append(("developmental", max(lam_c, lo), collapse_edge or hi))
-        if collapse_edge is not None:
-            regions.append(("collapse", collapse_edge, hi))
+        regions = regime_regions(regime_counts(r for g in groups for r in g.runs if r["result"].get("regime") in points),
+                                 lam_c, lo, hi)
         for name, x0, x1 in regions:
-            if x1 <= x0:
-                continue
             ax.axvspan(x0, x1, color=REGION_COLOURS[name], alpha=0.7, zorder=0, linewidth=0)
             ax.text(math.sqrt(x0 * x1), 0.95, name, transform=ax.get_xaxis_transform(), ha="center",
                     va="top", fontsize=9.5, color="#444444")
