@@ -105,6 +105,67 @@ def _check_pack(cfgs: Sequence[RunConfig]) -> None:
         raise ValueError("cfgs: duplicate runs in one ensemble")
 
 
+class _Members:
+    """The stacked tensors of the members still training: the model, its optimiser, their data."""
+
+    def __init__(self, cfgs: Sequence[RunConfig], device: torch.device) -> None:
+        tasks, models = [], []
+        for cfg in cfgs:   # each member exactly as its single run: task split, then seeded initialisation
+            tasks.append(make_task(cfg.op, cfg.p, cfg.train_frac, seed=cfg.seed, device=device))
+            torch.manual_seed(cfg.seed)
+            models.append(build_model(cfg, device=device).to(device))
+        self.layer_names = list(attention_modules(models[0]))
+        self.n_params = count_parameters(models[0])
+        self.model = stack_models(cfgs[0].arch, models).to(device)
+        self.data = [torch.stack([getattr(t, name) for t in tasks]) for name in ("train_x", "train_y", "test_x", "test_y")]
+        self.opt = EnsembleAdamW(list(self.model.parameters()), cfgs[0].lr, [c.weight_decay for c in cfgs])
+        self.loss_sum = torch.zeros(len(cfgs), device=device)
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Drop every member not in ``index`` (slots) from every stacked tensor."""
+        self.model.keep(index)
+        self.opt.params = list(self.model.parameters())
+        self.opt.keep(index)
+        self.data = [t.index_select(0, index) for t in self.data]
+        self.loss_sum = self.loss_sum.index_select(0, index)
+
+
+def _train_epoch(m: _Members, perm: torch.Tensor, shared: RunConfig, step: int, pending: dict) -> int:
+    """One epoch of every member over its own shuffle ``perm`` ``[K, n_train]``; returns the step count
+    after it. Head statistics of the recorded steps are summed into ``pending``."""
+    train_x, train_y = m.data[0], m.data[1]
+    m.model.train()
+    members = torch.arange(perm.shape[0], device=perm.device)[:, None]
+    for start in range(0, perm.shape[1], shared.batch_size):
+        idx = perm[:, start:start + shared.batch_size]
+        record = bool(m.layer_names) and step % shared.diag_every == 0
+        with zoo.recording([m.model], record):
+            logits = m.model(train_x[members, idx])                      # [K, b, vocab]
+        if record:
+            zoo.accumulate(pending, m.model.stats)
+            m.model.stats = {}
+        per_member = F.cross_entropy(logits.flatten(0, 1), train_y[members, idx].flatten(),
+                                     reduction="none").view(perm.shape[0], -1).mean(1)
+        m.opt.zero_grad()
+        per_member.sum().backward()
+        m.opt.step()
+        m.loss_sum += per_member.detach()
+        step += 1
+    return step
+
+
+def _evaluation_rows(m: _Members, pending: dict, chunk: int) -> list[dict[str, float]]:
+    """Every active member's evaluation values (one host transfer for all), in slot order."""
+    metrics = _evaluate(m.model, *m.data, chunk)
+    metrics["loss_sum"] = m.loss_sum
+    metrics.update(summary_values(pending, m.layer_names))
+    names = list(metrics)
+    k = m.loss_sum.shape[0]
+    host = torch.stack([metrics[name].detach().to(torch.float64).reshape(k) for name in names], 1).tolist()
+    m.loss_sum.zero_()
+    return [dict(zip(names, values)) for values in host]
+
+
 def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], None] | None = None,
                    on_finish: Callable[[int, RunOutcome], None] | None = None) -> list[RunOutcome]:
     """Train the runs ``cfgs`` as one vectorised model; returns their outcomes in the given order.
@@ -117,84 +178,39 @@ def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], No
     started = time.perf_counter()
     shared = cfgs[0]
     device = resolve_device(shared.device)
-    tasks, models = [], []
-    for cfg in cfgs:   # each member exactly as its single run: task split, then seeded initialisation
-        task = make_task(cfg.op, cfg.p, cfg.train_frac, seed=cfg.seed, device=device)
-        torch.manual_seed(cfg.seed)
-        models.append(build_model(cfg, device=device).to(device))
-        tasks.append(task)
-    layer_names = list(attention_modules(models[0]))
-    n_params = count_parameters(models[0])
-    model = stack_models(shared.arch, models).to(device)
-    del models
-    train_x = torch.stack([t.train_x for t in tasks])
-    train_y = torch.stack([t.train_y for t in tasks])
-    test_x = torch.stack([t.test_x for t in tasks])
-    test_y = torch.stack([t.test_y for t in tasks])
+    m = _Members(cfgs, device)
+    n_train = m.data[0].shape[1]
     shuffles = [torch.Generator().manual_seed(c.seed) for c in cfgs]
-    opt = EnsembleAdamW(list(model.parameters()), shared.lr, [c.weight_decay for c in cfgs])
-    trackers = [RunTracker(c, layer_names) for c in cfgs]
+    trackers = [RunTracker(c, m.layer_names) for c in cfgs]
     active = list(range(len(cfgs)))        # positions in cfgs of the members still in the model
     outcomes: dict[int, RunOutcome] = {}
     chunk = eval_chunk(device)
-    n_train = train_x.shape[1]
     step = epoch = 0
-    loss_sum = torch.zeros(len(cfgs), device=device)
     pending: dict = {}
-
-    def finish(pos: int) -> None:
-        result = trackers[pos].result(epochs_run=epoch, steps=step, wall_seconds=time.perf_counter() - started,
-                                      has_attention=bool(layer_names), n_params=n_params, device=device)
-        result["ensemble_size"] = len(cfgs)
-        outcomes[pos] = RunOutcome(config=cfgs[pos], result=result, trace=list(trackers[pos].trace))
-        if on_finish is not None:
-            on_finish(pos, outcomes[pos])
-
     while active:
         epoch += 1
-        model.train()
         perm = torch.stack([torch.randperm(n_train, generator=shuffles[i]) for i in active]).to(device)
-        members = torch.arange(len(active), device=device)[:, None]
-        for start in range(0, n_train, shared.batch_size):
-            idx = perm[:, start:start + shared.batch_size]
-            record = bool(layer_names) and step % shared.diag_every == 0
-            with zoo.recording([model], record):
-                logits = model(train_x[members, idx])                      # [K, b, vocab]
-            if record:
-                zoo.accumulate(pending, model.stats)
-                model.stats = {}
-            per_member = F.cross_entropy(logits.flatten(0, 1), train_y[members, idx].flatten(),
-                                         reduction="none").view(len(active), -1).mean(1)
-            opt.zero_grad()
-            per_member.sum().backward()
-            opt.step()
-            loss_sum += per_member.detach()
-            step += 1
+        step = _train_epoch(m, perm, shared, step, pending)
         if epoch % shared.eval_every and epoch != shared.epochs:
             continue
-        metrics = _evaluate(model, train_x, train_y, test_x, test_y, chunk)
-        metrics["loss_sum"] = loss_sum
-        metrics.update(summary_values(pending, layer_names))
-        names = list(metrics)
-        host = torch.stack([metrics[k].detach().to(torch.float64).reshape(len(active)) for k in names], 1).tolist()
-        loss_sum.zero_()
+        rows = _evaluation_rows(m, pending, chunk)
         pending = {}
         keep = []
         for slot, pos in enumerate(active):
-            row = trackers[pos].record(epoch, step, dict(zip(names, host[slot])))
+            row = trackers[pos].record(epoch, step, rows[slot])
             if progress is not None:
                 progress(pos, dict(row))
-            if trackers[pos].stopped or epoch >= shared.epochs:
-                finish(pos)
-            else:
+            if not (trackers[pos].stopped or epoch >= shared.epochs):
                 keep.append(slot)
+                continue
+            result = trackers[pos].result(epochs_run=epoch, steps=step, wall_seconds=time.perf_counter() - started,
+                                          has_attention=bool(m.layer_names), n_params=m.n_params, device=device)
+            result["ensemble_size"] = len(cfgs)
+            outcomes[pos] = RunOutcome(config=cfgs[pos], result=result, trace=list(trackers[pos].trace))
+            if on_finish is not None:
+                on_finish(pos, outcomes[pos])
         if len(keep) < len(active):   # compact: finished members stop costing time
-            index = torch.tensor(keep, dtype=torch.long, device=device)
-            model.keep(index)
-            opt.params = list(model.parameters())
-            opt.keep(index)
-            train_x, train_y, test_x, test_y = (t.index_select(0, index) for t in (train_x, train_y, test_x, test_y))
-            loss_sum = loss_sum.index_select(0, index)
+            m.keep(torch.tensor(keep, dtype=torch.long, device=device))
             active = [active[s] for s in keep]
     return [outcomes[i] for i in range(len(cfgs))]
 
