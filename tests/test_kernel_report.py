@@ -41,8 +41,10 @@ def test_counts_come_from_the_compile(rows):
         assert r.loop_instructions > 0 and r.elements_per_iteration > 0
         assert r.instructions_per_element == pytest.approx(
             r.loop_instructions * 32 * r.num_warps / r.elements_per_iteration)
-        assert r.ceiling_fraction_of_copy == pytest.approx(report.issue_ceiling(r.instructions_per_element,
-                                                                                {"float32": 4}.get(r.dtype, 2)))
+        element_bytes = {"float32": 4, "float64": 8}.get(r.dtype, 2)
+        assert r.issue_ceiling == pytest.approx(report.issue_ceiling(r.instructions_per_element, element_bytes))
+        assert r.shared_ceiling == pytest.approx(report.shared_ceiling(r.shared_bytes_per_element, element_bytes))
+        assert r.ceiling_fraction_of_copy == pytest.approx(min(r.issue_ceiling, r.shared_ceiling))
         if r.kernel == "head_stats":    # persistent: the tile loop is found, and costs at least its steps
             assert r.tile_instructions_per_element >= r.instructions_per_element
 
@@ -53,6 +55,46 @@ def test_issue_ceiling_formula():
     assert report.issue_ceiling(per_element, 2) == pytest.approx(1.0)
     assert report.issue_ceiling(2 * per_element, 2) == pytest.approx(0.5)
     assert report.issue_ceiling(per_element / 3, 2) == 1.0
+
+
+def test_shared_memory_bytes_of_the_hot_loop():
+    sass = """
+.L_x_0:
+        /*0000*/                   LDG.E.128 R8, desc[UR4][R4.64] ;
+        /*0010*/                   STS.128 [R3], R8 ;
+        /*0020*/                   LDSM.16.M88.4 R12, [R2] ;
+        /*0030*/                   LDS.U16 R6, [R2+0x10] ;
+        /*0040*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0050*/                   HGMMA.64x32x16.F32.BF16 R24, R40, gdesc[UR8], R24 ;
+        /*0060*/              @P0 BRA `(.L_x_0) ;
+"""
+    # STS.128 512 + LDSM x4 512 + narrow LDS one 128-B wavefront + HGMMA (A and B shared: (64 + 32)·16·2 / 4
+    # warps) + HGMMA (B shared: 32·16·2 / 4)
+    assert report.hot_loop_shared_bytes(sass) == 512 + 512 + 128 + 768 + 256
+    g = report.GPU
+    exact = g["sms"] * 128 * g["clock_hz"] / (g["copy_bandwidth"] / 2)
+    assert report.shared_ceiling(exact, 2) == pytest.approx(1.0)
+    assert report.shared_ceiling(2 * exact, 2) == pytest.approx(0.5)
+
+
+def test_every_generation_compiles_with_its_own_limits():
+    """A launch captured for an sm_86 target sizes pass 2 by that target's 99 KB, and the row says which
+    target and limit it was compiled for."""
+    from fastdiag.kernels import qk_stats_triton as qk
+
+    seen = {}
+    for arch in (80, 86):
+        with report._capture_compiles([qk], report.GPUS[arch]):
+            seen[arch] = report.device_limits(None)
+    assert seen == {80: {"shared_bytes": 163 * 1024, "sms": 108}, 86: {"shared_bytes": 99 * 1024, "sms": 72}}
+    assert report.device_limits(None) is None
+    configs = qk._fallback_configs(12, 12, 64, 2, 99 * 1024)
+    estimates = [qk._tile_config_and_shared(12, 12, 64, b, n, 2, 99 * 1024)[1]
+                 for b, n in ((8192, 32), (4096, 32), (2048, 16), (1024, 16))]
+    assert estimates[0] > 99 * 1024 >= min(estimates)       # the preferred tiles do not fit 99 KB, smaller ones do
+    assert configs[0] == qk.tile_config(12, 12, 64, 2048, 16, shared_limit=99 * 1024)    # the first that fits
+    with pytest.raises(ValueError, match="archs"):
+        report.kernel_report({}, archs=(75,))
 
 
 def test_hot_loop_is_the_innermost_loop_that_loads():

@@ -24,7 +24,7 @@ writes partial sums; torch adds them in float64 (deterministic, no atomics).
 
 Layout: kernels -> launcher (`qk_stats_triton`) -> `torch.library` op (`fastdiag::qk_head_stats`,
 CUDA kernel registered, fake for tracing) so `torch.compile(fullgraph=True)` holds it as one node.
-`kernel_report` compiles both kernels for sm_90 without a GPU, as a launch would.
+`kernel_report` compiles both kernels for any target of `report.GPUS` without a GPU, as a launch would.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .qk_stats_ref import qk_stats_ref
-from .report import KernelReport, ReportCase, register, report_case
+from .report import GPUS, KernelReport, ReportCase, device_limits, register, report_case
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -182,9 +182,11 @@ def _slab(p, FP32_DOT: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_G: tl.constex
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``[heads, rows·keys]`` view of a probability tile, in the Gram dot's input type."""
     slab = tl.reshape(p, (BLOCK_HK * BLOCK_G, BLOCK_M * BLOCK_N))
-    if FP32_DOT:
-        return slab
-    return slab.to(tl.float16)       # p in [0, 1]: fp16 keeps 11 bits, the sums stay fp32
+    # one return: the compiler rejects returns of two types even under a constexpr branch (fp32 pass 2
+    # did not compile at all; the interpreter never saw it)
+    if not FP32_DOT:
+        slab = slab.to(tl.float16)   # p in [0, 1]: fp16 keeps 11 bits, the sums stay fp32
+    return slab
 
 
 @triton.jit
@@ -281,7 +283,9 @@ _HELD_Q_ELEMENTS = 16384
 NUM_WARPS = 8
 # Head-dimension columns per score dot: wider batched operands spill at sm_90 (D = 128 is two dots).
 _DOT_COLUMNS = 64
-# Shared memory per block on sm_90 (H100/H200): 227 KB of the SM's 228 KB.
+# Shared memory per block where no device says (CPU, interpreter): sm_90's 227 KB. On a GPU the
+# launcher reads the device's own opt-in limit (`report.device_limits`): 163 KB on an A100, 99 KB on
+# sm_86 / sm_89 / sm_120.
 SHARED_LIMIT = 227 * 1024
 
 
@@ -298,10 +302,16 @@ def _shared_bytes(cfg: dict, num_stages: int, element_bytes: int, blocks_held: i
 
 
 def tile_config(h: int, hk: int, d: int, budget: int = _SCORE_BUDGET, block_n: int = 32,
-                element_bytes: int = 2) -> dict:
+                element_bytes: int = 2, shared_limit: int = SHARED_LIMIT) -> dict:
+    """Pass 2's tiles (see `_tile_config_and_shared`)."""
+    return _tile_config_and_shared(h, hk, d, budget, block_n, element_bytes, shared_limit)[0]
+
+
+def _tile_config_and_shared(h: int, hk: int, d: int, budget: int = _SCORE_BUDGET, block_n: int = 32,
+                            element_bytes: int = 2, shared_limit: int = SHARED_LIMIT) -> tuple[dict, int]:
     """Pass 2's blocks for H query heads, Hk key heads, head dim d, inputs of element_bytes.
     Every `tl.dot` dimension is >= 16. The key tile shrinks before the heads split into blocks (a
-    split makes the off-diagonal programs recompute scores); 1 stage where 2 exceed shared memory."""
+    split makes the off-diagonal programs recompute scores); 1 stage where 2 exceed ``shared_limit``."""
     block_g = triton.next_power_of_2(h // hk)
     block_d = max(16, triton.next_power_of_2(d))
     block_hk = max(triton.next_power_of_2(hk), triton.cdiv(16, block_g))   # Gram dot: >= 16 heads
@@ -317,8 +327,9 @@ def tile_config(h: int, hk: int, d: int, budget: int = _SCORE_BUDGET, block_n: i
     cfg = dict(BLOCK_HK=block_hk, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                BLOCK_DC=block_dc, Q_IN_LOOP=q_in_loop, num_warps=NUM_WARPS)
     blocks_held = 1 if block_hk >= hk else 2
-    cfg["num_stages"] = 2 if _shared_bytes(cfg, 2, element_bytes, blocks_held) <= SHARED_LIMIT else 1
-    return cfg
+    cfg["num_stages"] = 2 if _shared_bytes(cfg, 2, element_bytes, blocks_held) <= shared_limit else 1
+    cfg_shared = _shared_bytes(cfg, cfg["num_stages"], element_bytes, blocks_held)
+    return cfg, cfg_shared
 
 
 def lse_tile_config(h: int, hk: int, d: int) -> dict:
@@ -332,15 +343,16 @@ def lse_tile_config(h: int, hk: int, d: int) -> dict:
                 BLOCK_DC=block_dc, Q_IN_LOOP=block_dc < block_d, num_warps=NUM_WARPS, num_stages=2)
 
 
-def _fallback_configs(h: int, hk: int, d: int, element_bytes: int) -> list[dict]:
-    """From the preferred tiles to the smallest: tried in order when one exceeds shared memory."""
-    configs = []
+def _fallback_configs(h: int, hk: int, d: int, element_bytes: int, shared_limit: int = SHARED_LIMIT) -> list[dict]:
+    """From the preferred tiles to the smallest, those whose estimated shared memory fits
+    ``shared_limit`` first: tried in order when a launch still exceeds it."""
+    fits, over = [], []
     for budget, block_n in ((_SCORE_BUDGET, 32), (_SCORE_BUDGET // 2, 32), (_SCORE_BUDGET // 4, 16),
                             (_SCORE_BUDGET // 8, 16)):
-        c = tile_config(h, hk, d, budget, block_n, element_bytes)
-        if c not in configs:
-            configs.append(c)
-    return configs
+        c, shared = _tile_config_and_shared(h, hk, d, budget, block_n, element_bytes, shared_limit)
+        if c not in fits and c not in over:
+            (fits if shared <= shared_limit else over).append(c)
+    return fits + over
 
 
 def _mask_args(mask4, shape):
@@ -449,7 +461,9 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
         lse = _row_lse(q4, k4, mask4, is_causal, scale)
     if tiles is not None:
         return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles)
-    configs = _fallback_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.element_size())
+    limits = device_limits(q4.device)
+    configs = _fallback_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.element_size(),
+                                limits["shared_bytes"] if limits else SHARED_LIMIT)
     for n, cfg in enumerate(configs):
         try:
             return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg)
@@ -487,14 +501,24 @@ def _qk_stats_fake(q, k, mask, is_causal, scale, rows_ok, lse):
     return q.new_empty((h, h), **f64), q.new_empty((h,), **f64), q.new_empty((), **f64), q.new_empty((), **f64)
 
 
-# ---- the kernel report: what a GPU launch of these launchers compiles, compiled for sm_90 -------
+# ---- the kernel report: what a GPU launch of these launchers compiles, for each target -----------
 
-# Model shapes of `kernel_report`, (H, Hk, D): the targets of issue 15.
+# Model shapes of `kernel_report`, (H, Hk, D, T): the targets of issue 15 and a long context.
 REPORT_SHAPES = {
-    "gpt2-small": (12, 12, 64),
-    "llama-7b": (32, 32, 128),
-    "llama-3-8b": (32, 8, 128),
+    "gpt2-small": (12, 12, 64, 1024),
+    "llama-7b": (32, 32, 128, 1024),
+    "llama-3-8b": (32, 8, 128, 1024),
+    "long-context": (16, 16, 128, 4096),
 }
+# Every variant a launch can take: (causal, query rows mask, explicit mask kind).
+REPORT_VARIANTS = {
+    "causal": (True, False, None),               # what the zoo and HF causal models call
+    "plain": (False, False, None),
+    "causal+rows": (True, True, None),           # a query mask (padding): pass 2 only reads it
+    "bool-mask": (False, False, "bool"),
+    "additive-mask": (False, False, "additive"),
+}
+REPORT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)     # float64 runs as float32 (`_dot_inputs`)
 # Head dims of the models behind the benchmark shapes (`fastdiag bench --kernel-report`).
 _BENCH_HEAD_DIM = {"gpt2-small": 64, "long-context": 128}
 
@@ -503,39 +527,60 @@ def _scores_per_iteration(constexprs: dict) -> int:
     return constexprs["BLOCK_HK"] * constexprs["BLOCK_G"] * constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
 
 
-def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int) -> list[ReportCase]:
-    """Pass 1 and pass 2 (diagonal head blocks), bf16, causal, no mask. An "element" is one score
-    (one query row, key and head), so the ceiling reads: how fast these kernels cover the
-    probabilities compared with the probabilities kernel streaming a materialised bf16 P at copy
-    bandwidth."""
-    q = torch.empty(b, h, t, d, dtype=torch.bfloat16)
-    k = torch.empty(b, hk, t, d, dtype=torch.bfloat16)
+def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dtype = torch.bfloat16,
+           variant: str = "causal") -> list[ReportCase]:
+    """Pass 1 and pass 2 (diagonal head blocks) of one variant. An "element" is one score (one query
+    row, key and head), so the ceiling reads: how fast these kernels cover the probabilities
+    compared with the probabilities kernel streaming a materialised P at copy bandwidth. A variant
+    that changes only pass 2 (query rows) reports pass 2 alone."""
+    causal, rows, mask_kind = REPORT_VARIANTS[variant]
+    q = torch.empty(b, h, t, d, dtype=dtype)
+    k = torch.empty(b, hk, t, d, dtype=dtype)
+    mask = None if mask_kind is None else torch.empty(b, 1, t, t, dtype=torch.bool if mask_kind == "bool" else dtype)
+    rows_ok = torch.empty(b, t, dtype=torch.bool) if rows else None
+    label = shape if variant == "causal" else f"{shape} {variant}"
+    name = str(dtype).replace("torch.", "")
 
     def pass1():
-        row_lse_triton(q, k, None, True, d ** -0.5)                  # captured, never run
+        row_lse_triton(q, k, mask, causal, d ** -0.5)                # captured, never run
 
     def pass2():
         lse = torch.empty(q.shape[:3], dtype=torch.float32)          # a given LSE: pass 2 launches first
-        qk_stats_triton(q, k, None, True, d ** -0.5, lse=lse)
+        qk_stats_triton(q, k, mask, causal, d ** -0.5, rows_ok=rows_ok, lse=lse)
 
-    return [ReportCase("qk_lse", shape, "bfloat16", 2, pass1, _scores_per_iteration),
-            ReportCase("qk_stats", shape, "bfloat16", 2, pass2, _scores_per_iteration)]
+    cases = [ReportCase("qk_stats", label, name, dtype.itemsize, pass2, _scores_per_iteration)]
+    if not rows:
+        cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, _scores_per_iteration))
+    return cases
 
 
 def _report_cases(shapes: dict) -> list[ReportCase]:
-    """At the benchmark shapes; those too short for a key loop (the grokking task's T = 3, whose zoo
-    model never calls SDPA) are left out."""
+    """At the benchmark shapes, bf16 causal; those too short for a key loop (the grokking task's T = 3,
+    whose zoo model never calls SDPA) are left out."""
     return [case for shape, (_n, b, h, t) in shapes.items() if t >= 256
             for case in _cases(shape, b, h, h, t, _BENCH_HEAD_DIM.get(shape, 64))]
 
 
-def kernel_report(shapes: dict = REPORT_SHAPES) -> list[KernelReport]:
-    """Pass 1 and pass 2 at model shapes ``{name: (H, Hk, D)}`` (B 1, T 1024), compiled for sm_90
-    without a GPU exactly as a launch would compile them (specialisation included): registers,
-    spill bytes, shared memory, hot-loop instructions per score."""
+def kernel_report(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,), variants=("causal",),
+                  dtypes=(torch.bfloat16,), progress=lambda _: None) -> list[KernelReport]:
+    """Pass 1 and pass 2 at model shapes ``{name: (H, Hk, D, T)}`` (B 1), for each target of ``archs``
+    (`report.GPUS`), variant and dtype, compiled without a GPU exactly as a launch on that target would
+    compile them (its shared memory chooses the tiles, specialisation included): registers, spill
+    bytes, shared memory, hot-loop instructions and shared-memory bytes per score."""
     if INTERPRETING:
         raise ValueError("kernel_report: kernels cannot be compiled under TRITON_INTERPRET=1; unset it")
-    return [report_case(case) for shape, (h, hk, d) in shapes.items() for case in _cases(shape, 1, h, hk, 1024, d)]
+    unknown = [a for a in archs if a not in GPUS]
+    if unknown:
+        raise ValueError(f"archs: must be some of {sorted(GPUS)}, got {list(archs)}")
+    rows = []
+    for arch in archs:
+        for shape, (h, hk, d, t) in shapes.items():
+            for variant in variants:
+                for dtype in dtypes:
+                    for case in _cases(shape, 1, h, hk, t, d, dtype, variant):
+                        progress(f"sm_{arch} {case.kernel} {case.shape} {case.dtype}")
+                        rows.append(report_case(case, GPUS[arch]))
+    return rows
 
 
 register("qk_stats", _report_cases)

@@ -33,9 +33,29 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 
-# H200 SXM: copy bandwidth (device to device, read + write counted once each), SMs, sustained clock.
-GPU = {"name": "H200", "arch": 90, "sms": 132, "copy_bandwidth": 4.3e12, "clock_hz": 1.755e9,
-       "warp_instructions_per_clock": 4, "registers_per_thread": 255, "shared_bytes": 227 * 1024}
+# One GPU per NVIDIA generation a launch may compile for: SM count, sustained clock and copy
+# bandwidth (device to device, read + write counted once each) from the vendors' spec sheets, the
+# bandwidth taken as 0.9 × the memory's peak (H200: 4.3 of 4.8 TB/s) — estimates, not measurements;
+# shared memory is the opt-in limit per block (what a kernel may use), registers 255 per thread and
+# 64 K per SM on all of them. Shared-memory bandwidth: 128 B per clock per SM.
+GPUS = {
+    80: {"name": "A100-SXM4-80GB", "arch": 80, "sms": 108, "copy_bandwidth": 0.9 * 2.04e12, "clock_hz": 1.41e9,
+         "shared_bytes": 163 * 1024},
+    86: {"name": "A10", "arch": 86, "sms": 72, "copy_bandwidth": 0.9 * 600e9, "clock_hz": 1.695e9,
+         "shared_bytes": 99 * 1024},
+    89: {"name": "RTX 4090", "arch": 89, "sms": 128, "copy_bandwidth": 0.9 * 1008e9, "clock_hz": 2.52e9,
+         "shared_bytes": 99 * 1024},
+    90: {"name": "H200", "arch": 90, "sms": 132, "copy_bandwidth": 4.3e12, "clock_hz": 1.755e9,
+         "shared_bytes": 227 * 1024},
+    100: {"name": "B200", "arch": 100, "sms": 148, "copy_bandwidth": 0.9 * 8.0e12, "clock_hz": 1.965e9,
+          "shared_bytes": 227 * 1024},
+    120: {"name": "RTX 5090", "arch": 120, "sms": 170, "copy_bandwidth": 0.9 * 1.792e12, "clock_hz": 2.407e9,
+          "shared_bytes": 99 * 1024},
+}
+for _gpu in GPUS.values():
+    _gpu.update(warp_instructions_per_clock=4, registers_per_thread=255, registers_per_sm=65536,
+                shared_bytes_per_clock=128)
+GPU = GPUS[90]          # the default target (the GPU lent to this project)
 
 KERNEL_MODULES = ("fastdiag.kernels.head_stats_triton", "fastdiag.kernels.qk_stats_triton")
 
@@ -74,16 +94,16 @@ def registered_cases(shapes: dict) -> list[ReportCase]:
     return [case for cases in _REGISTRY.values() for case in cases(shapes)]
 
 
-def tool(name: str) -> str | None:
+def tool(name: str, arch: int = 90) -> str | None:
     """Path of a CUDA tool shipped with triton (or on PATH), None when absent. ``ptxas`` is the one
-    Triton itself compiles sm_90 with."""
+    Triton itself compiles ``sm_<arch>`` with."""
     try:
         import triton
         from triton.backends.nvidia.compiler import get_ptxas
     except ImportError:
         return None
     if name == "ptxas":
-        path = get_ptxas(GPU["arch"]).path
+        path = get_ptxas(arch).path
         return path if path and os.path.exists(path) else None
     path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     if os.path.exists(path):
@@ -114,8 +134,27 @@ class _TargetDriver:
         return self.target
 
 
+_CAPTURE_TARGET: list[dict] = []     # the GPU a launch is being captured for (report only)
+
+
+def device_limits(device) -> dict | None:
+    """What a launcher sizes its tiles by: ``{"shared_bytes": opt-in shared memory per block,
+    "sms": SM count}`` of the running CUDA device (``torch.cuda.get_device_properties``), of the report's
+    target while the report captures a launch, None elsewhere (CPU, interpreter: no limit applies)."""
+    if _CAPTURE_TARGET:
+        gpu = _CAPTURE_TARGET[-1]
+        return {"shared_bytes": gpu["shared_bytes"], "sms": gpu["sms"]}
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    shared = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
+    return {"shared_bytes": int(shared), "sms": props.multi_processor_count}
+
+
 @contextlib.contextmanager
-def _capture_compiles(modules):
+def _capture_compiles(modules, gpu: dict = GPU):
     """Inside: launches of the modules' kernels compile nothing and run nothing; they are recorded."""
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -139,20 +178,22 @@ def _capture_compiles(modules):
             if not isinstance(value, JITFunction) and type(value).__name__ == "InterpretedFunction":
                 patched.append((module, name, value))
                 setattr(module, name, JITFunction(fn))     # triton.jit would interpret again
-    driver.set_active(_TargetDriver(GPUTarget("cuda", GPU["arch"], 32)))
+    driver.set_active(_TargetDriver(GPUTarget("cuda", gpu["arch"], 32)))
     knobs.runtime.jit_cache_hook = hook
+    _CAPTURE_TARGET.append(gpu)
     try:
         yield captured
     finally:
+        _CAPTURE_TARGET.pop()
         driver._active, knobs.runtime.jit_cache_hook = saved_active, saved_hook
         for module, name, value in patched:
             setattr(module, name, value)
 
 
-def _captured_launches(case: ReportCase) -> list:
-    """[(JIT function, compile arguments)] of every kernel the launcher launches, in order."""
+def _captured_launches(case: ReportCase, gpu: dict = GPU) -> list:
+    """[(JIT function, compile arguments)] of every kernel the launcher launches on ``gpu``, in order."""
     module = importlib.import_module(case.launch.__module__)
-    with _capture_compiles([module]) as captured:
+    with _capture_compiles([module], gpu) as captured:
         case.launch()
     if not captured:
         raise RuntimeError(f"{case.kernel}: the launcher launched no Triton kernel")
@@ -177,6 +218,12 @@ class KernelReport:
     instructions_per_element: float
     ceiling_fraction_of_copy: float
     tile_instructions_per_element: float | None = None    # with the per-tile work (cases that give `tile`)
+    arch: int = 90
+    gpu: str = "H200"
+    shared_limit: int = GPU["shared_bytes"]
+    shared_bytes_per_element: float = 0.0   # shared-memory traffic of the hot loop per element
+    issue_ceiling: float = 0.0               # the two bounds the ceiling is the smaller of
+    shared_ceiling: float = 0.0
 
     def row(self) -> dict:
         return asdict(self)
@@ -191,11 +238,14 @@ def _run(cmd: list[str]) -> str:
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     """(registers, spilled bytes) as ptxas reports them for this PTX."""
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
+
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        text = _run([tool("ptxas"), f"-arch=sm_{arch}a", "-v", src, "-o", os.path.join(tmp, "k.cubin")])
+        text = _run([tool("ptxas", arch), f"-arch={sm_arch_from_capability(arch)}", "-v", src,
+                     "-o", os.path.join(tmp, "k.cubin")])
     regs = max(int(m) for m in re.findall(r"Used (\d+) registers", text))
     stores = sum(int(m) for m in re.findall(r"(\d+) bytes spill stores", text))
     loads = sum(int(m) for m in re.findall(r"(\d+) bytes spill loads", text))
@@ -206,8 +256,7 @@ _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 
 
-def _loops(sass: str) -> list[tuple[int, int, int]]:
-    """Loops that load from global memory, as (first, last, instructions without NOPs)."""
+def _instructions(sass: str) -> tuple[dict, list[str]]:
     labels, instructions = {}, []          # label -> index; [text]
     for line in sass.splitlines():
         m = _LABEL.match(line)
@@ -217,6 +266,12 @@ def _loops(sass: str) -> list[tuple[int, int, int]]:
         m = _SASS_LINE.search(line)
         if m:
             instructions.append(m.group(2))
+    return labels, instructions
+
+
+def _loops(sass: str) -> list[tuple[int, int, int]]:
+    """Loops that load from global memory, as (first, last, instructions without NOPs)."""
+    labels, instructions = _instructions(sass)
     loops = []
     for i, text in enumerate(instructions):
         m = re.search(r"\bBRA\b.*`\((\.L_x_\d+)\)", text)
@@ -242,6 +297,53 @@ def tile_loop_instructions(sass: str) -> int | None:
     return min(around) if around else None
 
 
+# Bytes one warp-instruction moves through shared memory: lanes × width (LDS, STS, LDGSTS's write),
+# matrices × 128 B (LDSM, STSM: 8 × 8 16-bit values each); narrow accesses still take a full
+# 128-byte wavefront.
+_WIDTH_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "32": 4, "64": 8, "128": 16}
+
+
+def _shared_bytes_of(text: str) -> int:
+    op = re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_x]+)*)", text)
+    if not op:
+        return 0
+    name, suffixes = op.group(1), op.group(2).split(".")[1:]
+    if name in ("LDS", "STS", "LDGSTS", "ATOMS"):
+        width = next((_WIDTH_BYTES[x] for x in suffixes if x in _WIDTH_BYTES), 4)
+        return max(128, 32 * width)
+    if name in ("LDSM", "STSM"):
+        return 128 * next((int(x) for x in suffixes if x in ("2", "4")), 1)    # LDSM.16.M88.4: 4 matrices
+    if name in ("HGMMA", "WGMMA"):
+        # a warpgroup MMA reads its shared operands through descriptors: B (N × K), and A (64 × K) when
+        # it is not in registers; each of the group's 4 warps issues the instruction, so a quarter each
+        shape = next((x for x in suffixes if re.fullmatch(r"\d+x\d+x\d+", x)), None)
+        if shape is None:
+            return 0
+        m, n, k = (int(v) for v in shape.split("x"))
+        element = 4 if "TF32" in suffixes else 1 if any(x.startswith("E4M3") or x.startswith("E5M2")
+                                                        for x in suffixes) else 2
+        a_in_registers = re.search(r",\s*R\d+\s*,\s*gdesc", text) is not None   # "D, A, gdesc[B], C"
+        shared = n * k * element + (0 if a_in_registers else m * k * element)
+        return shared // 4
+    return 0
+
+
+def hot_loop_shared_bytes(sass: str) -> int:
+    """Bytes through shared memory per warp per iteration of the hot loop (see `_shared_bytes_of`)."""
+    labels, instructions = _instructions(sass)
+    first, last, _ = min(_loops(sass), key=lambda loop: loop[2])
+    return sum(_shared_bytes_of(t) for t in instructions[first:last + 1])
+
+
+def shared_ceiling(shared_bytes_per_element: float, element_bytes: int, gpu: dict = GPU) -> float:
+    """Fraction of copy bandwidth shared memory can serve: SMs × 128 B/clock × clock / the hot loop's
+    shared bytes per element, against the elements/s copy bandwidth streams."""
+    if shared_bytes_per_element <= 0:
+        return 1.0
+    served = gpu["sms"] * gpu["shared_bytes_per_clock"] * gpu["clock_hz"] / shared_bytes_per_element
+    return min(1.0, served / (gpu["copy_bandwidth"] / element_bytes))
+
+
 def issue_ceiling(instructions_per_element: float, element_bytes: int, gpu: dict = GPU) -> float:
     """Fraction of copy bandwidth the SMs can issue for: min(1, issue rate / needed rate)."""
     issue = gpu["sms"] * gpu["warp_instructions_per_clock"] * 32 * gpu["clock_hz"] / instructions_per_element
@@ -249,16 +351,17 @@ def issue_ceiling(instructions_per_element: float, element_bytes: int, gpu: dict
     return min(1.0, issue / needed)
 
 
-def report_case(case: ReportCase) -> KernelReport:
+def report_case(case: ReportCase, gpu: dict = GPU) -> KernelReport:
+    """``case`` launched as on ``gpu`` (its limits choose the tiles), compiled for its architecture."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    target = GPUTarget("cuda", GPU["arch"], 32)
-    fn, args = _captured_launches(case)[0]       # the first launch is the kernel that streams the input
+    target = GPUTarget("cuda", gpu["arch"], 32)
+    fn, args = _captured_launches(case, gpu)[0]       # the first launch is the kernel that streams the input
     src = triton.compiler.ASTSource(fn, args["signature"], args["constants"], args["configs"][0])
     options = {k: args[k] for k in ("num_warps", "num_ctas", "num_stages", "enable_fp_fusion")}
     compiled = triton.compile(src, target=target, options=options)
-    registers, spills = _ptxas_usage(compiled.asm["ptx"], GPU["arch"])
+    registers, spills = _ptxas_usage(compiled.asm["ptx"], gpu["arch"])
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         with open(cubin, "wb") as f:
@@ -272,58 +375,77 @@ def report_case(case: ReportCase) -> KernelReport:
     elements = case.elements_per_iteration(constexprs)
     lanes = 32 * options["num_warps"]
     per_element = loop * lanes / elements
+    shared_per_element = hot_loop_shared_bytes(sass) * options["num_warps"] / elements
     per_element_with_tile = None
     around = tile_loop_instructions(sass)
     if case.tile is not None and around is not None:
         tile_elements, iterations = case.tile(constexprs)
         per_element_with_tile = (iterations * loop + around - loop) * lanes / tile_elements
+    issue = issue_ceiling(per_element, case.element_bytes, gpu)
+    served = shared_ceiling(shared_per_element, case.element_bytes, gpu)
     return KernelReport(case.kernel, case.shape, case.dtype, fn.fn.__name__, options["num_warps"],
                         {k: v for k, v in constexprs.items() if k.isupper()},
-                        registers, spills, shared, loop, elements, per_element,
-                        issue_ceiling(per_element, case.element_bytes), per_element_with_tile)
+                        registers, spills, shared, loop, elements, per_element, min(issue, served),
+                        per_element_with_tile, gpu["arch"], gpu["name"], gpu["shared_bytes"], shared_per_element,
+                        issue, served)
 
 
-def kernel_report(shapes: dict, progress: Callable[[str], None] = lambda _: None) -> list[KernelReport]:
+def kernel_report(shapes: dict, progress: Callable[[str], None] = lambda _: None,
+                  archs: tuple[int, ...] = (90,)) -> list[KernelReport]:
+    """Every registered kernel at ``shapes``, compiled for each of ``archs`` (keys of `GPUS`)."""
+    unknown = [a for a in archs if a not in GPUS]
+    if unknown or not archs:
+        raise ValueError(f"archs: must be some of {sorted(GPUS)}, got {list(archs)}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return _report_in_subprocess(shapes)
+        return _report_in_subprocess(shapes, archs)
     missing = tools_missing()
     if missing:
         raise RuntimeError(f"kernel report: CUDA tools not found: {', '.join(missing)} "
                            "(they ship with the triton wheel under triton/backends/nvidia/bin)")
     rows = []
-    for case in registered_cases(shapes):
-        progress(f"compiling {case.kernel} {case.shape} {case.dtype} for sm_{GPU['arch']} ...")
-        rows.append(report_case(case))
+    for arch in archs:
+        for case in registered_cases(shapes):
+            progress(f"compiling {case.kernel} {case.shape} {case.dtype} for sm_{arch} ...")
+            rows.append(report_case(case, GPUS[arch]))
     return rows
 
 
 def format_report(rows: list[KernelReport]) -> str:
-    g = GPU
-    head = (f"{'kernel':<11} {'shape':<13} {'dtype':<9} {'warps':>5} {'regs':>5} {'spill B':>7} {'smem KB':>7} "
-            f"{'loop':>5} {'elem/it':>7} {'instr/elem':>10} {'ceiling':>8} {'with tile':>9}")
+    head = (f"{'arch':<6} {'kernel':<11} {'shape':<22} {'dtype':<9} {'warps':>5} {'regs':>5} {'spill B':>7} "
+            f"{'smem/limit KB':>13} {'loop':>5} {'elem/it':>7} {'instr/elem':>10} {'smem B/elem':>11} "
+            f"{'issue':>6} {'smem':>5} {'ceiling':>8} {'with tile':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.kernel:<11} {r.shape:<13} {r.dtype:<9} {r.num_warps:>5} {r.registers:>5} {r.spill_bytes:>7} "
-                     f"{r.shared_bytes / 1024:>7.1f} {r.loop_instructions:>5} {r.elements_per_iteration:>7} "
-                     f"{r.instructions_per_element:>10.1f} {100 * r.ceiling_fraction_of_copy:>7.0f}% "
+        over = " OVER" if r.shared_bytes > r.shared_limit else ""
+        lines.append(f"sm_{r.arch:<3} {r.kernel:<11} {r.shape:<22} {r.dtype:<9} {r.num_warps:>5} {r.registers:>5} "
+                     f"{r.spill_bytes:>7} {f'{r.shared_bytes / 1024:.0f}/{r.shared_limit // 1024}{over}':>13} "
+                     f"{r.loop_instructions:>5} {r.elements_per_iteration:>7} {r.instructions_per_element:>10.1f} "
+                     f"{r.shared_bytes_per_element:>11.1f} {100 * r.issue_ceiling:>5.0f}% {100 * r.shared_ceiling:>4.0f}% "
+                     f"{100 * r.ceiling_fraction_of_copy:>7.0f}% "
                      + (f"{r.tile_instructions_per_element:>9.1f}" if r.tile_instructions_per_element else f"{'-':>9}"))
+    for arch in sorted({r.arch for r in rows}):
+        g = GPUS[arch]
+        lines.append(f"sm_{arch}: {g['name']}, {g['sms']} SMs, {g['clock_hz'] / 1e9:.3f} GHz, copy "
+                     f"{g['copy_bandwidth'] / 1e12:.2f} TB/s, shared memory {g['shared_bytes'] // 1024} KB per block")
     lines.append(
-        f"instr/elem = hot-loop SASS × 32 lanes × warps / elements loaded per iteration; ceiling = min(1, "
-        f"{g['sms']} SMs × {g['warp_instructions_per_clock']} warp-instr/clk × 32 × {g['clock_hz'] / 1e9:.3f} GHz "
-        f"/ instr/elem ÷ ({g['copy_bandwidth'] / 1e12:.1f} TB/s / bytes per element)) — {g['name']} sm_{g['arch']}, "
-        f"issue-bound estimate, not a measurement; with tile = instr/elem counting also the work done once per "
-        f"tile of a persistent kernel (the loop around the hot loop)")
+        "instr/elem = hot-loop SASS × 32 lanes × warps / elements loaded per iteration; issue = min(1, SMs × 4 "
+        "warp-instr/clk × 32 × clock / instr/elem ÷ (copy bandwidth / bytes per element)); smem = the same with "
+        "SMs × 128 B/clk × clock / (hot-loop shared-memory bytes per element: LDS/STS/LDGSTS lanes × width, "
+        "LDSM/STSM 128 B per matrix, HGMMA shared operands); ceiling = min(issue, smem). Estimates from the "
+        "compile and spec-sheet numbers, not measurements: bank conflicts, TMA and tcgen05 (sm_100) operand "
+        "traffic, latency and occupancy are left out. with tile = instr/elem counting also the work done once "
+        "per tile of a persistent kernel (the loop around the hot loop)")
     return "\n".join(lines)
 
 
-def _report_in_subprocess(shapes: dict) -> list[KernelReport]:
+def _report_in_subprocess(shapes: dict, archs: tuple[int, ...] = (90,)) -> list[KernelReport]:
     """Under TRITON_INTERPRET=1 even triton.language's own helpers are interpreted and cannot be
     compiled: the report runs in a fresh interpreter without it."""
     import json
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "fastdiag.kernels.report", json.dumps(shapes)],
+    out = subprocess.run([sys.executable, "-m", "fastdiag.kernels.report", json.dumps(shapes), json.dumps(list(archs))],
                          capture_output=True, text=True, env=env)
     if out.returncode:
         raise RuntimeError(f"kernel report subprocess failed: {out.stderr.strip().splitlines()[-1:]}")
@@ -336,4 +458,5 @@ if __name__ == "__main__":
 
     from fastdiag.kernels import report   # the module kernels register with, not this __main__ copy
 
-    print(json.dumps([r.row() for r in report.kernel_report(json.loads(sys.argv[1]))]))
+    archs = tuple(json.loads(sys.argv[2])) if len(sys.argv) > 2 else (90,)
+    print(json.dumps([r.row() for r in report.kernel_report(json.loads(sys.argv[1]), archs=archs)]))

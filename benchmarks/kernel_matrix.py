@@ -1,0 +1,77 @@
+"""The multi-generation kernel report: every Triton kernel of fastdiag compiled (no GPU needed) for
+sm_80 / 86 / 89 / 90 / 100 / 120 at model shapes, each variant a launch can take and each dtype,
+with the tiles a launch on that target would choose (its own shared-memory limit).
+
+    python benchmarks/kernel_matrix.py [--archs 80,86,89,90,100,120] [--quick] [--json OUT.json]
+
+Prints the table (markdown) and a summary line: rows with spills and rows over the target's shared
+memory. Run it under another triton with benchmarks/triton_versions.sh's venv."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+
+from fastdiag.kernels import head_stats_triton, qk_stats_triton, report
+
+HEAD_STATS_SHAPES = {"gpt2-small": (1, 8, 12, 1024), "long-context": (1, 1, 16, 4096)}
+
+
+def rows_for(arch: int, quick: bool, progress) -> list[report.KernelReport]:
+    gpu = report.GPUS[arch]
+    rows = []
+    for case in head_stats_triton.report_cases(HEAD_STATS_SHAPES, quick=quick):
+        progress(f"sm_{arch} {case.kernel} {case.shape} {case.dtype}")
+        rows.append(report.report_case(case, gpu))
+    variants = ("causal", "causal+rows", "additive-mask") if quick else tuple(qk_stats_triton.REPORT_VARIANTS)
+    dtypes = (torch.bfloat16, torch.float32) if quick else qk_stats_triton.REPORT_DTYPES
+    rows += qk_stats_triton.kernel_report(qk_stats_triton.REPORT_SHAPES, (arch,), variants, dtypes, progress)
+    return rows
+
+
+def markdown(rows: list[report.KernelReport]) -> list[str]:
+    lines = ["| arch | kernel | shape, variant | dtype | regs | spill B | smem / limit KB | instr/elem | "
+             "smem B/elem | issue | smem | ceiling |", "|" + "---|" * 12]
+    for r in rows:
+        over = " **over**" if r.shared_bytes > r.shared_limit else ""
+        spill = f"**{r.spill_bytes}**" if r.spill_bytes else "0"
+        lines.append(f"| sm_{r.arch} | {r.kernel} | {r.shape} | {r.dtype} | {r.registers} | {spill} | "
+                     f"{r.shared_bytes / 1024:.0f} / {r.shared_limit // 1024}{over} | {r.instructions_per_element:.1f} | "
+                     f"{r.shared_bytes_per_element:.1f} | {100 * r.issue_ceiling:.0f}% | {100 * r.shared_ceiling:.0f}% | "
+                     f"{100 * r.ceiling_fraction_of_copy:.0f}% |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--archs", default=",".join(str(a) for a in report.GPUS))
+    ap.add_argument("--quick", action="store_true", help="bf16 and fp32, the heaviest variants only")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    try:
+        archs = [int(a) for a in args.archs.split(",")]
+        if any(a not in report.GPUS for a in archs):
+            raise ValueError
+    except ValueError:
+        sys.exit(f"--archs: a comma list of {', '.join(map(str, report.GPUS))}, got {args.archs!r}")
+    start = time.time()
+    rows = []
+    for arch in archs:
+        rows += rows_for(arch, args.quick, lambda s: print(s, file=sys.stderr, flush=True))
+    print(f"triton {triton.__version__}, torch {torch.__version__}, {len(rows)} rows, "
+          f"{time.time() - start:.0f} s to compile")
+    print("\n".join(markdown(rows)))
+    spills = [r for r in rows if r.spill_bytes]
+    over = [r for r in rows if r.shared_bytes > r.shared_limit]
+    print(f"rows with spills: {len(spills)}; rows over the target's shared memory: {len(over)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"triton": triton.__version__, "rows": [r.row() for r in rows]}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
