@@ -184,6 +184,41 @@ def step_workloads(device: torch.device) -> dict[str, Callable[[], tuple]]:
     return {"grokking-canonical": grokking, "nanogpt-sdpa": nanogpt}
 
 
+def rotating_blocks(run_block: Callable[[str], float], variants: list[str], rounds: int, label: str,
+                    progress: Callable[[str], None] = print) -> dict[str, list[float]]:
+    """One warm-up block per variant, then ``rounds`` rounds of one block each, the order rotated every
+    round, so slow drifts of the machine hit every variant alike. ``run_block(variant)`` returns its
+    milliseconds per step; the result is every variant's samples, round by round."""
+    for v in variants:
+        run_block(v)
+    samples: dict[str, list[float]] = {v: [] for v in variants}
+    for i in range(rounds):
+        progress(f"{label} {i + 1}/{rounds}")
+        shift = i % len(variants)
+        for v in variants[shift:] + variants[:shift]:
+            samples[v].append(run_block(v))
+    return samples
+
+
+def median_ratio(samples: list[float], base: list[float]) -> float:
+    """The median over rounds of the per-round ratio: each ratio compares blocks run side by side."""
+    return statistics.median(a / b for a, b in zip(samples, base))
+
+
+def _ms_per_step(device: torch.device, steps: int, step: Callable[[], object],
+                 read: Callable[[], object] | None = None) -> float:
+    """Milliseconds per call of ``step``, over ``steps`` calls and a final ``read`` of their results
+    (statistics really computed and readable), device work included."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if read is not None:
+        read()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
 def bench_step(name: str, factory, device: torch.device, blocks: int = 15, block_steps: int = 10,
                progress: Callable[[str], None] = print) -> StepResult:
     """Blocks of ``block_steps`` training steps without fastdiag, with attach(every=10) and with
@@ -191,35 +226,21 @@ def bench_step(name: str, factory, device: torch.device, blocks: int = 15, block
     of the weights in memory, and slow drifts of the machine hit all variants alike."""
     model, batch, targets, last_only = factory()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    variants = {"base": None, "every10": 10, "every1": 1}
+    every = {"base": None, "every10": 10, "every1": 1}
 
-    def run_block(every):
-        monitor = attach(model, every=every) if every else None
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(block_steps):
-            _training_step(model, batch, targets, opt, last_only)
-        if monitor is not None:
-            monitor.latest()   # the statistics are really computed and readable (one sync)
-        _sync(device)
-        elapsed = (time.perf_counter() - t0) * 1e3 / block_steps
+    def run_block(variant: str) -> float:
+        monitor = attach(model, every=every[variant]) if every[variant] else None
+        elapsed = _ms_per_step(device, block_steps, lambda: _training_step(model, batch, targets, opt, last_only),
+                               read=monitor.latest if monitor is not None else None)
         if monitor is not None:
             monitor.detach()
         return elapsed
 
-    for every in variants.values():  # warm-up
-        run_block(every)
-    samples = {k: [] for k in variants}
-    order = list(variants)
-    for i in range(blocks):
-        progress(f"step {name} block {i + 1}/{blocks}")
-        for key in order[i % 3:] + order[:i % 3]:
-            samples[key].append(run_block(variants[key]))
-    ratio10 = statistics.median(a / b for a, b in zip(samples["every10"], samples["base"]))
-    ratio1 = statistics.median(a / b for a, b in zip(samples["every1"], samples["base"]))
+    samples = rotating_blocks(run_block, list(every), blocks, f"step {name} block", progress)
     med = {k: statistics.median(v) for k, v in samples.items()}
     return StepResult(name, device.type, med["base"], med["every10"], med["every1"],
-                      100 * (ratio10 - 1), 100 * (ratio1 - 1), blocks)
+                      100 * (median_ratio(samples["every10"], samples["base"]) - 1),
+                      100 * (median_ratio(samples["every1"], samples["base"]) - 1), blocks)
 
 
 # ---- step level: the SDPA path, against what a user would do instead ---------------------------
@@ -276,32 +297,24 @@ def bench_sdpa_step(device: torch.device, rounds: int = 9, block_steps: int = 5,
     def run_block(variant: str) -> float:
         model.set_attn_implementation("eager" if variant == "eager" else "sdpa")
         monitor = attach(model, every=1) if variant == "with_stats" else None
-        _sync(device)
-        t0 = time.perf_counter()
         collected = []
-        for _ in range(block_steps):
-            collected.extend(step(variant == "eager") or [])
-        if monitor is not None:
-            monitor.latest()                                                 # the statistics are really read
-        elif collected:
-            summarize(collected[-len(model.transformer.h):]).s_bar.item()
-        _sync(device)
-        elapsed = (time.perf_counter() - t0) * 1e3 / block_steps
+
+        def read():
+            if monitor is not None:
+                monitor.latest()                                             # the statistics are really read
+            elif collected:
+                summarize(collected[-len(model.transformer.h):]).s_bar.item()
+
+        elapsed = _ms_per_step(device, block_steps, lambda: collected.extend(step(variant == "eager") or []), read)
         if monitor is not None:
             monitor.detach()
         return elapsed
 
     variants = ["base", "with_stats", "eager"]
-    for v in variants:   # warm-up
-        run_block(v)
-    samples = {v: [] for v in variants}
-    for i in range(rounds):
-        progress(f"sdpa step round {i + 1}/{rounds}")
-        for v in variants[i % 3:] + variants[:i % 3]:
-            samples[v].append(run_block(v))
+    samples = rotating_blocks(run_block, variants, rounds, "sdpa step round", progress)
     model.set_attn_implementation("sdpa")
     med = {v: statistics.median(x) for v, x in samples.items()}
-    ratio = {v: statistics.median(a / b for a, b in zip(samples[v], samples["base"])) for v in variants}
+    ratio = {v: median_ratio(samples[v], samples["base"]) for v in variants}
     workload = "hf-gpt2 4x256x8 T256 B4" + (f" attn-drop {attn_dropout:g}" if attn_dropout else "")
     return SdpaStepResult(device.type, workload, med["base"], med["with_stats"], med["eager"],
                           ratio["with_stats"], ratio["eager"], rounds, block_steps)
@@ -452,24 +465,12 @@ def bench_arch_steps(device: torch.device, blocks: int = 15, block_steps: int = 
 
     def run_block(name: str) -> float:
         model, opt = setups[name]
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(block_steps):
-            _training_step(model, batch, targets, opt, True)
-        _sync(device)
-        return (time.perf_counter() - t0) * 1e3 / block_steps
+        return _ms_per_step(device, block_steps, lambda: _training_step(model, batch, targets, opt, True))
 
-    names = list(setups)
-    for name in names:   # warm-up
-        run_block(name)
-    samples: dict[str, list[float]] = {k: [] for k in names}
-    for i in range(blocks):
-        progress(f"arch steps block {i + 1}/{blocks}")
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            samples[name].append(run_block(name))
+    samples = rotating_blocks(run_block, list(setups), blocks, "arch steps block", progress)
     base = samples["transformer"]
     return [ArchStepResult(name, device.type, count_parameters(setups[name][0]), statistics.median(v),
-                           statistics.median(a / b for a, b in zip(v, base)), blocks)
+                           median_ratio(v, base), blocks)
             for name, v in samples.items()]
 
 
