@@ -8,10 +8,7 @@ import click
 from fastdiag.analysis.report import PredictSettings, Report, build_report
 from fastdiag.cli.app import CLIError, open_store
 from fastdiag.grokking.build import heads_width
-
-
-def _fmt(x, digits: int = 4) -> str:
-    return "-" if x is None else f"{x:.{digits}g}"
+from fastdiag.grokking.config import fmt_or_dash
 
 
 def store_report(store, n_boot: int = 1500, seed: int = 0, retention_threshold: float = 0.9,
@@ -19,10 +16,6 @@ def store_report(store, n_boot: int = 1500, seed: int = 0, retention_threshold: 
     """The report of an open store, with the model zoo's head counts for the per-head-dimension sets."""
     return build_report(store, heads_width, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
                         fit_max_lambda=fit_max_lambda, predict=predict)
-
-
-def _fmt3(x) -> str:
-    return "-" if x is None else f"{x:.3f}"
 
 
 def _fmt_ci(value, ci, digits: int = 3) -> str:
@@ -40,7 +33,7 @@ def format_experiments(report: dict) -> list[str]:
                      f"{'median final test acc':>21} {'anti-grok':>9}   (retained: final test acc ≥ {thr:g})")
         for row in g["retention"]:
             lines.append(f"  {row['lambda']:>10.4g} {row['n']:>5} {row['grokked']:>7} {row['retained']:>8} "
-                         f"{_fmt3(row['retention']):>9} {_fmt3(row['median_final_test_acc']):>21} "
+                         f"{fmt_or_dash(row['retention'], '.3f'):>9} {fmt_or_dash(row['median_final_test_acc'], '.3f'):>21} "
                          f"{row['anti_grok']:>9}")
         long_runs = [s for s in g["stages"] if s["stages"]]
         short = len(g["stages"]) - len(long_runs)
@@ -68,18 +61,14 @@ def format_comparison(cmp: dict) -> str:
                  f"{'t p':>9} {'t p_Holm':>9} {'W p':>9} {'W p_Holm':>9} {'Cohen d':>8}")
     for t in cmp["tests"]:
         if "error" in t:
-            lines.append(f"  {t['arm']:<7} {t['metric']:<19} {t['n']:>3} {_f4(t['control_mean']):>9} "
-                         f"{_f4(t['arm_mean']):>9} {_f4(t['mean_diff']):>9}   no test: {t['error']}")
+            lines.append(f"  {t['arm']:<7} {t['metric']:<19} {t['n']:>3} {fmt_or_dash(t['control_mean']):>9} "
+                         f"{fmt_or_dash(t['arm_mean']):>9} {fmt_or_dash(t['mean_diff']):>9}   no test: {t['error']}")
             continue
-        lines.append(f"  {t['arm']:<7} {t['metric']:<19} {t['n']:>3} {_f4(t['control_mean']):>9} "
-                     f"{_f4(t['arm_mean']):>9} {t['mean_diff']:>+9.4f} {t['t_p']:>9.2g} "
+        lines.append(f"  {t['arm']:<7} {t['metric']:<19} {t['n']:>3} {fmt_or_dash(t['control_mean']):>9} "
+                     f"{fmt_or_dash(t['arm_mean']):>9} {t['mean_diff']:>+9.4f} {t['t_p']:>9.2g} "
                      f"{t.get('t_p_holm', float('nan')):>9.2g} {t['wilcoxon_p']:>9.2g} "
                      f"{t.get('wilcoxon_p_holm', float('nan')):>9.2g} {t['cohens_d']:>+8.2f}")
     return "\n".join(lines)
-
-
-def _f4(x, spec=".4f") -> str:
-    return "–" if x is None else format(x, spec)
 
 
 def format_headdim(a: dict) -> str:
@@ -156,16 +145,16 @@ def format_report(report: dict) -> str:
         if "error" in lc:
             lines.append(f"  λ_c: no fit — {lc['error']}")
         else:
-            lines.append(f"  λ_c = {_fmt(lc['lambda_c'])}  95% CI [{_fmt(lc['ci'][0])}, {_fmt(lc['ci'][1])}]"
-                         f"  k = {_fmt(lc['k'], 3)} per decade  ({lc['n_boot_ok']}/{lc['n_boot']} resamples "
+            lines.append(f"  λ_c = {fmt_or_dash(lc['lambda_c'], '.4g')}  95% CI [{fmt_or_dash(lc['ci'][0], '.4g')}, {fmt_or_dash(lc['ci'][1], '.4g')}]"
+                         f"  k = {fmt_or_dash(lc['k'], '.3g')} per decade  ({lc['n_boot_ok']}/{lc['n_boot']} resamples "
                          f"converged, {lc['n_runs']} runs)")
         for key, name in (("nu", "ν (λ_c fixed)"), ("nu_joint", "ν (joint, λ_c refitted per resample)")):
             nu = g[key]
             if "error" in nu:
                 lines.append(f"  {name}: no fit — {nu['error']}")
             else:
-                lines.append(f"  {name} = {_fmt(nu['nu'], 3)}  95% CI [{_fmt(nu['ci'][0], 3)}, "
-                             f"{_fmt(nu['ci'][1], 3)}]  amplitude {_fmt(nu['amplitude'], 3)} epochs  "
+                lines.append(f"  {name} = {fmt_or_dash(nu['nu'], '.3g')}  95% CI [{fmt_or_dash(nu['ci'][0], '.3g')}, "
+                             f"{fmt_or_dash(nu['ci'][1], '.3g')}]  amplitude {fmt_or_dash(nu['amplitude'], '.3g')} epochs  "
                              f"({nu['n']} grokked runs above λ_c, {nu['n_boot_ok']}/{nu['n_boot']} resamples)")
         header = f"  {'λ':>10} {'runs':>5} {'grok':>5} {'memor.':>6} {'collapse':>8} {'no-fit':>6} {'anti-grok':>9} " \
                  f"{'diverged':>8} {'median t_grok (epochs)':>22}"
@@ -173,7 +162,7 @@ def format_report(report: dict) -> str:
         for row in g["regimes"]:
             lines.append(f"  {row['lambda']:>10.4g} {row['n']:>5} {row['grok']:>5} {row['memorization']:>6} "
                          f"{row['collapse']:>8} {row['no-fit']:>6} {row['anti-grok']:>9} {row['diverged']:>8} "
-                         f"{_fmt(row['median_t_grok']):>22}")
+                         f"{fmt_or_dash(row['median_t_grok'], '.4g'):>22}")
     if report["failed_runs"]:
         lines.append("")
         lines.append(f"failed runs ({len(report['failed_runs'])}):")

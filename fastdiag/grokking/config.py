@@ -126,3 +126,9 @@ def _field_types() -> dict[str, tuple[type, ...]]:
         else:
             types[f.name] = (type(default),)
     return types
+
+
+def fmt_or_dash(value: float | None, spec: str = ".4f") -> str:
+    """A number as the project writes it in tables and progress lines: ``format(value, spec)``, or
+    "–" where there is no value (a run that never grokked has no t_grok)."""
+    return "–" if value is None else format(value, spec)

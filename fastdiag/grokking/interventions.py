@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from fastdiag.grokking.build import build_model
-from fastdiag.grokking.config import ARMS, RunConfig
+from fastdiag.grokking.config import ARMS, RunConfig, fmt_or_dash
 from fastdiag.grokking.train import Trainer
 from fastdiag.models import attention_modules
 from fastdiag.store import interventions as tables
@@ -282,14 +282,10 @@ def run_seed(cfg: RunConfig, settings: InterventionSettings, progress: Callable[
         metrics["seconds"] = time.perf_counter() - t0
         arms[arm] = {"outcome": outcome, "intervention": intervention, "metrics": metrics}
         if progress is not None:
-            progress(f"seed {cfg.seed} {arm}: peak σ_H after {_f(metrics['peak_sigma_h_after'])}, "
-                     f"final test acc {_f(metrics['final_test_acc'])}")
+            progress(f"seed {cfg.seed} {arm}: peak σ_H after {fmt_or_dash(metrics['peak_sigma_h_after'])}, "
+                     f"final test acc {fmt_or_dash(metrics['final_test_acc'])}")
     info["branch_epoch"] = branch_epoch
     return {"seed": cfg.seed, "info": info, "arms": arms}
-
-
-def _f(x, spec=".4f"):
-    return "–" if x is None else format(x, spec)
 
 
 # ============================================================================ the store

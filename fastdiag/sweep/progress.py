@@ -11,6 +11,8 @@ import sys
 
 from tqdm import tqdm
 
+from fastdiag.grokking.config import fmt_or_dash
+
 BAR_FORMAT = "{desc}  {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}, {rate_fmt}]"     # desc: the status
 
 
@@ -30,10 +32,6 @@ def _width(stream) -> dict:
     return {"ncols": size.columns or 100, "nrows": size.lines or 24}
 
 
-def _fmt(value, spec=".3f") -> str:
-    return "–" if value is None else format(value, spec)
-
-
 class RunProgress:
     """One run: call it with each trace row (``epoch``, accuracies, s̄, σ_H)."""
 
@@ -44,8 +42,8 @@ class RunProgress:
         self.text = ""
 
     def __call__(self, row: dict) -> None:
-        self.text = (f"epoch {row['epoch']}/{self.bar.total}  train {_fmt(row['train_acc'])}  "
-                     f"test {_fmt(row['test_acc'])}  s̄ {_fmt(row['s_bar'])}  σ_H {_fmt(row['sigma_h'])}")
+        train, test, s_bar, sigma_h = (fmt_or_dash(row[k], ".3f") for k in ("train_acc", "test_acc", "s_bar", "sigma_h"))
+        self.text = f"epoch {row['epoch']}/{self.bar.total}  train {train}  test {test}  s̄ {s_bar}  σ_H {sigma_h}"
         self.bar.set_description_str(self.text, refresh=False)
         self.bar.update(row["epoch"] - self.bar.n)
 
