@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from fastdiag.grokking.config import GROKKED
+from fastdiag.grokking.config import GROK_THRESHOLD, GROKKED
 from fastdiag.grokking.labels import anti_grok_epoch, first_epoch_at_or_above
 
 
@@ -34,7 +34,7 @@ def _moving_average(y: np.ndarray, window: int) -> np.ndarray:
     return np.convolve(padded, kernel, mode="valid")
 
 
-def segment_stages(trace: Sequence[dict], *, grok_threshold: float = 0.99, n_grid: int = 256,
+def segment_stages(trace: Sequence[dict], *, grok_threshold: float = GROK_THRESHOLD, n_grid: int = 256,
                    smooth_decades: float = 0.1, rate_threshold: float = 0.5, min_decades: float = 0.05,
                    min_change: float = 0.25, min_span_decades: float = 1.5,
                    floors: tuple[float, float] = (0.02, 0.01)) -> dict:
@@ -159,7 +159,7 @@ def stage_table(runs: Iterable[dict], traces: dict[str, list[dict]], **kw) -> li
     out = []
     for run in runs:
         cfg = run["config"]
-        seg = segment_stages(traces.get(run["run_id"], []), grok_threshold=cfg.get("grok_threshold", 0.99), **kw)
+        seg = segment_stages(traces.get(run["run_id"], []), grok_threshold=cfg.get("grok_threshold", GROK_THRESHOLD), **kw)
         out.append({"run_id": run["run_id"], "weight_decay": cfg.get("weight_decay"), "seed": cfg.get("seed"),
                     "regime": (run.get("result") or {}).get("regime"), **seg})
     return out

@@ -7,6 +7,7 @@ from pathlib import Path
 from fastdiag.analysis.report import Report
 from fastdiag.analysis.trajectories import segment_stages
 from fastdiag.analysis.groups import file_safe
+from fastdiag.grokking.config import GROK_THRESHOLD
 from fastdiag.plots.experiments import headdim_figure, intervention_figure, predict_figure, stages_figure
 from fastdiag.plots.style import FORMATS
 from fastdiag.plots.sweep import p_grok_figure, regime_diagram, t_grok_figure, trajectories_figure
@@ -51,7 +52,7 @@ def _stages_for_group(group, traces, name, formats) -> list[Path]:
         return []
     best = None
     for run in group.runs:
-        seg = segment_stages(traces.get(run["run_id"], []), grok_threshold=run["config"].get("grok_threshold", 0.99))
+        seg = segment_stages(traces.get(run["run_id"], []), grok_threshold=run["config"].get("grok_threshold", GROK_THRESHOLD))
         if seg["stages"] and (best is None or len(seg["stages"]) > len(best[1]["stages"])):
             best = (run, seg)
     if best is None:

@@ -10,6 +10,8 @@ from pathlib import Path
 from matplotlib.figure import Figure  # no pyplot: renders with Agg, no GUI backend, no global state
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
+from fastdiag.grokking.config import GROK_THRESHOLD
+from fastdiag.grokking.labels import first_epoch_at_or_above
 from fastdiag.store.files import atomic_path, prepare_out_dir
 
 
@@ -23,13 +25,6 @@ def _series(trace, key):
     return xs, ys
 
 
-def _first(trace, key, threshold):
-    for row in trace:
-        if row.get(key) is not None and row[key] >= threshold:
-            return row["epoch"]
-    return None
-
-
 def plot_trajectory(trace: list[dict], path: str | os.PathLike, result: dict | None = None,
                     title: str | None = None) -> None:
     """Three stacked panels sharing a log epoch axis: accuracy, head synchronisation s̄ and entropy
@@ -40,8 +35,8 @@ def plot_trajectory(trace: list[dict], path: str | os.PathLike, result: dict | N
     fig = Figure(figsize=(7.5, 2.6 * n_panels + 0.6), layout="constrained")
     axes = fig.subplots(n_panels, 1, sharex=True, squeeze=False)[:, 0]
 
-    t_mem = result.get("t_mem_epoch", _first(trace, "train_acc", 0.99))
-    t_grok = result.get("t_grok_epoch", _first(trace, "test_acc", 0.99))
+    t_mem = result.get("t_mem_epoch", first_epoch_at_or_above(trace, "train_acc", GROK_THRESHOLD))
+    t_grok = result.get("t_grok_epoch", first_epoch_at_or_above(trace, "test_acc", GROK_THRESHOLD))
 
     ax = axes[0]
     for key, label, style in (("train_acc", "train", dict(color="tab:gray", ls="--")),
