@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import click
 from fastdiag.cli.app import CLIError, create_store, open_store, option_errors
 from fastdiag.cli.options import run_fields, run_options
 from fastdiag.grokking.config import ARCHS, RunConfig
-from fastdiag.store.files import atomic_path
+from fastdiag.store.files import atomic_path, check_target
 from fastdiag.sweep.grid import build_grid, parse_list, parse_seeds, parse_shard, parse_wd
 from fastdiag.sweep.grid import shard as shard_grid
 from fastdiag.sweep.run import BACKENDS, run_sweep
@@ -199,6 +200,15 @@ def _write_table(columns: list[str], rows: list[dict], path: Path, fmt: str) -> 
             pq.write_table(pa.table(data), tmp)
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """The same file, by any spelling (a relative path, a symlink, a hard link) or, before it exists,
+    the same absolute path."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
 @click.command("export")
 @click.argument("store_path", metavar="STORE", type=click.Path())
 @click.option("--format", "fmt", type=click.Choice(["csv", "parquet"]), default="csv", show_default=True)
@@ -210,11 +220,23 @@ def _write_table(columns: list[str], rows: list[dict], path: Path, fmt: str) -> 
 def export_cmd(store_path, fmt, out, trace_out, status):
     """Export a store's runs table (config and result flattened into columns), optionally its traces."""
     outputs = [("--out", Path(out))] + ([("--trace-out", Path(trace_out))] if trace_out else [])
+    # SQLite keeps its -wal/-shm next to the link's target when the store is reached through a symlink
+    store_files = [Path(f"{base}{tail}") for base in {Path(store_path), Path(store_path).resolve()}
+                   for tail in ("", "-wal", "-shm", "-journal")]
     for flag, path in outputs:               # before reading anything: no half-done export
         if path.is_dir():
             raise CLIError(f"{flag}: {path} is a directory; expected a file name")
         if not path.parent.is_dir():
             raise CLIError(f"{flag}: directory {path.parent} does not exist")
+        if any(_same_file(path, f) for f in store_files):
+            raise CLIError(f"{flag}: {path} is the store being exported; choose another file name")
+        try:
+            check_target(path)
+        except ValueError:
+            raise CLIError(f"{flag}: {path} is not a regular file (a FIFO, device or socket); "
+                           "refusing to replace it") from None
+    if trace_out and _same_file(outputs[0][1], outputs[1][1]):
+        raise CLIError(f"--trace-out: {trace_out} is also --out; the traces would overwrite the runs table")
     out_path = outputs[0][1]
     with open_store(store_path) as store:
         runs = store.runs(status)

@@ -132,17 +132,40 @@ class _Connection(sqlite3.Connection):
             raise _sqlite_error(self.store_path, exc) from None
 
 
+def _may_hold_commits(wal: Path) -> bool:
+    """A -wal file with any bytes may hold committed transactions the main file lacks (an empty one,
+    left by a checkpoint that truncated it, holds none); one that cannot be looked at may too."""
+    try:
+        return os.stat(wal).st_size > 0
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
 def connect(path: Path, readonly: bool) -> _Connection:
     if readonly:
-        # mode=ro never writes. A WAL store on a read-only mount has no -shm file and cannot get one;
-        # there nothing can change the file either, so it is opened as immutable.
-        uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
+        # mode=ro never writes, and it reads the committed transactions still in the -wal. Where it
+        # cannot open (a read-only mount with no -shm file, which it cannot create) the file is read
+        # as immutable, which ignores the -wal: that is right only when there is no -wal at all (the
+        # last writer closed cleanly, so everything is in the main file). A -wal means committed runs
+        # may be in it (a writer killed, a disk that filled, a sweep running): refuse, never a stale read.
+        # (A read-only mount that keeps the -shm file too is fine: mode=ro opens it and reads the -wal.)
+        resolved = path.resolve()
+        uri = f"file:{urllib.parse.quote(str(resolved))}?mode=ro"
         conn = sqlite3.connect(uri, uri=True, timeout=60.0, isolation_level=None, factory=_Connection)
         conn.store_path = path
         try:
             conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-        except SQLiteFailure:
+        except SQLiteFailure as exc:
             conn.close()
+            wal = Path(f"{resolved}-wal")
+            if _may_hold_commits(wal):
+                why = str(exc).removeprefix(f"store {path}: ")
+                raise StoreError(
+                    f"store {path}: cannot be opened read-only here ({why}) and committed runs may still be in "
+                    f"{wal.name}; read it where its directory is writable, or copy {resolved.name} together "
+                    f"with {wal.name} to a writable directory and read the copy") from None
             conn = sqlite3.connect(uri + "&immutable=1", uri=True, isolation_level=None, factory=_Connection)
     else:
         conn = sqlite3.connect(str(path), timeout=60.0, isolation_level=None, factory=_Connection)

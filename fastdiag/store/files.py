@@ -1,26 +1,60 @@
 """Writing files whole or not at all, and output directories proven writable before the work starts."""
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Iterator
 
 
+def check_target(path: Path) -> None:
+    """Refuse to replace anything but a regular file (or nothing): a FIFO, a device or a socket at
+    ``path`` is someone's, and replacing it with a file would break them (raises ValueError)."""
+    with suppress(FileNotFoundError):
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path}: not a regular file (a FIFO, device or socket); refusing to replace it")
+
+
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """A temporary path next to ``path`` to write to; on success it replaces ``path`` in one step (a
     reader never sees half a file), on failure (disk full, ...) it is removed. It keeps the suffix, so
-    writers that pick the format from it (matplotlib) still can."""
+    writers that pick the format from it (matplotlib) still can.
+
+    The temporary file is created new (``O_EXCL``) under an unpredictable name, so a link planted at
+    a guessable name cannot redirect the write, and ``path`` must be a regular file or absent."""
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    check_target(path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
+    tmp = Path(name)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())      # what a plain open() would have given the file
+        os.close(fd)
         yield tmp
+        check_target(path)
         os.replace(tmp, path)
     finally:
         with suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    # Read where the kernel shows it (Linux 4.7+): setting the umask to read it back would, for that
+    # instant, give files created by other threads of this process mode 0666.
+    with suppress(OSError, ValueError):
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def prepare_out_dir(out_dir: str | os.PathLike) -> Path:

@@ -1,0 +1,200 @@
+"""Files under attack: exports that would clobber their own store, special files or a planted link at
+the temporary name, and read-only readers of a store whose committed runs are still in its -wal.
+
+Real files everywhere: FIFOs from os.mkfifo, real symlinks, a writer process killed before it
+checkpoints its WAL, read-only tmpfs mounts (root only; skipped otherwise)."""
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fastdiag.cli import main
+from fastdiag.store import StoreError, open_existing
+from fastdiag.store.files import atomic_path
+from tests.test_hostile import cli, one_line_error, remount_read_only, small_store, tmpfs
+
+
+def export(capsys, *args):
+    """``fastdiag export`` in this process: (exit status, stdout, stderr)."""
+    try:
+        main(["export", *map(str, args)])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def refused(code, err, needle):
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("fastdiag: error:") and needle in lines[0], err
+
+
+def still_a_store(path, n=3):
+    with open_existing(path) as st:
+        assert len(st.runs("done")) == n
+
+
+# ----------------------------------------------------------------------------- export targets
+
+@pytest.mark.parametrize("spelling", ["same", "relative", "symlink", "hardlink", "wal", "shm"])
+def test_export_onto_its_own_store_is_refused(tmp_path, capsys, monkeypatch, spelling):
+    store = tmp_path / "k.sqlite"
+    small_store(store)
+    monkeypatch.chdir(tmp_path)
+    out = {"same": store, "relative": "k.sqlite", "symlink": tmp_path / "alias.csv",
+           "hardlink": tmp_path / "twin.csv", "wal": "k.sqlite-wal", "shm": tmp_path / "k.sqlite-shm"}[spelling]
+    if spelling == "symlink":
+        os.symlink(store, out)
+    if spelling == "hardlink":
+        os.link(store, out)
+    code, _, err = export(capsys, store, "--out", out)
+    refused(code, err, "is the store being exported")
+    still_a_store(store)
+
+
+def test_export_through_a_symlinked_store_guards_the_real_wal(tmp_path, capsys):
+    real = tmp_path / "real"
+    real.mkdir()
+    small_store(real / "k.sqlite")
+    os.symlink(real / "k.sqlite", tmp_path / "link.sqlite")
+    code, _, err = export(capsys, tmp_path / "link.sqlite", "--out", real / "k.sqlite-wal")
+    refused(code, err, "is the store being exported")
+
+
+def test_trace_out_equal_to_out_is_refused(tmp_path, capsys):
+    small_store(tmp_path / "s.sqlite")
+    code, _, err = export(capsys, tmp_path / "s.sqlite", "--out", tmp_path / "x.csv", "--trace-out", tmp_path / "x.csv")
+    refused(code, err, "--trace-out")
+    assert not (tmp_path / "x.csv").exists()                # refused before anything was written
+
+
+def test_export_to_a_fifo_is_refused_and_the_fifo_stays(tmp_path, capsys):
+    small_store(tmp_path / "s.sqlite")
+    fifo = tmp_path / "pipe.csv"
+    os.mkfifo(fifo)
+    code, _, err = export(capsys, tmp_path / "s.sqlite", "--out", fifo)
+    refused(code, err, "not a regular file")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    code, _, err = export(capsys, tmp_path / "s.sqlite", "--out", tmp_path / "runs.csv", "--trace-out", fifo)
+    refused(code, err, "--trace-out")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and not (tmp_path / "runs.csv").exists()
+    assert not [p.name for p in tmp_path.iterdir() if "tmp" in p.name]
+
+
+def test_export_to_a_device_is_refused(tmp_path, capsys):
+    """A private null device, not /dev/null: a regression must not break the machine (as root the
+    old code did turn /dev/null into a regular file)."""
+    small_store(tmp_path / "s.sqlite")
+    device = tmp_path / "null"
+    try:
+        os.mknod(device, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("making a device node needs root")
+    code, _, err = export(capsys, tmp_path / "s.sqlite", "--out", device)
+    refused(code, err, "not a regular file")
+    assert stat.S_ISCHR(os.stat(device).st_mode)
+
+
+def test_a_link_planted_at_the_old_temporary_name_is_not_followed(tmp_path, capsys):
+    """The temporary name used to be ``.<stem>.tmp<suffix>``: a link planted there got its target
+    overwritten. Now the temporary file is created new under an unpredictable name."""
+    small_store(tmp_path / "s.sqlite")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    for name in (".runs.tmp.csv", ".runs.csv.tmp", "runs.csv.tmp"):
+        os.symlink(victim, tmp_path / name)
+    code, out, err = export(capsys, tmp_path / "s.sqlite", "--out", tmp_path / "runs.csv")
+    assert code == 0, err
+    assert victim.read_text() == "precious\n"
+    assert (tmp_path / "runs.csv").read_text().startswith("run_id,")
+    assert not (tmp_path / "runs.csv").is_symlink()
+
+
+def test_atomic_path_creates_its_file_exclusively_with_the_usual_mode(tmp_path):
+    target = tmp_path / "out.csv"
+    with atomic_path(target) as first, atomic_path(target) as second:
+        assert first != second and first.parent == tmp_path and first.suffix == ".csv"
+        assert first.exists() and not first.is_symlink()    # already created: nobody can plant a link there
+        first.write_text("a\n")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o666 & ~umask       # like open(path, "w"), not 0600
+    assert [p.name for p in tmp_path.iterdir()] == ["out.csv"]             # both temporaries gone
+
+
+def test_atomic_path_refuses_special_files_and_removes_its_temporary(tmp_path):
+    fifo = tmp_path / "f.png"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="f.png: not a regular file"):
+        with atomic_path(fifo):
+            pass
+    target = tmp_path / "t.png"
+    with pytest.raises(ValueError, match="not a regular file"):
+        with atomic_path(target) as tmp:                    # the target became a FIFO while we wrote
+            tmp.write_text("x")
+            os.mkfifo(target)
+    assert stat.S_ISFIFO(os.stat(target).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.png", "t.png"]
+
+
+# ----------------------------------------------------------------------------- read-only readers and the WAL
+
+_KILLED_WRITER = textwrap.dedent('''
+    import os, sys
+    from fastdiag.grokking.config import RunConfig
+    from fastdiag.store import Store
+
+    st = Store(sys.argv[1])
+    for i in range(3):
+        cfg = RunConfig(weight_decay=0.1 * (i + 1), seed=i, epochs=5, p=11)
+        st.add_runs([cfg])
+        st.record_done(cfg.run_id(), {"regime": "grok", "t_grok_epoch": 3, "n_params": 10},
+                       [{"epoch": 1, "step": 1, "test_acc": 1.0, "train_acc": 1.0}])
+        if i == 0:
+            st.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")   # the main file holds run 1 only
+    os._exit(0)                                                   # killed: no checkpoint on close
+''')
+
+
+def killed_writer_store(path):
+    """A store whose last writer died with 3 done runs committed, only 1 of them in the main file."""
+    subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(path)], check=True)
+    assert os.path.getsize(f"{path}-wal") > 0
+
+
+def test_reader_sees_runs_still_in_the_wal(tmp_path):
+    killed_writer_store(tmp_path / "s.sqlite")
+    still_a_store(tmp_path / "s.sqlite", n=3)
+
+
+def test_read_only_mount_with_its_shm_reads_the_wal(tmp_path):
+    with tmpfs(tmp_path / "ro", "4m") as ro:
+        killed_writer_store(ro / "s.sqlite")
+        remount_read_only(ro)
+        still_a_store(ro / "s.sqlite", n=3)
+
+
+def test_read_only_mount_without_shm_refuses_rather_than_read_stale(tmp_path):
+    """Without a -shm file SQLite cannot open a WAL store read-only; reading it as immutable would
+    ignore the -wal and report 1 run of 3 (before: `analyze` called grokked runs collapse)."""
+    with tmpfs(tmp_path / "ro", "4m") as ro:
+        killed_writer_store(ro / "s.sqlite")
+        os.unlink(ro / "s.sqlite-shm")                       # copied without it, or cleaned up
+        remount_read_only(ro)
+        with pytest.raises(StoreError, match=r"s\.sqlite-wal.*copy"):
+            open_existing(ro / "s.sqlite")
+        r = cli("analyze", ro / "s.sqlite", "--n-boot", "20")
+        one_line_error(r, "s.sqlite-wal")
+        assert "unreadable" not in r.stderr
+
+
+def test_read_only_mount_with_an_empty_wal_is_read(tmp_path):
+    with tmpfs(tmp_path / "ro", "4m") as ro:
+        small_store(ro / "s.sqlite")
+        (ro / "s.sqlite-wal").write_bytes(b"")               # a checkpoint that truncated it: no commits
+        remount_read_only(ro)
+        still_a_store(ro / "s.sqlite")
