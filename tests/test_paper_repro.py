@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 
 from fastdiag.analysis.trajectories import phase_values
+from fastdiag.grokking.config import RunConfig
+from fastdiag.store import Lease, Store
 
 _spec = importlib.util.spec_from_file_location(
     "paper_repro", Path(__file__).resolve().parent.parent / "benchmarks" / "paper_repro.py")
@@ -44,3 +46,48 @@ def test_power_law_rows_for_every_lambda_below_one():
 
 def test_no_power_law_rows_without_lambda_one():
     assert paper_repro.table([_run(0.1, 0, 1400, 3000)])["power_law"] == {}
+
+
+# ------------------------------------------------------------------ committed data → the README's table
+def test_readme_paper_table_is_what_regenerate_prints_from_data_paper():
+    """Every number of the README's paper table comes from data/paper/ through one command
+    (`python benchmarks/paper_repro.py regenerate --write-readme` rewrites the block)."""
+    assert paper_repro.readme_block() == paper_repro.regenerate(paper_repro.DATA)
+
+
+def test_median_interval_has_its_exact_binomial_coverage():
+    eleven = [160, 150, 130, 150, 155, 135, 155, 160, 155, 130, 140]
+    m = paper_repro.median_ci(eleven)
+    assert m["median"] == 150 and m["k"] == 2 and m["ci"] == [130, 160]
+    assert m["coverage"] == pytest.approx(1 - 2 * 12 / 2048)                  # 98.8 %: P(Bin(11, ½) ≤ 1) = 12/2048
+    assert paper_repro.median_ci(eleven, coverage=0.93)["ci"] == [135, 155]   # 93.5 %
+    three = paper_repro.median_ci([1450, 1470, 1600])
+    assert three["ci"] == [1450, 1600] and three["coverage"] == pytest.approx(0.75)   # the range, short of 95 %
+    assert "at 0.0 %" not in paper_repro._median_text([1450, 1470, 1600])
+
+
+def test_export_writes_runs_and_traces_that_regenerate_relabels(tmp_path):
+    """A stored single-evaluation dip after grokking (the old anti-grok label) is exported with the
+    label as stored and re-labelled grok from its committed trace; a never-fit run with s̄ = 1 is collapse."""
+    dip = [{"epoch": e, "train_acc": 1.0, "test_acc": 0.3 if e == 50 else (1.0 if e >= 20 else 0.1),
+            "s_bar": 0.95, "sigma_h": 0.02} for e in range(10, 110, 10)]
+    flat = [{"epoch": e, "train_acc": 0.1, "test_acc": 0.05, "s_bar": 1.0, "sigma_h": 0.0} for e in range(10, 60, 10)]
+    cfgs = [RunConfig(weight_decay=1.0, seed=3, epochs=100, eval_every=10), RunConfig(weight_decay=10.0, seed=0, epochs=50, eval_every=10)]
+    with Store(tmp_path / "s.sqlite") as st:
+        st.add_runs(cfgs)
+        with Lease(st) as lease:
+            lease.claim([c.run_id() for c in cfgs])
+        st.record_done(cfgs[0].run_id(), {"regime": "anti-grok", "t_grok_epoch": 20, "t_mem_epoch": 10}, dip)
+        st.record_done(cfgs[1].run_id(), {"regime": "collapse", "t_grok_epoch": None, "t_mem_epoch": None}, flat)
+    out = tmp_path / "data"
+    paper_repro.export([str(tmp_path / "s.sqlite")], out)
+    paper_repro.export([str(tmp_path / "s.sqlite")], out)                   # again: nothing appended twice
+    for name in ("printed.json", "init.json", "published.json"):
+        (out / name).write_text((paper_repro.DATA / name).read_text())
+    data = paper_repro.load_data(out)
+    assert [(r["lambda"], r["seed"], r["regime"], r["regime_current_rules"]) for r in data["runs"]] == [
+        (1.0, 3, "anti-grok", "grok"), (10.0, 0, "collapse", "collapse")]
+    assert [len(r["trace"]) for r in data["runs"]] == [10, 5] and data["runs"][0]["t_grok_epoch"] == 20
+    groups = paper_repro._exported_groups(data)
+    assert groups[1.0]["current"] == {"grok": 1} and groups[1.0]["regimes"] == {"anti-grok": 1}
+    assert groups[10.0]["current"] == {"collapse": 1}
