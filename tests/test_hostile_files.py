@@ -198,3 +198,35 @@ def test_read_only_mount_with_an_empty_wal_is_read(tmp_path):
         (ro / "s.sqlite-wal").write_bytes(b"")               # a checkpoint that truncated it: no commits
         remount_read_only(ro)
         still_a_store(ro / "s.sqlite")
+
+
+# ----------------------------------------------------------------------------- CSV formula injection
+
+def test_exported_csv_cells_never_run_as_formulas(tmp_path, capsys):
+    """Text a spreadsheet would execute (= + - @, tab, CR first) is prefixed with a quote (OWASP);
+    numbers, negative ones included, stay numbers."""
+    import csv
+
+    from fastdiag.grokking.config import RunConfig
+    from fastdiag.store import Store
+
+    done, failed = (RunConfig(weight_decay=w, seed=0, epochs=5, p=11) for w in (0.1, 1.0))
+    with Store(tmp_path / "s.sqlite") as st:
+        st.add_runs([done, failed])
+        st.record_done(done.run_id(), {"regime": "=HYPERLINK(\"http://x\")", "note": "@SUM(A1)", "n_params": 10},
+                       [{"epoch": 1, "step": 1, "loss": -0.5, "tag": "+1+cmd|' /C calc'!A0", "\tx": "\rA"}])
+        st.record_failed(failed.run_id(), "=cmd|' /C calc'!A0")
+    code, _, err = export(capsys, tmp_path / "s.sqlite", "--out", tmp_path / "runs.csv",
+                          "--trace-out", tmp_path / "trace.csv")
+    assert code == 0, err
+    runs = {r["run_id"]: r for r in csv.DictReader(open(tmp_path / "runs.csv", newline=""))}
+    assert runs[done.run_id()]["regime"] == "'=HYPERLINK(\"http://x\")"
+    assert runs[done.run_id()]["note"] == "'@SUM(A1)"
+    assert runs[failed.run_id()]["error"] == "'=cmd|' /C calc'!A0"
+    (trace,) = csv.DictReader(open(tmp_path / "trace.csv", newline=""))
+    assert trace["loss"] == "-0.5" and trace["tag"] == "'+1+cmd|' /C calc'!A0"
+    assert trace["'\tx"] == "'\rA"                          # column names are store content too
+    every_cell = [c for f in ("runs.csv", "trace.csv") for row in csv.reader(open(tmp_path / f, newline=""))
+                  for c in row]
+    assert not [c for c in every_cell if c[:1] in ("=", "+", "@", "\t", "\r") or
+                (c.startswith("-") and not c.lstrip("-").replace(".", "", 1).isdigit())]

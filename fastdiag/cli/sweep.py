@@ -171,13 +171,27 @@ def flatten_runs(runs: list[dict]) -> tuple[list[str], list[dict]]:
     return head + config_cols + result_cols, rows
 
 
+# A spreadsheet opening the CSV runs a cell that starts with one of these as a formula
+# (=cmd|' /C calc'!A0): OWASP's CSV-injection advice is to prefix such text cells with a quote.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _csv_cell(value):
+    """A CSV cell that a spreadsheet shows as text, never runs: store content is untrusted."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and value.startswith(_FORMULA_STARTS):
+        return "'" + value
+    return value
+
+
 def _write_table(columns: list[str], rows: list[dict], path: Path, fmt: str) -> None:
     if fmt == "csv":
         with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
-            writer.writeheader()
+            writer = csv.writer(fh)
+            writer.writerow([_csv_cell(k) for k in columns])
             for row in rows:
-                writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
+                writer.writerow([_csv_cell(row.get(k)) for k in columns])
     else:
         try:
             import pyarrow as pa
