@@ -91,43 +91,9 @@ def segment_stages(trace: Sequence[dict], *, grok_threshold: float = GROK_THRESH
     notes: list[str] = []
     if end >= 4 and log_e[end - 1] - log_e[0] > 4 * min_decades:
         u = np.linspace(log_e[0], log_e[end - 1], n_grid)
-        du = u[1] - u[0]
-        s = np.interp(u, log_e[:end], [r["s_bar"] for r in rows[:end]])
-        h = np.interp(u, log_e[:end], [r["sigma_h"] for r in rows[:end]])
-        window = max(1, int(round(smooth_decades / du)))
-        window += 1 - window % 2
-        s, h = _moving_average(s, window), _moving_average(h, window)
-        r_s = np.gradient(s, u) / max(float(np.ptp(s)), floors[0])
-        r_h = np.gradient(h, u) / max(float(np.ptp(h)), floors[1])
-        z = (r_s - r_h) / 2.0
-        labels = np.where(z > rate_threshold, 1, np.where(z < -rate_threshold, -1, 0))
-        runs = _runs(labels)
-        runs = [(sign, a, b) if sign == 0 or ((u[b] - u[a] + du) >= min_decades
-                                              and abs(float(z[a:b + 1].sum()) * du) >= min_change)
-                else (0, a, b) for sign, a, b in runs]
-        merged: list[list[int]] = []
-        for sign, a, b in runs:
-            if sign == 0:
-                continue
-            if merged and merged[-1][0] == sign:
-                merged[-1][2] = b
-            else:
-                merged.append([sign, a, b])
-        expected = (1, -1, 1, -1)
-        k = 0
-        for sign, a, b in merged:
-            if k < 4 and sign == expected[k]:
-                stages.append({"stage": STAGES[k], "a": a, "b": b})
-                k += 1
-            elif k > 0 and sign == expected[k - 1]:
-                stages[-1]["b"] = b
-            elif k == 0:
-                continue                       # differentiating drift before any coordination
-            else:
-                notes.append(f"a further synchronising stretch at epoch ≈ {10 ** u[a]:.0f} is not named")
-        for st in stages:
-            st["start_epoch"] = _nearest_epoch(epochs, 10 ** u[st.pop("a")])
-            st["end_epoch"] = _nearest_epoch(epochs, 10 ** u[st.pop("b")])
+        z = _sync_rate(u, log_e[:end], rows[:end], smooth_decades, floors)
+        stretches = _signed_stretches(z, u, rate_threshold, min_decades, min_change)
+        stages, notes = _name_stages(stretches, u, epochs)
     if collapse is not None:
         out["collapse_epoch"] = int(collapse_epoch)
         last_epoch = max(r["epoch"] for r in trace if finite(r.get("epoch")))
@@ -137,6 +103,57 @@ def segment_stages(trace: Sequence[dict], *, grok_threshold: float = GROK_THRESH
         notes.append("no stage found")
     out["note"] = "; ".join(notes) or None
     return out
+
+
+def _sync_rate(u: np.ndarray, log_e: np.ndarray, rows: Sequence[dict], smooth_decades: float,
+               floors: tuple[float, float]) -> np.ndarray:
+    """z = (r_s − r_h) / 2 on the grid ``u`` (rule 3 of `segment_stages`)."""
+    du = u[1] - u[0]
+    s = np.interp(u, log_e, [r["s_bar"] for r in rows])
+    h = np.interp(u, log_e, [r["sigma_h"] for r in rows])
+    window = max(1, int(round(smooth_decades / du)))
+    window += 1 - window % 2
+    s, h = _moving_average(s, window), _moving_average(h, window)
+    r_s = np.gradient(s, u) / max(float(np.ptp(s)), floors[0])
+    r_h = np.gradient(h, u) / max(float(np.ptp(h)), floors[1])
+    return (r_s - r_h) / 2.0
+
+
+def _signed_stretches(z: np.ndarray, u: np.ndarray, rate_threshold: float, min_decades: float,
+                      min_change: float) -> list[list[int]]:
+    """[sign, first, last] grid indices of the synchronising (+1) and differentiating (−1) stretches
+    long and large enough, same-sign stretches separated only by neutral ones merged (rule 4)."""
+    du = u[1] - u[0]
+    labels = np.where(z > rate_threshold, 1, np.where(z < -rate_threshold, -1, 0))
+    merged: list[list[int]] = []
+    for sign, a, b in _runs(labels):
+        if sign == 0 or (u[b] - u[a] + du) < min_decades or abs(float(z[a:b + 1].sum()) * du) < min_change:
+            continue
+        if merged and merged[-1][0] == sign:
+            merged[-1][2] = b
+        else:
+            merged.append([sign, a, b])
+    return merged
+
+
+def _name_stages(stretches: list[list[int]], u: np.ndarray, epochs: np.ndarray) -> tuple[list[dict], list[str]]:
+    """The stretches named in the paper's order (rule 5), with the epochs of the nearest evaluations."""
+    expected = (1, -1, 1, -1)
+    named: list[dict] = []
+    notes: list[str] = []
+    for sign, a, b in stretches:
+        k = len(named)
+        if k < 4 and sign == expected[k]:
+            named.append({"stage": STAGES[k], "a": a, "b": b})
+        elif k > 0 and sign == expected[k - 1]:
+            named[-1]["b"] = b
+        elif k == 0:
+            continue                       # differentiating drift before any coordination
+        else:
+            notes.append(f"a further synchronising stretch at epoch ≈ {10 ** u[a]:.0f} is not named")
+    stages = [{"stage": st["stage"], "start_epoch": _nearest_epoch(epochs, 10 ** u[st["a"]]),
+               "end_epoch": _nearest_epoch(epochs, 10 ** u[st["b"]])} for st in named]
+    return stages, notes
 
 
 def _runs(labels: np.ndarray) -> list[tuple[int, int, int]]:
