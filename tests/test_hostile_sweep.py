@@ -28,15 +28,54 @@ _FAKES = textwrap.dedent('''
     GRID = dict(arch="transformer", preset="custom", n_layers=1, n_heads=2, d_model=32, d_ff=64, p=11, epochs=2)
 
 
+    def overlapped(marks, me, start):
+        """Whether another run started and had not ended when this one started or since."""
+        for name in os.listdir(marks):
+            other, kind = name.rsplit(".", 1)
+            if kind != "start" or other == me:
+                continue
+            try:
+                with open(os.path.join(marks, other + ".end")) as fh:
+                    if float(fh.read()) > start:
+                        return True
+            except FileNotFoundError:          # still training now
+                return True
+        return False
+
+
+    def meet_a_partner(cfg, start):
+        """Train until another run trains at the same time (or every run of FD_PAIRS_TOTAL has
+        started, so none can come), deadline FD_PAIRS_DEADLINE: two at a time shows as overlapping
+        spans however slowly workers start on a loaded machine, with no sleep to outlast."""
+        marks, me = os.environ["FD_PAIRS"], cfg.run_id()
+        with open(os.path.join(marks, me + ".start"), "w") as fh:
+            fh.write(repr(start))
+        total, deadline = int(os.environ["FD_PAIRS_TOTAL"]), float(os.environ["FD_PAIRS_DEADLINE"])
+        while time.time() < deadline:
+            if overlapped(marks, me, start):
+                break
+            if sum(name.endswith(".start") for name in os.listdir(marks)) >= total:
+                break
+            time.sleep(0.02)
+
+
     def slow(cfg):
-        """Logs "run_id pid start end" and sleeps; seed 1 at λ = 1 kills its worker process when FD_DIE is set."""
+        """Logs "run_id pid start end" and sleeps (or meets a partner, FD_PAIRS); seed 1 at λ = 1
+        kills its worker process when FD_DIE is set."""
         start = time.time()
         if os.environ.get("FD_DIE") and cfg.seed == 1 and cfg.weight_decay == 1.0:
             time.sleep(0.3)
             os._exit(9)
-        time.sleep(float(os.environ.get("FD_SLEEP", "1")))
+        if os.environ.get("FD_PAIRS"):
+            meet_a_partner(cfg, start)
+        else:
+            time.sleep(float(os.environ.get("FD_SLEEP", "1")))
+        end = time.time()
+        if os.environ.get("FD_PAIRS"):
+            with open(os.path.join(os.environ["FD_PAIRS"], cfg.run_id() + ".end"), "w") as fh:
+                fh.write(repr(end))
         with open(os.environ["FD_LOG"], "a") as fh:
-            fh.write(f"{cfg.run_id()} {os.getpid()} {start} {time.time()}\\n")
+            fh.write(f"{cfg.run_id()} {os.getpid()} {start} {end}\\n")
         return SimpleNamespace(config=cfg, result={"regime": "grok", "t_grok_epoch": 1.0, "n_params": 1},
                                trace=[{"epoch": 1, "step": 1, "test_acc": 1.0}])
 
@@ -95,7 +134,10 @@ def test_dead_worker_blames_only_its_run_and_keeps_parallelism(tmp_path, fakes, 
     from fastdiag import sweep as sw
 
     monkeypatch.setenv("FD_DIE", "1")
-    monkeypatch.setenv("FD_SLEEP", "2.5")                    # longer than a replacement worker takes to start
+    (tmp_path / "pairs").mkdir()                             # each run waits for a partner, not a fixed time
+    monkeypatch.setenv("FD_PAIRS", str(tmp_path / "pairs"))
+    monkeypatch.setenv("FD_PAIRS_TOTAL", "5")
+    monkeypatch.setenv("FD_PAIRS_DEADLINE", repr(time.time() + 60))
     grid = sw.build_grid(fakes.GRID, [0.1, 1.0], range(3))
     culprit = next(c.run_id() for c in grid if c.seed == 1 and c.weight_decay == 1.0)
     with Store(tmp_path / "s.sqlite") as st:
@@ -109,8 +151,11 @@ def test_dead_worker_blames_only_its_run_and_keeps_parallelism(tmp_path, fakes, 
         assert all(r["attempts"] == 1 for r in done)         # no innocent run was charged or rerun
     spans = sorted((a, b) for _, _, a, b in log_rows(tmp_path))
     assert len(spans) == 5                                   # each innocent run trained exactly once
-    overlapping = sum(1 for (a1, b1), (a2, _) in zip(spans, spans[1:]) if a2 < b1)
-    assert overlapping >= 2                                  # still two at a time, not one by one
+    # Still two at a time, not one by one: every run met a partner, except perhaps the last to start
+    # (no run was left to come). One by one, none would have and each would have waited out the deadline.
+    alone = [(a, b) for i, (a, b) in enumerate(spans)
+             if not any(a2 < b and a < b2 for j, (a2, b2) in enumerate(spans) if j != i)]
+    assert alone in ([], spans[-1:]), (alone, spans)
 
 
 _DRIVER_ENV = {"FD_SLEEP": "1.5"}
