@@ -11,6 +11,7 @@ import pytest
 from fastdiag.analysis import headdim as hd
 from fastdiag.analysis import predict as pred
 from fastdiag.analysis import trajectories as traj
+from fastdiag.grokking import interventions as iv
 from fastdiag.grokking.build import heads_width
 from fastdiag import sweep as sw
 from fastdiag.cli import main
@@ -294,3 +295,62 @@ def test_phase_values_reads_the_two_phase_landmarks():
     assert spiked["s_bar_min_epoch"] == 160 and spiked["s_bar_min_after_top_epoch"] == 1500
     rising = traj.phase_values([{"epoch": e, "s_bar": x} for e, x in climb.items() if e <= 730], 30, 150)
     assert rising["s_bar_min_after_grok"] is None and rising["s_bar_peak_phase1"] == 0.984
+
+
+class _SigmaTrainer:
+    """A stand-in for Trainer in find_peak: one evaluation every ``every`` epochs with σ_H from
+    ``sigma(epoch)``, grokked from ``t_grok`` on."""
+
+    def __init__(self, sigma, every=10, t_grok=130, horizon=5000):
+        self.sigma, self.every, self.horizon, self.epoch = sigma, every, horizon, 0
+        self.tracker = SimpleNamespace(t_grok=None, diverged=False, _t=t_grok)
+
+    @property
+    def done(self):
+        return self.epoch >= self.horizon
+
+    def run_epoch(self):
+        self.epoch += 1
+        if self.epoch >= self.tracker._t and self.tracker.t_grok is None:
+            self.tracker.t_grok = (self.epoch, self.epoch * 10)
+        if self.epoch % self.every:
+            return None
+        return {"epoch": self.epoch, "sigma_h": self.sigma(self.epoch)}
+
+    def branch(self):
+        return SimpleNamespace(epoch=self.epoch)
+
+
+def _paper_like_sigma(epoch):
+    """The paper's Fig. 2 shape: a transient bump just after grokking (0.05 at 150, back to 0.02 by 200),
+    then a slow rise with a stall (flat 400–600) to the Phase-2 peak 0.095 at 1,300, falling to 3,000."""
+    if epoch < 200:
+        return 0.05 if 140 <= epoch <= 160 else 0.02
+    if epoch < 400:
+        return 0.02 + 0.0002 * (epoch - 200)          # 0.06 at 400
+    if epoch < 600:
+        return 0.06                                    # a 200-epoch stall of the rise
+    if epoch <= 1300:
+        return 0.06 + 0.035 * (epoch - 600) / 700
+    return 0.095 - 0.04 * (epoch - 1300) / 1700
+
+
+def test_peak_confirmed_in_epochs_branches_at_the_phase2_peak():
+    """The default rule (500 epochs without a new σ_H maximum) branches at the paper's Phase-2 peak; the
+    old rule (10 evaluations) confirmed the transient maximum just after grokking."""
+    ckpt, info = iv.find_peak(_SigmaTrainer(_paper_like_sigma))
+    assert iv.PEAK_PATIENCE_EPOCHS == 500
+    assert info["peak_confirmed"] and ckpt.epoch == 1300 and info["search_epochs"] == 1800
+    ckpt_old, info_old = iv.find_peak(_SigmaTrainer(_paper_like_sigma), patience=10)
+    assert info_old["peak_confirmed"] and ckpt_old.epoch == 140           # the transient right after grokking
+    ckpt_short, _ = iv.find_peak(_SigmaTrainer(_paper_like_sigma), patience_epochs=150)
+    assert ckpt_short.epoch == 140                                         # shorter than the climb past the transient
+    unconfirmed = iv.find_peak(_SigmaTrainer(_paper_like_sigma, horizon=1500))[1]
+    assert not unconfirmed["peak_confirmed"] and unconfirmed["peak_sigma_h"] == pytest.approx(0.095)
+
+
+def test_intervention_defaults_are_named_and_overridable():
+    settings = iv.InterventionSettings()
+    assert settings.peak_patience_epochs == iv.PEAK_PATIENCE_EPOCHS and settings.peak_patience is None
+    with pytest.raises(ValueError, match="peak_patience_epochs"):
+        iv.InterventionSettings(peak_patience_epochs=0).validate()

@@ -57,7 +57,8 @@ def _write_json(path: Path, data: dict) -> None:
 # ============================================================================ intervene
 
 
-def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epochs, peak_patience, **kw):
+def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epochs, peak_patience,
+               peak_patience_epochs, **kw):
     with option_errors():
         seeds = parse_seeds(kw["seeds"])
         cfg0 = RunConfig(**run_fields(kw), seed=seeds[0], stop_at_grok=False)
@@ -68,6 +69,7 @@ def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epoc
         settings = iv.InterventionSettings(
             heads_to_reinit=heads_to_reinit, reinit_heads=iv.parse_heads(reinit_heads), reinit_init=reinit_init,
             clip=clip, after_peak_epochs=after_peak_epochs, peak_patience=peak_patience,
+            peak_patience_epochs=peak_patience_epochs,
             max_epochs=kw["epochs"]).validate()
         with torch.device("meta"):                  # the heads must exist before hours of training
             iv.choose_heads(build_model(cfg0, device=torch.device("meta")), settings.heads_to_reinit, 0,
@@ -148,8 +150,11 @@ def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epoc
                    "all 2-D weight matrices, or the attention qkv/proj weights only")
 @click.option("--after-peak-epochs", type=int, default=500, show_default=True,
               help="epochs every arm trains after the branch point")
-@click.option("--peak-patience", type=int, default=10, show_default=True,
-              help="evaluations without a new σ_H maximum (after grokking) that confirm the peak")
+@click.option("--peak-patience-epochs", type=int, default=iv.PEAK_PATIENCE_EPOCHS, show_default=True,
+              help="epochs without a new σ_H maximum (after grokking) that confirm the Phase-2 peak; the "
+                   "default is set from the paper's timing (peak near epoch 1,300 at λ = 1, falling until ~3,000)")
+@click.option("--peak-patience", type=int, default=None,
+              help="evaluations without a new σ_H maximum that confirm the peak, instead of --peak-patience-epochs")
 def intervene_cmd(**kw):
     """Causal interventions at the Phase-2 peak: per seed, train until the σ_H peak after grokking,
     then continue three arms from that checkpoint (control; k heads re-initialised; weight norms
@@ -186,12 +191,20 @@ def headdim_configs(base: dict, widths: list[int], heads: list[int], weight_deca
     return [configs[k] for k in sorted(configs)], skipped
 
 
+# headdim trains each run this many epochs past grokking: the paper's Phase-2 σ_H peak lies ~1,200 epochs
+# after its t_grok (≈ 1,300 vs ≈ 130 at λ = 1, Fig. 2); 500 stopped runs near epoch 650, before it.
+HEADDIM_PATIENCE_EPOCHS = 2000
+
+
 @click.command("headdim")
-@run_options(skip=("seed", "n_heads", "d_model", "d_ff", "stop_at_grok"), defaults={"epochs": 3000, "patience": 500},
+@run_options(skip=("seed", "n_heads", "d_model", "d_ff", "stop_at_grok"),
+             defaults={"epochs": 5000, "patience": HEADDIM_PATIENCE_EPOCHS},
              helps={"weight_decay": "AdamW weight decay λ (fixed)",
-                    "patience": "epochs trained after grokking (Phase 2, where σ_H peaks)"})
+                    "patience": "epochs trained after grokking: long enough to pass the Phase-2 σ_H peak "
+                                "(near epoch 1,300 at λ = 1 in the paper, t_grok ≈ 130)"})
 @_experiment_options
-@click.option("--d-model", "widths", default="32,64,128", show_default=True, help="comma list of model widths d")
+@click.option("--d-model", "widths", default="16,32,64", show_default=True,
+              help="comma list of model widths d (the default with --heads 2,4,8 spans the paper's d/H 2–32)")
 @click.option("--heads", "heads", default="2,4,8", show_default=True, help="comma list of head counts H")
 @click.option("--ff-mult", type=int, default=4, show_default=True, help="d_ff = FF_MULT × d")
 @click.option("--workers", type=int, default=None, help="local worker processes (default: what the cores hold)")

@@ -79,4 +79,5 @@ PARAM_FLAGS = {
     "max_retries": "--max-retries", "ensemble": "--ensemble", "max_epochs": "--epochs",
     "heads_to_reinit": "--heads-to-reinit", "reinit_heads": "--reinit-heads", "reinit_init": "--reinit-init",
     "clip": "--clip", "scope": "--clip", "after_peak_epochs": "--after-peak-epochs", "peak_patience": "--peak-patience",
+    "peak_patience_epochs": "--peak-patience-epochs",
 }
