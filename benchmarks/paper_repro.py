@@ -466,7 +466,8 @@ def report(data: dict) -> list[str]:
     g1 = groups[1.0]
     rows.append(["t_mem at λ = 1 (epochs)", "not stated", f"{_median_text(g1['t_mem'])}", "—"])
     g05 = groups[0.05]
-    rows.append(["t_grok at λ = 0.05 (epochs)", f"not quoted; the law gives {power_law_ratio(0.05, 1.0, PAPER['lambda_c'], PAPER['nu']) * PAPER['t_grok_lambda1']:.0f} (ratio × 130)",
+    rows.append(["t_grok at λ = 0.05 (epochs)", f"not quoted; the law gives {_fmt(round(power_law_ratio(0.05, 1.0, PAPER['lambda_c'], PAPER['nu']) * PAPER['t_grok_lambda1']))} "
+                 f"(ratio × {PAPER['t_grok_lambda1']})",
                  f"{_median_text(g05['t_grok'])}; values {' '.join(_fmt(v) for v in g05['t_grok'])}", "see the ratio row"])
     rows.append(_ratio_row(0.1, groups, published))
     rows.append(_ratio_row(0.05, groups, published))
@@ -570,7 +571,7 @@ def _published_fits(published: dict) -> tuple[list[str], list[str]]:
              f"{len(runs)} of them published)",
              f"{nu.nu:.3f} [{nu.ci[0]:.3f}, {nu.ci[1]:.3f}] (95 % bootstrap, {nu.n_boot_ok}/1500 resamples) from "
              f"the {nu.n} published runs, λ_c = {pl['lambda_c']:.6f} held",
-             "the published subset alone gives a larger ν; not a reproduction"])
+             f"the published subset alone gives a {'larger' if nu.nu > pn['nu'] else 'smaller'} ν; not a reproduction"])
 
 
 def regenerate(data: Path = DATA) -> list[str]:
