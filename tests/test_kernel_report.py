@@ -3,6 +3,7 @@
 Fails on spills or shared memory over the H200's limit; skips (saying why) where triton or its CUDA
 tools are absent. Compiling takes seconds per kernel, so this uses the two shapes that matter most."""
 import json
+import os
 import subprocess
 import sys
 
@@ -95,6 +96,47 @@ def test_every_generation_compiles_with_its_own_limits():
     assert configs[0] == qk.tile_config(12, 12, 64, 2048, 16, shared_limit=99 * 1024)    # the first that fits
     with pytest.raises(ValueError, match="archs"):
         report.kernel_report({}, archs=(75,))
+
+
+# What a GPU run would show and the interpreter cannot: read from the code compiled for sm_90, in a
+# subprocess without TRITON_INTERPRET (kernels cannot be compiled under it).
+_EMITTED = r"""
+import json, re, torch
+from fastdiag.kernels import head_stats_triton as hs, qk_stats_triton as qk, report
+head = report.compiled_launch(lambda: hs.head_stats_triton(torch.empty(1, 1, 12, 64, 64, dtype=torch.bfloat16)))
+q, mask = torch.empty(1, 2, 64, 16, dtype=torch.bfloat16), torch.empty(1, 1, 64, 64, dtype=torch.bfloat16)
+lse = report.compiled_launch(lambda: qk.row_lse_triton(q, q, mask, False, 0.25))
+stats = report.compiled_launch(lambda: qk.qk_stats_triton(q, q, mask, False, 0.25, lse=torch.empty(1, 2, 64)))
+print(json.dumps({
+    "ptrs_products": re.findall(r"%ptrs\w* = arith.muli .*: tensor<(\w+)>", head["ttir"]),
+    "nan_max": [text["ptx"].count("max.NaN.f32") for text in (lse, stats)],
+    "key_products": re.findall(r"%kt_ptrs\w* = arith.muli .*: tensor<(\w+)>", lse["ttir"]),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def emitted():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _EMITTED], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_pointer_offsets_are_64_bit(emitted):
+    """(H − 1) · stride_ph passes 2³¹ at H = 40, T = 8192: the head × stride product of head_stats and
+    the key × stride product of the Q/K kernels must be 64-bit (a 32-bit one wraps and reads wrong
+    memory, silently)."""
+    if not emitted["ptrs_products"]:
+        pytest.skip("this triton does not name TTIR values after the kernel's variables")
+    assert emitted["ptrs_products"] and all(t.endswith("i64") for t in emitted["ptrs_products"]), emitted
+    assert emitted["key_products"] and all(t.endswith("i64") for t in emitted["key_products"]), emitted
+
+
+def test_additive_mask_max_keeps_nan(emitted):
+    """The mask clamp is a NaN-propagating max (max.NaN.f32): max.f32 drops NaN, so a NaN mask entry
+    would count as masked on a GPU while the reference (and the interpreter's numpy max) keep it."""
+    assert all(n > 0 for n in emitted["nan_max"]), emitted
 
 
 def test_hot_loop_is_the_innermost_loop_that_loads():

@@ -163,14 +163,15 @@ def _head_stats_kernel(
             key_end = Tk
 
         slab_ok = (head < H)[:, None] & row_ok[None, :]
-        ptrs = (probs_ptr + problem * stride_pn + head[:, None] * stride_ph
+        # 64-bit: (H - 1) · stride_ph passes 2^31 at H = 40, T = 8192 (a 32-bit product wraps)
+        ptrs = (probs_ptr + problem * stride_pn + head.to(tl.int64)[:, None] * stride_ph
                 + (b.to(tl.int64) * stride_pb + q.to(tl.int64) * stride_pq)[None, :] + key_offset[None, :] * stride_pk)
         for k0 in range(0, key_end, BLOCK_K):
             if MASKED:
                 ok = slab_ok & (k0 + key_offset < n_keys)[None, :]
             else:
                 ok = slab_ok
-            x = tl.load(ptrs + k0 * stride_pk, mask=ok, other=0.0)
+            x = tl.load(ptrs + tl.cast(k0, tl.int64) * stride_pk, mask=ok, other=0.0)   # transposed P: k0 · stride wraps
             xf = _to_float32(x, ON_GPU)
             if GRAM_DOT == "input":
                 # 16-bit products are exact in fp32; the tensor cores accumulate in fp32

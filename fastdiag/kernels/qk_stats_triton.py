@@ -77,7 +77,7 @@ def _qk_dot(q_ptr, k_ptr, q, batch, kv_head, head, row, real, key, d0, Hk, Tk, D
         q = _load_q(q_ptr, batch, head, row, real, d0, D, stride_qb, stride_qh, stride_qm, stride_qd, WIDTH)
     d = d0 + tl.arange(0, WIDTH)
     kt_ptrs = (k_ptr + batch * stride_kb + kv_head[:, :, None] * stride_kh + d[None, :, None] * stride_kd
-               + key[None, None, :] * stride_kn)
+               + key.to(tl.int64)[None, None, :] * stride_kn)   # 64-bit: Tk · stride_kn passes 2^31 (BTHD, T ≥ 512 K)
     kt = tl.load(kt_ptrs, mask=(kv_head[:, :, None] < Hk) & (d[None, :, None] < D) & (key[None, None, :] < Tk),
                  other=0.0)
     if q.shape[0] == 1:
@@ -125,7 +125,9 @@ def _scores(q, q_ptr, k_ptr, mask_ptr, batch, kv_head, head, row, real, key0, Hk
         if MASK_KIND == 1:
             visible = visible & (m != 0)
         else:
-            mf = tl.maximum(m.to(tl.float32), -1e30)   # finite: × log2 e cannot overflow
+            # finite: × log2 e cannot overflow; NaN-propagating (max.NaN.f32): a plain max.f32 drops a
+            # NaN entry, which would then count as masked instead of showing up as NaN
+            mf = tl.maximum(m.to(tl.float32), -1e30, propagate_nan=tl.PropagateNan.ALL)
             visible = visible & ((mf > mask_threshold) | (mf != mf))   # NaN stays, to show up as NaN
             s = s + mf * 1.4426950408889634
     return tl.where(visible, s, -1e30)

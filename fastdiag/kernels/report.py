@@ -351,16 +351,27 @@ def issue_ceiling(instructions_per_element: float, element_bytes: int, gpu: dict
     return min(1.0, issue / needed)
 
 
-def report_case(case: ReportCase, gpu: dict = GPU) -> KernelReport:
-    """``case`` launched as on ``gpu`` (its limits choose the tiles), compiled for its architecture."""
+def _compile(fn, args: dict, gpu: dict):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    target = GPUTarget("cuda", gpu["arch"], 32)
-    fn, args = _captured_launches(case, gpu)[0]       # the first launch is the kernel that streams the input
     src = triton.compiler.ASTSource(fn, args["signature"], args["constants"], args["configs"][0])
     options = {k: args[k] for k in ("num_warps", "num_ctas", "num_stages", "enable_fp_fusion")}
-    compiled = triton.compile(src, target=target, options=options)
+    return triton.compile(src, target=GPUTarget("cuda", gpu["arch"], 32), options=options), options
+
+
+def compiled_launch(launch: Callable[[], object], gpu: dict = GPU) -> dict:
+    """``{"ttir", "ptx"}`` of the first kernel ``launch()`` (a launcher called on CPU tensors) would
+    compile on ``gpu``: what a check of the emitted code reads where no run can show a bug."""
+    fn, args = _captured_launches(ReportCase("", "", "", 0, launch, lambda _: 1), gpu)[0]
+    compiled, _ = _compile(fn, args, gpu)
+    return {"ttir": compiled.asm["ttir"], "ptx": compiled.asm["ptx"]}
+
+
+def report_case(case: ReportCase, gpu: dict = GPU) -> KernelReport:
+    """``case`` launched as on ``gpu`` (its limits choose the tiles), compiled for its architecture."""
+    fn, args = _captured_launches(case, gpu)[0]       # the first launch is the kernel that streams the input
+    compiled, options = _compile(fn, args, gpu)
     registers, spills = _ptxas_usage(compiled.asm["ptx"], gpu["arch"])
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
