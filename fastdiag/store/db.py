@@ -35,7 +35,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from fastdiag.store.checks import StoreError, check_result, checked_config
+from fastdiag.store.checks import StoreError, check_result, check_trace_row, checked_config
 from fastdiag.store.interventions import merge_tables
 from fastdiag.store.rows import dumps
 
@@ -371,8 +371,7 @@ class Store:
 
     def _trace_row(self, text, run_id: str, idx: int) -> dict:
         row = self._json(text, f"trace row {idx}", run_id)
-        if not isinstance(row, dict):
-            raise StoreError(f"store {self.path}: run {run_id}: damaged trace row {idx} (not a JSON object)")
+        check_trace_row(row, self.path, run_id, idx)
         return row
 
     def trace(self, run_id: str) -> list[dict]:

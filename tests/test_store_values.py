@@ -1,0 +1,59 @@
+"""Values read back from a store are range-checked, not only type-checked: store content is untrusted
+(hand edits, other tools), and an impossible number must be named as damage, never analysed."""
+import sqlite3
+
+import pytest
+
+from fastdiag.cli import main
+from fastdiag.store import StoreError, open_existing
+from tests.test_hostile import small_store
+
+
+def edited_store(tmp_path, sql):
+    path = tmp_path / "s.sqlite"
+    rid = small_store(path)[1].run_id()
+    conn = sqlite3.connect(path)
+    conn.execute(sql, {"rid": rid})
+    conn.commit()
+    conn.close()
+    return path, rid
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("t_grok_epoch", -50, "at least 0"),
+    ("t_mem_step", -1, "at least 0"),
+    ("n_params", -10, "at least 0"),
+    ("final_test_acc", 7.5, "in [0, 1]"),
+    ("final_train_acc", -0.1, "in [0, 1]"),
+    ("peak_s_bar", 3, "in [0, 1]"),
+    ("peak_sigma_h", -2, "at least 0"),
+    ("t_grok_epoch", "1e9", "expected a number"),
+    ("t_grok_epoch", 1e999, "finite"),                     # JSON Infinity
+])
+def test_results_out_of_range_are_damage(tmp_path, capsys, field, value, needle):
+    text = "9e999" if value == 1e999 else repr(value).replace("'", '"')
+    path, rid = edited_store(tmp_path, f"UPDATE runs SET result = json_set(result, '$.{field}', json('{text}')) "
+                                       "WHERE run_id = :rid")
+    with open_existing(path) as st, pytest.raises(StoreError, match=rf"{rid}: damaged result \({field} is "):
+        st.runs()
+    with pytest.raises(SystemExit) as exc:
+        main(["analyze", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and str(path) in err[0] and needle in err[0], err
+
+
+@pytest.mark.parametrize("field, value", [("test_acc", 7.5), ("epoch", -3), ("s_bar", 2.0), ("sigma_h", -1)])
+def test_trace_rows_out_of_range_are_damage(tmp_path, field, value):
+    path, rid = edited_store(tmp_path, f"UPDATE trace SET row = json_set(row, '$.{field}', {value}) "
+                                       "WHERE run_id = :rid AND idx = 2")
+    with open_existing(path) as st, pytest.raises(StoreError, match=rf"{rid}: damaged trace row 2 \({field} is"):
+        st.trace(rid)
+
+
+def test_values_in_range_and_missing_ones_are_read(tmp_path):
+    path, rid = edited_store(tmp_path, "UPDATE runs SET result = json_set(result, '$.t_grok_epoch', json('null'), "
+                                       "'$.final_test_acc', 1.0, '$.peak_s_bar', 1.0000000001, '$.t_mem_epoch', 0) "
+                                       "WHERE run_id = :rid")
+    with open_existing(path) as st:
+        assert len(st.runs("done")) == 3 and st.get(rid)["result"]["t_grok_epoch"] is None
+        assert len(st.trace(rid)) == 5
