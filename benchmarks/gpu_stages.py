@@ -1,0 +1,201 @@
+"""The measuring stages of benchmarks/gpu_check.sh, one per call, each appending JSON lines to
+``$OUT/results.jsonl`` as it goes (flushed per line: a stage cut off by its timeout keeps what it
+finished).
+
+    python benchmarks/gpu_stages.py STAGE [--dry-run]     STAGE: kernels | accuracy | attach | int64
+
+On a GPU: model-size shapes, CUDA events, medians. ``--dry-run`` runs the same code on CPU with tiny
+shapes (kernels under TRITON_INTERPRET=1), so CI proves the script works before a GPU sees it; its
+numbers mean nothing. Every line says which mode made it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+import fastdiag
+from fastdiag.qk import qk_head_stats
+from fastdiag.testing import NanoGPT, random_probs
+
+OUT = os.environ.get("OUT", ".")
+
+
+def emit(stage: str, dry_run: bool, **fields) -> None:
+    line = json.dumps({"stage": stage, "dry_run": dry_run, **fields}, default=str)
+    print(line, flush=True)
+    with open(os.path.join(OUT, "results.jsonl"), "a") as f:
+        f.write(line + "\n")
+        f.flush()
+
+
+def median_ms(fn, device: torch.device, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events on a GPU), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def _rel(a, b) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+# ---- stages -----------------------------------------------------------------------------------
+
+def stage_kernels(dev: torch.device, dry: bool) -> None:
+    """head_stats against a device copy and a read-only pass of the same bytes; Q/K pass 1 + 2 against
+    the SDPA flash forward of the same Q, K, V."""
+    from fastdiag.kernels.head_stats_triton import head_stats_triton
+    from fastdiag.kernels.qk_stats_triton import qk_stats_triton
+
+    repeats = 1 if dry else 20
+    shapes = {"tiny": (1, 1, 4, 32, 32)} if dry else {"gpt2-small": (1, 8, 12, 1024, 1024),
+                                                      "long-context": (1, 1, 16, 4096, 4096)}
+    for name, dims in shapes.items():
+        for dtype in (torch.bfloat16, torch.float32) if not dry else (torch.float32,):
+            probs = random_probs(dims, dtype=dtype, seed=0, device=dev)
+            out = torch.empty_like(probs)
+            kernel = median_ms(lambda: head_stats_triton(probs), dev, repeats)
+            copy = median_ms(lambda: out.copy_(probs), dev, repeats)
+            read = median_ms(lambda: probs.sum(dtype=torch.float32), dev, repeats)
+            emit("kernels", dry, kernel="head_stats", shape=name, dims=dims, dtype=str(dtype), kernel_ms=kernel,
+                 copy_ms=copy, read_only_ms=read, pct_of_copy=100 * copy / kernel, pct_of_read=100 * read / kernel,
+                 note="launcher time (kernel + its float64 partial sums); pct = copy or read time / kernel time")
+            del probs, out
+    qk_shapes = {"tiny": (1, 2, 32, 16)} if dry else {"gpt2-small": (8, 12, 1024, 64),
+                                                      "long-context": (1, 16, 4096, 128)}
+    for name, (b, h, t, d) in qk_shapes.items():
+        dtype = torch.float32 if dry else torch.bfloat16
+        g = torch.Generator(device=dev).manual_seed(0)
+        q, k, v = (torch.randn(b, h, t, d, device=dev, dtype=dtype, generator=g) for _ in range(3))
+        stats = median_ms(lambda: qk_stats_triton(q, k, None, True, d ** -0.5), dev, repeats)
+        if dev.type == "cuda":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                flash = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), dev, repeats)
+        else:
+            flash = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), dev, repeats)
+        emit("kernels", dry, kernel="qk pass 1 + 2", shape=name, dims=(b, h, t, d), dtype=str(dtype),
+             qk_ms=stats, sdpa_flash_ms=flash, ratio_to_flash=stats / flash)
+
+
+def stage_accuracy(dev: torch.device, dry: bool) -> None:
+    """bf16 and fp32 at model size against float64 (relative errors; targets 1e-5 fp32, 1e-3 bf16)."""
+    dims = (1, 1, 4, 32, 32) if dry else (1, 2, 12, 1024, 1024)
+    for dtype in (torch.float32,) if dry else (torch.float32, torch.bfloat16):
+        probs = random_probs(dims, dtype=dtype, seed=1, device=dev)
+        got = fastdiag.head_stats(probs, backend="triton", causal=False)
+        ref = fastdiag.head_stats(probs.cpu(), backend="reference")
+        emit("accuracy", dry, kernel="head_stats", dims=dims, dtype=str(dtype), gram=_rel(got.gram, ref.gram),
+             entropy=_rel(got.entropy_sum, ref.entropy_sum), sigma_h=_rel(got.entropy_spread(), ref.entropy_spread()),
+             s_bar=_rel(got.sync(), ref.sync()))
+    b, h, t, d = (1, 2, 32, 16) if dry else (2, 12, 1024, 64)
+    for dtype in (torch.float32,) if dry else (torch.float32, torch.bfloat16):
+        g = torch.Generator(device=dev).manual_seed(2)
+        q, k = (torch.randn(b, h, t, d, device=dev, dtype=dtype, generator=g) for _ in range(2))
+        got = qk_head_stats(q, k, is_causal=True, backend="triton")
+        ref = qk_head_stats(q.cpu(), k.cpu(), is_causal=True, backend="reference")
+        emit("accuracy", dry, kernel="qk", dims=(b, h, t, d), dtype=str(dtype), gram=_rel(got.gram, ref.gram),
+             entropy=_rel(got.entropy_sum, ref.entropy_sum), sigma_h=_rel(got.entropy_spread(), ref.entropy_spread()))
+
+
+def _models(dev: torch.device, dry: bool):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    size = dict(n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=64) if dry else {}
+    hf = GPT2LMHeadModel(GPT2Config(**size, attn_implementation="sdpa")).to(dev)
+    tokens = torch.randint(0, hf.config.vocab_size, (1 if dry else 8, 32 if dry else 1024), device=dev)
+    yield "hf-gpt2-small-sdpa", hf, lambda: hf(tokens, labels=tokens).loss
+    zoo = NanoGPT(vocab=64, d_model=32 if dry else 128, n_heads=2 if dry else 4, n_layers=1 if dry else 2,
+                  seq_len=16 if dry else 128).to(dev)
+    x = torch.randint(0, 64, (2 if dry else 512, 16 if dry else 128), device=dev)
+    yield "nanogpt-sdpa", zoo, lambda: zoo(x).float().square().mean()
+
+
+def stage_attach(dev: torch.device, dry: bool) -> None:
+    """attach overhead in a real training step: blocks alternate bare / every=10 / every=1, medians."""
+    blocks, per_block = (1, 1) if dry else (7, 10)
+    for name, model, loss_fn in _models(dev, dry):
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+        def steps(n):
+            for _ in range(n):
+                loss_fn().backward()
+                opt.step()
+                opt.zero_grad()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+
+        steps(1 if dry else 2)
+        times = {0: [], 10: [], 1: []}
+        for _ in range(blocks):
+            for every in (0, 10, 1):
+                monitor = fastdiag.attach(model, every=every) if every else None
+                t0 = time.perf_counter()
+                steps(per_block)
+                times[every].append((time.perf_counter() - t0) / per_block)
+                if monitor is not None:
+                    monitor.detach()
+        base = statistics.median(times[0])
+        emit("attach", dry, model=name, step_ms=1e3 * base, every10_ratio=statistics.median(times[10]) / base,
+             every1_ratio=statistics.median(times[1]) / base, blocks=blocks, steps_per_block=per_block)
+
+
+def stage_int64(dev: torch.device, dry: bool) -> None:
+    """A tensor whose (H − 1) · Tq · Tk passes 2³¹: the last head's Gram entries against the same
+    heads copied out alone (a wrapped 32-bit offset reads other memory). Last: it may fault."""
+    h, t = (4, 32) if dry else (40, 8192)
+    probs = random_probs((1, 1, h, t, t), dtype=torch.bfloat16 if not dry else torch.float32, seed=3, device=dev)
+    full = fastdiag.head_stats(probs, backend="triton")
+    pair = fastdiag.head_stats(probs[:, :, [0, h - 1]].contiguous(), backend="triton")
+    emit("int64", dry, dims=tuple(probs.shape), elements=probs.numel(), past_2_31=probs.numel() >= 2 ** 31,
+         last_head_gram_rel=_rel(full.gram[..., [0, h - 1], :][..., [0, h - 1]], pair.gram),
+         last_head_entropy_rel=_rel(full.entropy_sum[..., [0, h - 1]], pair.entropy_sum))
+
+
+STAGES = {"kernels": stage_kernels, "accuracy": stage_accuracy, "attach": stage_attach, "int64": stage_int64}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stage", choices=sorted(STAGES))
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, kernels interpreted")
+    args = ap.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_stages: no CUDA device (use --dry-run on CPU)", file=sys.stderr)
+        return 2
+    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+        print("gpu_stages: --dry-run needs TRITON_INTERPRET=1 (gpu_check.sh --dry-run sets it)", file=sys.stderr)
+        return 2
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    try:
+        STAGES[args.stage](dev, args.dry_run)
+    except Exception as e:
+        emit(args.stage, args.dry_run, error=f"{type(e).__name__}: {e}"[:500],
+             where=traceback.format_exc().strip().splitlines()[-3:])
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

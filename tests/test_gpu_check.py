@@ -1,0 +1,49 @@
+"""benchmarks/gpu_check.sh --dry-run: every stage of the GPU script runs here on CPU (tiny shapes,
+kernels interpreted) and writes its JSON lines, so a lent GPU's few minutes are not spent finding a
+broken script. The numbers of a dry run mean nothing; that each stage produced them does."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="the dry run interprets the Triton kernels")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_stage(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
+    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert all(x["dry_run"] is True and "error" not in x for x in lines), lines
+    stages = [x["stage"] for x in lines]
+    assert stages[0] == "machine" and stages[-1] == "machine" and "clocks_after" in lines[-1]
+    assert {"tests", "kernels", "accuracy", "attach", "int64"} <= set(stages)
+    kernels = [x for x in lines if x["stage"] == "kernels"]
+    assert {x["kernel"] for x in kernels} == {"head_stats", "qk pass 1 + 2"}
+    assert all(x["kernel_ms"] > 0 and x["copy_ms"] > 0 for x in kernels if x["kernel"] == "head_stats")
+    accuracy = [x for x in lines if x["stage"] == "accuracy"]
+    assert all(x["gram"] <= 1e-5 and x["entropy"] <= 1e-5 for x in accuracy), accuracy
+    assert {x["model"] for x in lines if x["stage"] == "attach"} == {"hf-gpt2-small-sdpa", "nanogpt-sdpa"}
+
+
+def test_gpu_check_refuses_unknown_arguments(tmp_path):
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--fast"], capture_output=True,
+                          text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=30)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--dry-run" in done.stderr
+
+
+def test_stage_timeouts_fit_eight_minutes():
+    """Stage timeouts add to ≤ 480 s: a lent GPU allows 600 s per command and a start of a minute or two."""
+    text = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    commands = [int(x) for x in re.findall(r"timeout (\d+) \$PY", text)]         # machine, tests
+    clocks = int(re.search(r"timeout (\d+) nvidia-smi", text).group(1))        # before and after
+    stages = [int(x) for x in re.findall(r"\w+:(\d+)", text.split("for stage in", 1)[1].split(";", 1)[0])]
+    assert len(commands) == 2 and len(stages) == 4
+    assert sum(commands) + 2 * clocks + sum(stages) <= 480, (commands, clocks, stages)
