@@ -12,7 +12,7 @@ import time
 import pytest
 
 from fastdiag.grokking.config import RunConfig
-from fastdiag.store import Lease, Store
+from fastdiag.store import LEASE_S, Lease, Store
 
 TINY = ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "32", "--d-ff", "64", "--p", "11"]
 
@@ -200,7 +200,7 @@ def test_concurrent_sweeps_share_the_grid(tmp_path, fakes):
 
 
 def test_claims_of_dead_or_silent_sweeps_are_taken_over(tmp_path):
-    cfgs = [RunConfig(weight_decay=w, seed=0, epochs=2, p=11) for w in (0.1, 1.0, 3.0)]
+    cfgs = [RunConfig(weight_decay=w, seed=0, epochs=2, p=11) for w in (0.1, 1.0, 3.0, 10.0)]
     ids = [c.run_id() for c in cfgs]
     with Store(tmp_path / "s.sqlite") as st:
         st.add_runs(cfgs)
@@ -216,9 +216,11 @@ def test_claims_of_dead_or_silent_sweeps_are_taken_over(tmp_path):
             conn.execute("INSERT OR REPLACE INTO claims VALUES (?, 'far:1:quiet', 'far-away-host', 1, ?)",
                          (ids[1], time.time() - 1))             # another host's sweep that stopped renewing
             conn.execute("INSERT OR REPLACE INTO claims VALUES (?, 'far:2:live', 'far-away-host', 2, ?)",
-                         (ids[2], time.time() + 3600))
+                         (ids[2], time.time() + LEASE_S / 2))
+            conn.execute("INSERT OR REPLACE INTO claims VALUES (?, 'far:3:forever', 'far-away-host', 3, ?)",
+                         (ids[3], time.time() + 10 * 365 * 86400))   # no renewal writes this: not honoured
         with Lease(st) as third:
-            assert third.claim(ids) == ids[:2]
+            assert third.claim(ids) == [ids[0], ids[1], ids[3]]
         assert st.get(ids[0])["attempts"] == 2                 # claimed twice: two starts
 
 

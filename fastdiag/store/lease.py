@@ -15,10 +15,15 @@ from fastdiag.store.db import Store, connect
 LEASE_S = 60.0     # a claim not renewed for this long (its sweep hung or its host died) can be taken over
 
 
-def _claim_is_live(host: str, pid: int, expires: float, now: float) -> bool:
+# A renewal sets a claim's expiry one lease ahead; one further ahead than this was not written by a
+# renewing sweep (a hand edit, a clock far off) and would block its run for ever: it is not honoured.
+_CREDIBLE_AHEAD_S = 2 * LEASE_S
+
+
+def _claim_is_live(host: str, pid: int, expires: float, now: float, lease_s: float = LEASE_S) -> bool:
     """A claim holds while it is renewed; on this host also only while its process exists (so a
     sweep killed with ``kill -9`` frees its runs at once, not after the lease)."""
-    if expires < now:
+    if expires < now or expires > now + max(_CREDIBLE_AHEAD_S, 2 * lease_s):
         return False
     if host != socket.gethostname():
         return True
@@ -79,7 +84,7 @@ class Lease:
                 if row is None or row[0] not in wanted:
                     continue
                 held = conn.execute("SELECT owner, host, pid, expires FROM claims WHERE run_id = ?", (rid,)).fetchone()
-                if held is not None and held[0] != self.owner and _claim_is_live(*held[1:], now):
+                if held is not None and held[0] != self.owner and _claim_is_live(*held[1:], now, self.lease_s):
                     continue
                 got.append(rid)
             conn.executemany("INSERT OR REPLACE INTO claims (run_id, owner, host, pid, expires) VALUES (?, ?, ?, ?, ?)",
@@ -95,6 +100,6 @@ class Lease:
         for rid in run_ids:
             held = self.store.conn.execute("SELECT owner, host, pid, expires FROM claims WHERE run_id = ?",
                                            (rid,)).fetchone()
-            if held is not None and held[0] != self.owner and _claim_is_live(*held[1:], now):
+            if held is not None and held[0] != self.owner and _claim_is_live(*held[1:], now, self.lease_s):
                 out[rid] = held[0]
         return out
