@@ -23,7 +23,7 @@ def test_tiny_run_writes_outputs(capsys, tmp_path):
                           "--diag-every", "2", "--device", "cpu", "--out", str(out_dir))
     assert code == 0, err
     assert "regime:" in out and "t_grok:" in out and "result.json" in out
-    assert "epoch" not in err          # stderr is not a terminal: no progress bar (tests/test_sweep.py draws it)
+    assert "epoch 1/3  train" in err and "%|" not in err    # not a terminal: a status line, no bar (tests/test_sweep.py)
     result = json.loads((out_dir / "result.json").read_text())
     assert result["config"]["p"] == 7 and result["epochs_run"] == 3
     assert (out_dir / "trace.csv").exists() and (out_dir / "trajectory.png").exists()

@@ -210,16 +210,35 @@ def test_progress_bar_on_a_terminal_has_rate_eta_and_the_status():
     assert "run/s]" in last and "<" in last                          # rate, elapsed<remaining
 
 
-def test_progress_is_quiet_when_stderr_is_not_a_terminal():
+def test_progress_in_a_log_is_a_line_at_the_start_then_every_interval():
+    """Not a terminal (a log, a pipe): no bar, but plain status lines, the first at once and then at
+    most one per interval, so that a long sweep's log shows it is alive and how far it got."""
+    now = [0.0]
     out = io.StringIO()
-    bar = sw.Progress(total=4, stream=out)
-    bar.epoch("a", 10, 100)
-    bar.update("grok", force=True, run_id="a")
+    bar = sw.Progress(total=4, stream=out, every_s=30, clock=lambda: now[0])
+    bar.reset_counts(4, 0)
+    bar.epoch("a", 10, 100)                              # within the interval: no line
+    now[0] = 31.0
+    bar.update("grok", run_id="a")
+    now[0] = 40.0
+    bar.epoch("b", 50, 100)
     bar.close()
-    run = sw.RunProgress(3, stream=out)
-    run({"epoch": 1, "train_acc": 0.5, "test_acc": 0.1, "s_bar": 0.9, "sigma_h": 0.01})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "sweep: 0/4 runs  0s"
+    assert lines[1] == "sweep: 1/4 runs | grok 1 | ~93s left  31s"
+    assert lines[2].startswith("sweep: 1/4 runs | grok 1 | running: epoch 50/100") and lines[2].endswith("40s")
+    assert len(lines) == 3 and "%|" not in out.getvalue()
+    assert sw.Progress(total=4, stream=out, enabled=False).log is None            # progress=False: silent
+
+    out = io.StringIO()
+    run = sw.RunProgress(300, stream=out, every_s=30, clock=lambda: now[0])
+    row = {"train_acc": 0.5, "test_acc": 0.1, "s_bar": 0.9, "sigma_h": 0.01}
+    for epoch, now[0] in ((1, 41.0), (2, 60.0), (3, 71.0)):
+        run({**row, "epoch": epoch})
     run.close()
-    assert out.getvalue() == ""
+    assert out.getvalue().splitlines() == ["epoch 1/300  train 0.500  test 0.100  s̄ 0.900  σ_H 0.010  1s",
+                                           "epoch 3/300  train 0.500  test 0.100  s̄ 0.900  σ_H 0.010  31s"]
+    out = io.StringIO()
     bar = sw.Progress(total=4, stream=out)
     bar.note("ensembles: 4 runs as 1 vectorised ensemble(s) of 4 members")      # notes are lines of their own
     assert out.getvalue().strip() == "ensembles: 4 runs as 1 vectorised ensemble(s) of 4 members"

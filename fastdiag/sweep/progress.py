@@ -1,5 +1,6 @@
-"""Progress on stderr, drawn by tqdm: a bar with rate and ETA on a terminal, nothing at all when the
-stream is not a terminal (logs, pipes, batch jobs), where a redrawn line is only noise.
+"""Progress on stderr: on a terminal a tqdm bar with rate and ETA; elsewhere (logs, pipes, batch jobs),
+where a redrawn bar is only noise, a plain line with the same status at the start and then at most
+every ``LOG_EVERY_S`` seconds, so that a log shows a long run is alive and how far it got.
 
 ``RunProgress`` follows one run's epochs (it is the trainer's ``progress`` callback); ``Progress``
 follows a sweep's runs, counting the epochs of runs in flight as fractions of a run so that the ETA
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from tqdm import tqdm
 
@@ -16,8 +18,27 @@ from fastdiag.grokking.config import fmt_or_dash
 BAR_FORMAT = "{desc}  {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}, {rate_fmt}]"     # desc: the status
 
 
+LOG_EVERY_S = 30.0
+
+
 def is_terminal(stream) -> bool:
     return bool(getattr(stream, "isatty", lambda: False)())
+
+
+class LogLines:
+    """Status lines for a stream that is not a terminal: the first one at once, then one when
+    ``every_s`` seconds have passed since the last, each with the seconds since the start."""
+
+    def __init__(self, stream, every_s: float = LOG_EVERY_S, clock=time.monotonic) -> None:
+        self.stream, self.every_s, self.clock = stream, every_s, clock
+        self.start = clock()
+        self.last: float | None = None
+
+    def __call__(self, text: str, force: bool = False) -> None:
+        now = self.clock()
+        if force or self.last is None or now - self.last >= self.every_s:
+            self.last = now
+            print(f"{text}  {now - self.start:.0f}s", file=self.stream, flush=True)
 
 
 def _width(stream) -> dict:
@@ -35,10 +56,11 @@ def _width(stream) -> dict:
 class RunProgress:
     """One run: call it with each trace row (``epoch``, accuracies, s̄, σ_H)."""
 
-    def __init__(self, epochs: int, stream=None) -> None:
+    def __init__(self, epochs: int, stream=None, **log) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.bar = tqdm(total=epochs, desc="run", unit="epoch", file=self.stream, disable=not is_terminal(self.stream),
                         bar_format=BAR_FORMAT, **_width(self.stream))
+        self.log = None if is_terminal(self.stream) else LogLines(self.stream, **log)
         self.text = ""
 
     def __call__(self, row: dict) -> None:
@@ -46,6 +68,8 @@ class RunProgress:
         self.text = f"epoch {row['epoch']}/{self.bar.total}  train {train}  test {test}  s̄ {s_bar}  σ_H {sigma_h}"
         self.bar.set_description_str(self.text, refresh=False)
         self.bar.update(row["epoch"] - self.bar.n)
+        if self.log is not None:
+            self.log(self.text)
 
     def close(self) -> None:
         self.bar.close()
@@ -55,7 +79,7 @@ class Progress:
     """A sweep: runs done / total, failures, counts per regime so far and the runs in flight."""
 
     def __init__(self, total: int, skipped: int = 0, stream=None, enabled: bool = True,
-                 regimes: dict | None = None) -> None:
+                 regimes: dict | None = None, **log) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
         self.total, self.skipped = total, skipped
@@ -65,6 +89,7 @@ class Progress:
         self.bar = tqdm(total=total, initial=skipped, desc="sweep", unit="run", file=self.stream, smoothing=0,
                         disable=not (enabled and is_terminal(self.stream)),
                         bar_format=BAR_FORMAT, **_width(self.stream))
+        self.log = LogLines(self.stream, **log) if enabled and not is_terminal(self.stream) else None
 
     def reset_counts(self, total: int, skipped: int) -> None:
         """The grid's size and the runs finished before this sweep started (known once it is registered)."""
@@ -123,6 +148,18 @@ class Progress:
             self.bar.refresh()
         else:
             self.bar.update(0)          # redraws at most every mininterval
+        if self.log is not None:
+            self.log(self.line() + self._left())
+
+    def _left(self) -> str:
+        """The ETA the bar would show: the time so far scaled by the runs (and epochs in flight) left."""
+        done = self.bar.n - self.skipped
+        elapsed = self.log.clock() - self.log.start
+        if done <= 0 or self.bar.n >= self.total:
+            return ""
+        return f" | ~{elapsed * (self.total - self.bar.n) / done:.0f}s left"
 
     def close(self) -> None:
+        if self.log is not None and self.log.last is not None:
+            self.log(self.line(), force=True)          # where the sweep ended
         self.bar.close()
