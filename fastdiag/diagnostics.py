@@ -1,6 +1,7 @@
 """`head_stats`: attention probabilities -> `HeadStats`, on the backend that fits the device."""
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -96,7 +97,7 @@ def head_stats(probs: torch.Tensor, query_mask: torch.Tensor | None = None, back
     elif backend == "torch":
         sums = head_stats_torch(p5, m3, causal)
     else:
-        sums = _run_triton(p5, m3, causal)
+        sums = run_triton("head_stats_triton", "head_stats_op", "head_stats_triton", p5, m3, causal)
     stats = HeadStats(*sums)
     if not stacked:
         stats = stats[0]
@@ -105,18 +106,20 @@ def head_stats(probs: torch.Tensor, query_mask: torch.Tensor | None = None, back
     return stats
 
 
-def _run_triton(p5: torch.Tensor, m3: torch.Tensor | None, causal: bool):
+def run_triton(kernel_module: str, op: str, launcher: str, *args):
+    """Run a Triton kernel of ``fastdiag.kernels.<kernel_module>`` on ``args`` (the first a tensor):
+    its `torch.library` op ``op`` on CUDA tensors (one node for torch.compile and CUDA graphs), its
+    raw ``launcher`` on CPU tensors under TRITON_INTERPRET=1 (the interpreter cannot run behind
+    torch.library's wrappers). The kernel module is imported here, on first use: it imports triton."""
     if not triton_available():
         raise ValueError("backend: 'triton' needs triton and a CUDA device, or TRITON_INTERPRET=1 "
-                         "set before import to run the kernel in the interpreter")
-    from fastdiag.kernels import head_stats_triton as kernel
-
-    if p5.is_cuda:
-        return kernel.head_stats_op(p5, m3, causal)
+                         "set before import to run the kernels in the interpreter")
+    kernel = importlib.import_module(f"fastdiag.kernels.{kernel_module}")
+    if args[0].is_cuda:
+        return getattr(kernel, op)(*args)
     if not kernel.INTERPRETING:
         raise ValueError("backend: 'triton' on a CPU tensor needs TRITON_INTERPRET=1 set before import")
-    # The interpreter cannot run behind torch.library's wrappers: launch the raw kernel.
-    return kernel.head_stats_triton(p5, m3, causal)
+    return getattr(kernel, launcher)(*args)
 
 
 def _raise_if_invalid(stats: HeadStats) -> None:

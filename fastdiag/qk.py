@@ -22,13 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from fastdiag.diagnostics import triton_available
+from fastdiag.diagnostics import BACKENDS, run_triton, triton_available
 from fastdiag.kernels.qk_stats_ref import masked_threshold, qk_stats_ref
 from fastdiag.stats import HeadStats
 
 CHUNK_BYTES = 64 * 2**20   # scores formed at a time by the torch backend (fp32)
 CPU_CHUNK_BYTES = 2**20    # on CPU, chunks also stay this small: every pass over them hits the cache
-BACKENDS = ("auto", "reference", "torch", "triton")
 MASKED_SCORE = -1e30       # finite: 0 · MASKED_SCORE is 0, where 0 · -inf would be NaN
 MASS_TOLERANCE = 1e-3      # a caller's LSE must make every valid row's probabilities sum to 1 ± this
 # torch backend: log p is floored here. p < e^-40 = 4e-18 then reads 4e-18, which moves no statistic by
@@ -189,7 +188,8 @@ def _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, quer
             chunk_bytes = min(chunk_bytes, CPU_CHUNK_BYTES)
         return HeadStats(*_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse3, chunk_bytes,
                                        check_lse and lse3 is not None))
-    return HeadStats(*_stats_triton(q4, k4, mask4, is_causal, scale, rows_ok, lse3))
+    return HeadStats(*run_triton("qk_stats_triton", "qk_stats_op", "qk_stats_triton", q4, k4, mask4, is_causal, scale,
+                                 rows_ok, lse3))
 
 
 def sdpa_with_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -322,18 +322,3 @@ def _stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, chunk_bytes, che
     rows_total = (torch.full((), float(b * tq), dtype=torch.float64, device=q4.device) if rows_ok is None
                   else rows_ok.sum(dtype=torch.float64))
     return gram, entropy, rows_total, invalid
-
-
-def _stats_triton(q4, k4, mask4, is_causal, scale, rows_ok, lse):
-    if not triton_available():
-        raise ValueError("backend: 'triton' needs triton and a CUDA device, or TRITON_INTERPRET=1 "
-                         "set before import to run the kernels in the interpreter")
-    from fastdiag.kernels import qk_stats_triton as kernel
-
-    if q4.is_cuda:
-        return kernel.qk_stats_op(q4, k4, mask4, is_causal, scale, rows_ok, lse)
-    if not kernel.INTERPRETING:
-        raise ValueError("backend: 'triton' on a CPU tensor needs TRITON_INTERPRET=1 set before import")
-    return kernel.qk_stats_triton(q4, k4, mask4, is_causal, scale, rows_ok, lse)
-
-
