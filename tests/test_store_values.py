@@ -57,3 +57,21 @@ def test_values_in_range_and_missing_ones_are_read(tmp_path):
     with open_existing(path) as st:
         assert len(st.runs("done")) == 3 and st.get(rid)["result"]["t_grok_epoch"] is None
         assert len(st.trace(rid)) == 5
+
+
+def test_a_config_edited_under_its_run_id_is_damage(tmp_path, capsys):
+    """Before, a sweep took the stored (edited) run for the real one and skipped it for ever, and
+    analysis reported it at the edited λ."""
+    from fastdiag import sweep as sw
+    from fastdiag.cli.app import create_store
+
+    path, rid = edited_store(tmp_path, "UPDATE runs SET config = json_set(config, '$.weight_decay', 5.0) "
+                                       "WHERE run_id = :rid")
+    with pytest.raises(SystemExit) as exc:
+        main(["analyze", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and rid in err[0] and "edited" in err[0], err
+    grid = sw.build_grid({"p": 11, "epochs": 5}, [0.2], [1])              # the run whose config was edited
+    assert [c.run_id() for c in grid] == [rid]
+    with create_store(path) as st, pytest.raises(StoreError, match=f"{rid}: damaged config.*edited"):
+        sw.run_sweep(grid, st, workers=1, threads=1, progress=False, ensemble=1)

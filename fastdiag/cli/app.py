@@ -40,14 +40,20 @@ def option_errors(flags: dict[str, str] = PARAM_FLAGS):
         raise
 
 
+def run_id_of(config: dict) -> str:
+    """The run id a stored (already checked) config makes."""
+    return RunConfig.from_dict(config).run_id()
+
+
 def open_store(path) -> Store:
-    """An existing store, read-only, every run config it holds checked against RunConfig."""
-    return open_existing(path, check_config=RunConfig.check_stored)
+    """An existing store, read-only, every run config it holds checked against RunConfig and its run id."""
+    return open_existing(path, check_config=RunConfig.check_stored, identify=run_id_of)
 
 
 def create_store(path) -> Store:
-    """A store to write into (created if missing), every run config it holds checked against RunConfig."""
-    return Store(path, create=True, check_config=RunConfig.check_stored)
+    """A store to write into (created if missing), every run config it holds checked against RunConfig
+    and its run id."""
+    return Store(path, create=True, check_config=RunConfig.check_stored, identify=run_id_of)
 
 
 class Terminated(BaseException):

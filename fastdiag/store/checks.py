@@ -10,9 +10,12 @@ class StoreError(ValueError):
     """The file is not a usable fastdiag result store (the message says why, in one line)."""
 
 
-def checked_config(config, path, run_id: str, check: Callable[[dict], None] | None) -> dict:
-    """The config of a stored run: a JSON object, and valid by ``check`` (which raises ValueError
-    saying why not) when one is given."""
+def checked_config(config, path, run_id: str, check: Callable[[dict], None] | None,
+                   identify: Callable[[dict], str] | None = None) -> dict:
+    """The config of a stored run: a JSON object, valid by ``check`` (which raises ValueError saying
+    why not) and, by ``identify`` (config → run id), the config its run id was made from, when they
+    are given. A config edited under its id would make a sweep take the stored run for the real one
+    and skip it for ever, and analysis report it under the wrong settings."""
     def damaged(why: str) -> StoreError:
         return StoreError(f"store {path}: run {run_id}: damaged config ({why})")
 
@@ -23,6 +26,11 @@ def checked_config(config, path, run_id: str, check: Callable[[dict], None] | No
             check(config)
         except (ValueError, TypeError) as exc:
             raise damaged(" ".join(str(exc).split())) from None
+    if identify is not None:
+        actual = identify(config)
+        if actual != run_id:
+            raise damaged(f"not the config this run id was made from, but that of run {actual}: "
+                          "edited after the run was registered")
     return config
 
 

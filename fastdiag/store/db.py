@@ -178,18 +178,20 @@ class Store:
 
     The store keeps run configurations as JSON objects and knows nothing of their fields: a reader
     passes ``check_config`` (e.g. ``RunConfig.check_stored``, which raises ValueError saying why a
-    config is not valid) to have every config it reads checked; a bad one raises a StoreError naming
-    the store and the run.
+    config is not valid) to have every config it reads checked, and ``identify`` (config → the run id
+    it makes) to have it checked against its run id; a bad one raises a StoreError naming the store
+    and the run.
 
     Raises ``FileNotFoundError`` (missing and not ``create``) or ``StoreError`` (not SQLite,
     corrupt, a foreign SQLite database, or a newer schema) with a one-line message.
     """
 
     def __init__(self, path: str | os.PathLike, create: bool = True, readonly: bool = False,
-                 check_config: Callable[[dict], None] | None = None):
+                 check_config: Callable[[dict], None] | None = None,
+                 identify: Callable[[dict], str] | None = None):
         self.path = Path(path)
         self.readonly = readonly
-        self.check_config = check_config
+        self.check_config, self.identify = check_config, identify
         if self.path.is_dir():
             raise StoreError(f"store {self.path}: is a directory, not a result store")
         exists = self.path.exists() and self.path.stat().st_size > 0
@@ -330,7 +332,8 @@ class Store:
     def _run_dict(self, row: tuple) -> dict:
         """A runs row as a dict, its JSON parsed and checked: store content is untrusted."""
         (run_id, config, status, result, error, attempts, created, started, finished, worker) = row
-        config = checked_config(self._json(config, "config", run_id), self.path, run_id, self.check_config)
+        config = checked_config(self._json(config, "config", run_id), self.path, run_id, self.check_config,
+                                self.identify)
         result = self._json(result, "result", run_id) if result is not None else None
         if status == "done":
             check_result(result, self.path, run_id)
@@ -413,7 +416,8 @@ class Store:
         return stats
 
 
-def open_existing(path: str | os.PathLike, check_config: Callable[[dict], None] | None = None) -> Store:
+def open_existing(path: str | os.PathLike, check_config: Callable[[dict], None] | None = None,
+                  identify: Callable[[dict], str] | None = None) -> Store:
     """Open a store that must already exist, read-only (analyze, plot, export, merge inputs): it may
     sit on a read-only mount or belong to another user, and a reader never changes it."""
     p = Path(path)
@@ -421,4 +425,4 @@ def open_existing(path: str | os.PathLike, check_config: Callable[[dict], None] 
         raise FileNotFoundError(f"store {p}: no such file")
     if p.is_file() and p.stat().st_size == 0:
         raise StoreError(f"store {p}: empty file, not a fastdiag result store")
-    return Store(p, create=False, readonly=True, check_config=check_config)
+    return Store(p, create=False, readonly=True, check_config=check_config, identify=identify)
