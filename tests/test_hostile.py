@@ -288,8 +288,8 @@ def _intervention_store(path, experiment):
             for arm in ("control", "reinit"):
                 conn.execute("INSERT INTO intervention_runs (arm_id, experiment, seed, arm, branch_of, branch_epoch, "
                              "config, settings, intervention, result, metrics, created_at) "
-                             "VALUES (?, ?, 0, ?, 'r', 10, '{}', '{}', '{}', '{}', '{}', 0)",
-                             (f"a-{arm}", experiment, arm))
+                             "VALUES (?, ?, 0, ?, 'r', 10, ?, '{}', '{}', '{}', '{}', 0)",
+                             (f"a-{arm}", experiment, arm, json.dumps(RunConfig(epochs=5, p=11).to_dict())))
 
 
 def test_plot_never_writes_outside_out(tmp_path):

@@ -75,3 +75,58 @@ def test_a_config_edited_under_its_run_id_is_damage(tmp_path, capsys):
     assert [c.run_id() for c in grid] == [rid]
     with create_store(path) as st, pytest.raises(StoreError, match=f"{rid}: damaged config.*edited"):
         sw.run_sweep(grid, st, workers=1, threads=1, progress=False, ensemble=1)
+
+
+def arms_store(path, **columns):
+    """A store with the two arms of one intervention seed, valid unless ``columns`` says otherwise."""
+    import json
+
+    from fastdiag.grokking.config import RunConfig
+    from fastdiag.store import Store
+    from fastdiag.store.interventions import ensure_tables
+
+    small_store(path)
+    values = {"config": json.dumps(RunConfig(epochs=5, p=11).to_dict()),
+              "settings": json.dumps({"after_peak_epochs": 10}), "intervention": "{}", "result": "{}",
+              "metrics": json.dumps({"peak_sigma_h_after": 0.2, "final_test_acc": 1.0}), **columns}
+    with Store(path) as st:
+        ensure_tables(st)
+        with st.transaction() as conn:
+            for arm in ("control", "reinit"):
+                conn.execute("INSERT INTO intervention_runs (arm_id, experiment, seed, arm, branch_of, branch_epoch, "
+                             "config, settings, intervention, result, metrics, created_at) "
+                             "VALUES (?, 'iv-x', 0, ?, 'r', 10, ?, ?, ?, ?, ?, 0)",
+                             (f"iv-x-s0-{arm}", arm, *(values[k] for k in
+                                                       ("config", "settings", "intervention", "result", "metrics"))))
+
+
+@pytest.mark.parametrize("columns, needle", [
+    ({"config": '{"seed": 0}'}, "damaged config (missing key(s)"),
+    ({"metrics": "[1, 2]"}, "damaged metrics (a JSON list"),
+    ({"metrics": '{"final_test_acc": "high"}'}, "damaged metrics (final_test_acc is 'high'"),
+    ({"result": '{"regime": '}, "damaged result (invalid JSON"),
+], ids=["config-without-weight-decay", "metrics-list", "metric-text", "invalid-json"])
+def test_damaged_intervention_arms_are_named_and_never_merged(tmp_path, capsys, columns, needle):
+    """Before: a KeyError traceback in analyze, an AttributeError in plot, a JSON error naming no
+    store, and merge copied the damaged rows on."""
+    path = tmp_path / "iv.sqlite"
+    arms_store(path, **columns)
+    for argv in (["analyze", str(path)], ["plot", str(path), "--out", str(tmp_path / "figs"), "--n-boot", "5"],
+                 ["merge", str(tmp_path / "out.sqlite"), str(path)]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1, (argv, err)
+        assert str(path) in err[0] and "intervention arm 'iv-x-s0-control'" in err[0] and needle in err[0], err
+    from fastdiag.store.interventions import has_tables
+    with open_existing(tmp_path / "out.sqlite") as out:
+        assert not has_tables(out) or out.conn.execute("SELECT COUNT(*) FROM intervention_runs").fetchone() == (0,)
+
+
+def test_valid_intervention_arms_are_read(tmp_path):
+    from fastdiag.store.interventions import load_experiments
+
+    arms_store(tmp_path / "iv.sqlite")
+    with open_existing(tmp_path / "iv.sqlite") as st:
+        (rows,) = load_experiments(st).values()
+        assert [r["arm"] for r in rows] == ["control", "reinit"] and rows[0]["metrics"]["final_test_acc"] == 1.0

@@ -11,13 +11,13 @@ class StoreError(ValueError):
 
 
 def checked_config(config, path, run_id: str, check: Callable[[dict], None] | None,
-                   identify: Callable[[dict], str] | None = None) -> dict:
+                   identify: Callable[[dict], str] | None = None, label: str | None = None) -> dict:
     """The config of a stored run: a JSON object, valid by ``check`` (which raises ValueError saying
     why not) and, by ``identify`` (config → run id), the config its run id was made from, when they
     are given. A config edited under its id would make a sweep take the stored run for the real one
     and skip it for ever, and analysis report it under the wrong settings."""
     def damaged(why: str) -> StoreError:
-        return StoreError(f"store {path}: run {run_id}: damaged config ({why})")
+        return StoreError(f"store {path}: {label or f'run {run_id}'}: damaged config ({why})")
 
     if not isinstance(config, dict):
         raise damaged(f"a JSON {type(config).__name__}, not an object")

@@ -4,7 +4,9 @@ and everything that reads it are unchanged: ``intervention_runs`` (one row per a
 from __future__ import annotations
 
 import json
+import math
 
+from fastdiag.store.checks import StoreError, checked_config
 from fastdiag.store.rows import dumps
 
 _SCHEMA = """
@@ -89,6 +91,7 @@ def merge_tables(dst, src) -> int:
         arm_id = row[cols.index("arm_id")]
         if arm_id in have:
             continue
+        checked_arm(src, dict(zip(cols, row)))     # a damaged arm is refused, not copied on
         trace = src.conn.execute("SELECT arm_id, idx, epoch, step, row FROM intervention_trace WHERE arm_id = ?",
                                  (arm_id,)).fetchall()
         with dst.transaction() as conn:
@@ -98,21 +101,53 @@ def merge_tables(dst, src) -> int:
     return added
 
 
+_JSON = ("config", "settings", "intervention", "result", "metrics")
+_LOADED = ("arm_id", "experiment", "seed", "arm", "branch_of", "branch_epoch") + _JSON
+
+
+def _json_object(store, text, what: str):
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise StoreError(f"store {store.path}: {what} (invalid JSON: {exc})") from None
+    if not isinstance(value, dict):
+        raise StoreError(f"store {store.path}: {what} (a JSON {type(value).__name__}, not an object)")
+    return value
+
+
+def checked_arm(store, row: dict) -> dict:
+    """An ``intervention_runs`` row (columns → stored values) with its JSON parsed and checked, as
+    analysis and plots read it: store content is untrusted, and a damaged arm raises a StoreError
+    naming the store and the arm, never a KeyError or AttributeError further on."""
+    arm_id = row.get("arm_id")
+    where = f"intervention arm {arm_id!r}"
+    for key, kind in (("arm_id", str), ("experiment", str), ("arm", str), ("seed", int)):
+        if not isinstance(row.get(key), kind) or isinstance(row.get(key), bool):
+            raise StoreError(f"store {store.path}: {where}: damaged {key} ({row.get(key)!r}, expected {kind.__name__})")
+    out = dict(row)
+    for key in _JSON:
+        out[key] = _json_object(store, row.get(key), f"{where}: damaged {key}")
+    out["config"] = checked_config(out["config"], store.path, arm_id, store.check_config, label=where)
+    for name, value in out["metrics"].items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            raise StoreError(f"store {store.path}: {where}: damaged metrics ({name} is {value!r}, "
+                             "expected a finite number or null)")
+    return out
+
+
 def load_experiments(store) -> dict[str, list[dict]]:
-    """experiment id → arm rows (dicts with parsed JSON), ordered by seed and arm."""
+    """experiment id → arm rows (dicts with parsed, checked JSON), ordered by seed and arm."""
     if not has_tables(store):
         return {}
     out: dict[str, list[dict]] = {}
-    cols = ("arm_id", "experiment", "seed", "arm", "branch_of", "branch_epoch", "config", "settings",
-            "intervention", "result", "metrics")
-    for row in store.conn.execute(f"SELECT {', '.join(cols)} FROM intervention_runs ORDER BY experiment, seed, arm"):
-        d = dict(zip(cols, row))
-        for k in ("config", "settings", "intervention", "result", "metrics"):
-            d[k] = json.loads(d[k])
+    for row in store.conn.execute(f"SELECT {', '.join(_LOADED)} FROM intervention_runs ORDER BY experiment, seed, arm"):
+        d = checked_arm(store, dict(zip(_LOADED, row)))
         out.setdefault(d["experiment"], []).append(d)
     return out
 
 
 def arm_trace(store, arm_id: str) -> list[dict]:
-    return [json.loads(r[0]) for r in store.conn.execute(
-        "SELECT row FROM intervention_trace WHERE arm_id = ? ORDER BY idx", (arm_id,))]
+    return [_json_object(store, text, f"intervention arm {arm_id!r}: damaged trace row {idx}")
+            for idx, text in store.conn.execute(
+                "SELECT idx, row FROM intervention_trace WHERE arm_id = ? ORDER BY idx", (arm_id,))]
