@@ -230,3 +230,32 @@ def test_exported_csv_cells_never_run_as_formulas(tmp_path, capsys):
                   for c in row]
     assert not [c for c in every_cell if c[:1] in ("=", "+", "@", "\t", "\r") or
                 (c.startswith("-") and not c.lstrip("-").replace(".", "", 1).isdigit())]
+
+
+# ----------------------------------------------------------------------------- messages that say what happened
+
+def test_a_store_on_a_read_only_mount_is_not_called_unreadable(tmp_path, capsys):
+    from fastdiag.cli.app import create_store
+
+    with tmpfs(tmp_path / "ro", "4m") as ro:
+        small_store(ro / "s.sqlite")
+        remount_read_only(ro)
+        with pytest.raises(StoreError) as exc:
+            create_store(ro / "s.sqlite")
+        assert "cannot be written here" in str(exc.value) and "unreadable" not in str(exc.value)
+        still_a_store(ro / "s.sqlite")                      # reading it is fine
+
+
+def test_disk_full_during_export_names_the_file(tmp_path, capsys):
+    from fastdiag.grokking.config import RunConfig
+    from fastdiag.store import Store
+
+    cfgs = [RunConfig(weight_decay=0.01 * (i + 1), seed=i, epochs=5, p=11) for i in range(40)]
+    with Store(tmp_path / "s.sqlite") as st:
+        st.add_runs(cfgs)
+        for c in cfgs:
+            st.record_done(c.run_id(), {"regime": "grok"}, [{"epoch": e, "pad": "x" * 200} for e in range(50)])
+    with tmpfs(tmp_path / "full", "64k") as full:
+        code, _, err = export(capsys, tmp_path / "s.sqlite", "--out", full / "runs.csv", "--trace-out", full / "t.csv")
+        refused(code, err, f"No space left on device: {full / 't.csv'}")
+        assert not [p.name for p in full.iterdir() if "tmp" in p.name]

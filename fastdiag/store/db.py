@@ -143,6 +143,24 @@ def _may_hold_commits(wal: Path) -> bool:
         return True
 
 
+_READ_ONLY = "cannot be written here (read-only file, directory or file system)"
+
+
+def _why_unusable(sqlite_message: str) -> str:
+    """What SQLite's message means to the user: a store on a full disk or a read-only file system is
+    not "unreadable", and saying so sends them looking for damage that is not there."""
+    text = sqlite_message.lower()
+    if "readonly" in text or "read-only" in text:
+        return _READ_ONLY
+    if "full" in text:
+        return "cannot be written: the disk is full"
+    if "locked" in text or "busy" in text:
+        return "locked by another process for too long"
+    if "unable to open" in text:
+        return "cannot be opened (its directory must be readable, and writable for a writer)"
+    return "unreadable SQLite database"
+
+
 def connect(path: Path, readonly: bool) -> _Connection:
     if readonly:
         # mode=ro never writes, and it reads the committed transactions still in the -wal. Where it
@@ -207,7 +225,11 @@ class Store:
             self._init_or_check(create=not exists)
         except (sqlite3.DatabaseError, SQLiteFailure) as exc:
             message = str(exc).removeprefix(f"store {self.path}: ")
-            raise StoreError(f"store {self.path}: unreadable SQLite database ({message})") from None
+            why = _why_unusable(message)
+            if not readonly and not (os.access(self.path.parent, os.W_OK) and
+                                     (not self.path.exists() or os.access(self.path, os.W_OK))):
+                why = _READ_ONLY          # SQLite says only "unable to open database file"
+            raise StoreError(f"store {self.path}: {why} ({message})") from None
 
     # ------------------------------------------------------------------ opening
     def _check_header(self) -> None:

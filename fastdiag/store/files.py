@@ -36,7 +36,14 @@ def atomic_path(path: Path) -> Iterator[Path]:
     try:
         os.fchmod(fd, 0o666 & ~_umask())      # what a plain open() would have given the file
         os.close(fd)
-        yield tmp
+        try:
+            yield tmp
+        except OSError as exc:
+            # A full disk on write() or close() names no file ("No space left on device"), or names
+            # the hidden temporary: the user should read the file they asked for.
+            if exc.errno and exc.filename in (None, str(tmp), name):
+                raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from None
+            raise
         check_target(path)
         os.replace(tmp, path)
     finally:
