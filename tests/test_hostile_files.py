@@ -259,3 +259,15 @@ def test_disk_full_during_export_names_the_file(tmp_path, capsys):
         code, _, err = export(capsys, tmp_path / "s.sqlite", "--out", full / "runs.csv", "--trace-out", full / "t.csv")
         refused(code, err, f"No space left on device: {full / 't.csv'}")
         assert not [p.name for p in full.iterdir() if "tmp" in p.name]
+
+
+@pytest.mark.parametrize("where, needle", [("nodir/x.json", "No such directory"), ("fifo", "not a regular file")])
+def test_bench_json_target_refused_before_the_benchmark(tmp_path, capsys, where, needle):
+    """Before, `bench --json nodir/x.json` failed only after the whole benchmark. Here nothing is
+    asked to run, so any measurement first would end in "nothing to run" instead."""
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--device", "cpu", "--shapes", "", "--no-steps", "--no-archs", "--no-ensembles",
+              "--json", str(tmp_path / where)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "--json:" in err[0] and needle in err[0], err

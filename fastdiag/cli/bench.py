@@ -11,6 +11,8 @@ import click
 import torch
 
 from fastdiag import bench
+from fastdiag.cli.app import CLIError, os_error_text
+from fastdiag.store.files import atomic_path, check_writable_file
 
 
 def _status_line(msg: str) -> None:
@@ -68,6 +70,11 @@ def _known_names(text: str, known, option: str, what: str) -> list[str]:
 def bench_command(device, shapes, steps, ensembles, archs, members, workloads, no_compile, repeats, blocks,
                   kernel_report, json_path):
     """Measure fastdiag's overhead against a pure-PyTorch reference (kernel) and per training step."""
+    if json_path:                                # refused now, not after the whole benchmark
+        try:
+            check_writable_file(json_path)
+        except (OSError, ValueError) as exc:
+            raise CLIError(f"--json: {os_error_text(exc) if isinstance(exc, OSError) else exc}") from None
     names = _known_names(shapes, bench.KERNEL_SHAPES, "--shapes", "shape")   # "" = no kernel rows
 
     progress = _status_line
@@ -112,7 +119,7 @@ def bench_command(device, shapes, steps, ensembles, archs, members, workloads, n
                    "python": sys.version.split()[0], "date": datetime.now(timezone.utc).isoformat(),
                    "kernel": kernel_rows, "step": step_rows, "sdpa_step": sdpa_rows,
                    "ensemble": ensemble_rows, "arch_steps": arch_rows}
-        with open(json_path, "w") as f:
+        with atomic_path(json_path) as tmp, open(tmp, "w") as f:
             json.dump(payload, f, indent=2, default=str)
         click.echo(f"wrote {json_path}")
 
@@ -129,7 +136,7 @@ def _kernel_report(names: list[str], json_path: str | None, progress) -> None:
     if json_path:
         payload = {"kind": "kernel-report", "date": datetime.now(timezone.utc).isoformat(),
                    "gpu_model": bench.REPORT_GPU, "kernels": [r.row() for r in rows]}
-        with open(json_path, "w") as f:
+        with atomic_path(json_path) as tmp, open(tmp, "w") as f:
             json.dump(payload, f, indent=2, default=str)
         click.echo(f"wrote {json_path}")
 

@@ -64,6 +64,21 @@ def _umask() -> int:
     return mask
 
 
+def check_writable_file(path: str | os.PathLike) -> Path:
+    """Prove now, before the work, that ``path`` can be written when the work ends: its directory
+    exists and takes a new file, and nothing but a regular file is in its place (raises OSError:
+    no such directory, read-only, permission denied, a directory; ValueError: a special file)."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+    if not path.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "No such directory", str(path.parent))
+    check_target(path)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".probe"):
+        pass
+    return path
+
+
 def prepare_out_dir(out_dir: str | os.PathLike) -> Path:
     """Create ``out_dir`` and prove it writable now, so that a bad path fails before training, not
     after it (raises OSError: not a directory, read-only file system, permission denied, disk full)."""
