@@ -92,17 +92,25 @@ MAMBA = dict(arch="mamba", d_model=32, n_layers=2, p=31, train_frac=0.7, lr=3e-3
 
 @pytest.mark.slow
 def test_mamba_members_follow_their_single_runs():
-    """The PyTorch Mamba packs like the others: losses match the single runs, t_grok within one
-    evaluation interval (λ = 1 groks at ~120 epochs, λ = 0 trains on to the horizon)."""
+    """The PyTorch Mamba packs like the others, but not bit for bit: the stacked selective scan and
+    depthwise convolution sum in another order than the single model's. Measured at one thread
+    (λ = 1 seed 0 and λ = 0 seed 2, evaluations every 10 epochs): the members' train losses are
+    within 3.5e-7 (relative) of their single runs' to epoch 60, then the λ = 1 run's grokking transition
+    amplifies the difference about tenfold per evaluation (9e-6 at 70, 5e-4 at 100, 3e-2 in its
+    loss spike at 110) while every accuracy stays identical and both grok at epoch 120. So: losses
+    within 1e-5 to epoch 60 (30x the measured gap), the same regime, t_grok and trace length
+    within one evaluation (the transition may shift by one evaluation on other hardware)."""
     cfgs = [RunConfig(seed=0, weight_decay=1.0, **MAMBA), RunConfig(seed=2, weight_decay=0.0, **MAMBA)]
     ensemble = train_ensemble(cfgs)
     for cfg, member in zip(cfgs, ensemble):
         single = train_run(cfg)
         assert member.result["run_id"] == single.result["run_id"] and member.result["ensemble_size"] == 2
         assert abs(len(member.trace) - len(single.trace)) <= 1
-        for a, b in zip(member.trace[:3], single.trace[:3]):
-            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=5e-3, abs=1e-4)
-            assert a["test_loss"] == pytest.approx(b["test_loss"], rel=5e-3, abs=1e-4)
+        early = [(a, b) for a, b in zip(member.trace, single.trace) if a["epoch"] <= 60]
+        assert len(early) == 6
+        for a, b in early:
+            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5), a["epoch"]
+            assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-5), a["epoch"]
         assert member.result["regime"] == single.result["regime"]
         if single.result["t_grok_epoch"] is not None:
             assert abs(member.result["t_grok_epoch"] - single.result["t_grok_epoch"]) <= cfg.eval_every
