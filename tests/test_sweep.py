@@ -72,22 +72,22 @@ def test_grid_unique_validated_and_sharded():
 
 def test_plan_local_fits_cores_and_memory():
     grid = sw.build_grid(TINY, [0.1, 1.0], [0, 1, 2, 3])
-    workers, threads = sw.plan_local(grid, cores=4, memory=64 * 2**30)
+    workers, threads = sw.plan_local(grid, cores=4, memory=64 * 2**30, load=0)
     assert workers == 4 and threads == 1
-    workers, threads = sw.plan_local(grid, cores=8, memory=int(1.2 * 2**30))   # ~0.4 GiB per worker
-    assert workers == 2 and threads == 4
-    workers, threads = sw.plan_local(grid[:1], cores=8, memory=64 * 2**30)
-    assert workers == 1 and threads == 8
-    assert sw.plan_local(grid, workers=3, cores=8) == (3, 2)
+    workers, threads = sw.plan_local(grid, cores=8, memory=int(1.2 * 2**30), load=0)   # ~0.4 GiB per worker
+    assert workers == 2 and threads == 1        # a tiny model: a second thread does not pay
+    workers, threads = sw.plan_local(grid[:1], cores=8, memory=64 * 2**30, load=0)
+    assert workers == 1 and threads == 1
+    assert sw.plan_local(grid, workers=3, cores=8, load=0) == (3, 1)
 
 
-def test_plan_packs_gives_idle_cores_to_the_packs():
+def test_plan_packs_one_process_per_pack():
     grid = sw.build_grid(TINY, [0.1, 1.0], [0, 1, 2, 3])
-    assert sw.plan_packs(grid, n_packs=1, cores=2) == (1, 2)       # one pack of 8 uses both cores
-    assert sw.plan_packs(grid, n_packs=3, cores=2) == (2, 1)
-    assert sw.plan_packs(grid, n_packs=3, cores=8) == (3, 2)
-    assert sw.plan_packs(grid, n_packs=3, workers=1, cores=8) == (1, 8)
-    assert sw.plan_packs(grid, n_packs=3, threads=1, cores=8) == (3, 1)
+    assert sw.plan_packs(grid, n_packs=1, cores=2, members=8, load=0) == (1, 1)
+    assert sw.plan_packs(grid, n_packs=3, cores=2, load=0) == (2, 1)
+    assert sw.plan_packs(grid, n_packs=3, cores=8, load=0) == (3, 1)
+    assert sw.plan_packs(grid, n_packs=3, workers=1, cores=8, load=0) == (1, 1)
+    assert sw.plan_packs(grid, n_packs=3, threads=2, cores=8, load=0) == (3, 2)    # the user's choice stands
 
 
 # ------------------------------------------------------------------------------ running (fake trainers)

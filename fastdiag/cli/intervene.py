@@ -15,19 +15,20 @@ from fastdiag.analysis.headdim import headdim_analysis
 from fastdiag.analysis.paired import compare_arms
 from fastdiag.cli.analyze import format_comparison, format_headdim
 from fastdiag.cli.app import CLIError, create_store, option_errors
-from fastdiag.cli.options import run_fields, run_options
+from fastdiag.cli.options import THREADS_HELP, run_fields, run_options
 from fastdiag.grokking import interventions as iv
 from fastdiag.grokking.build import build_model, check_buildable, heads_width
 from fastdiag.grokking.config import ARMS, RunConfig
 from fastdiag.store import dumps
 from fastdiag.store import interventions as tables
 from fastdiag.sweep.grid import parse_seeds
+from fastdiag.sweep.plan import plan_threads
 from fastdiag.sweep.run import run_sweep
 
 def _experiment_options(command):
     """What intervene and headdim share beyond the run options: seeds, store, outputs, threads."""
     options = [
-        click.option("--threads", type=int, default=2, show_default=True, help="CPU threads for torch"),
+        click.option("--threads", type=int, default=None, help=THREADS_HELP),
         click.option("--seeds", default="3", show_default=True, metavar="N|LIST",
                      help="a count N (seeds 0..N-1) or a comma list of seeds (one seed k: 'k,')"),
         click.option("--store", "store_path", default=None, type=click.Path(dir_okay=False),
@@ -41,8 +42,8 @@ def _experiment_options(command):
     return command
 
 
-def _check_runnable(cfg: RunConfig, threads: int) -> None:
-    if threads < 1:
+def _check_runnable(cfg: RunConfig, threads: int | None) -> None:
+    if threads is not None and threads < 1:
         raise CLIError(f"--threads: must be >= 1, got {threads}")
     with option_errors():
         check_buildable(cfg, device=True)
@@ -77,7 +78,7 @@ def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epoc
     out_dir = Path(kw["out_dir"]) if kw["out_dir"] else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(kw["threads"])
+    torch.set_num_threads(kw["threads"] or plan_threads([cfg0]))
     experiment = iv.experiment_id(cfg0, settings)
     store = create_store(kw["store_path"]) if kw["store_path"] else None
     say = (lambda msg: None) if kw["quiet"] else (lambda msg: click.echo(msg, err=True))

@@ -5,11 +5,12 @@ import click
 import torch
 
 from fastdiag.cli.app import CLIError, option_errors, os_error_text
-from fastdiag.cli.options import run_fields, run_options
+from fastdiag.cli.options import THREADS_HELP, run_fields, run_options
 from fastdiag.grokking.build import check_buildable
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.train import train_run
 from fastdiag.store.files import prepare_out_dir
+from fastdiag.sweep.plan import plan_threads
 from fastdiag.sweep.progress import RunProgress
 
 
@@ -19,13 +20,13 @@ def _fmt(value, spec=".3f") -> str:
 
 @click.command("run")
 @run_options()
-@click.option("--threads", type=int, default=2, show_default=True, help="CPU threads for torch")
+@click.option("--threads", type=int, default=None, help=THREADS_HELP)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="output directory [default: runs/<run_id>]")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 def run(threads, out_dir, quiet, **fields) -> None:
     """Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."""
-    if threads < 1:
+    if threads is not None and threads < 1:
         raise CLIError(f"--threads: must be >= 1, got {threads}")
     # Check everything the run needs before any training: the values, the task (÷ needs a prime p,
     # p² pairs must fit in memory), the model settings, the device, and the output directory.
@@ -38,7 +39,7 @@ def run(threads, out_dir, quiet, **fields) -> None:
     except OSError as exc:
         raise CLIError(f"--out: cannot write to {out_dir}: {os_error_text(exc)}") from None
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads or plan_threads([cfg]))
     progress = None if quiet else RunProgress(cfg.epochs)
     try:
         outcome = train_run(cfg, progress=progress)

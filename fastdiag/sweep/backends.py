@@ -14,7 +14,7 @@ import torch
 
 from fastdiag.grokking.build import uses_cuda
 from fastdiag.grokking.config import RunConfig
-from fastdiag.sweep.execute import execute, execute_pack, init_worker, worker_main
+from fastdiag.sweep.execute import execute, execute_pack, init_worker, passive_openmp, worker_main
 from fastdiag.sweep.plan import plan_packs
 
 HELD_RETRY_S = 5.0     # how often runs another sweep held are looked at again
@@ -33,7 +33,7 @@ def run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, thr
     cfgs = [c for task in tasks for c in task]
     if not cfgs:
         return
-    n_workers, n_threads = plan_packs(cfgs, len(tasks), workers, threads)
+    n_workers, n_threads = plan_packs(cfgs, len(tasks), workers, threads, members=max(map(len, tasks)))
     queue: collections.deque = collections.deque(tasks)
     held: list[list[RunConfig]] = []          # claimed by another sweep when we came to them
     last_look = [-math.inf]
@@ -143,7 +143,8 @@ class _Worker:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=worker_main, args=(child, threads, slot if cuda else None),
                                    name=f"fastdiag-worker-{slot}")
-        self.process.start()
+        with passive_openmp():
+            self.process.start()
         child.close()
         self.task: list[RunConfig] | None = None
         self.stored: set[int] = set()     # members of its ensemble already finished

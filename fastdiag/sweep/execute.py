@@ -2,6 +2,7 @@
 (`execute_pack`), failures coming back as data; the worker process's set-up and its loop (`worker_main`)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
@@ -73,6 +74,20 @@ def _die_with_parent() -> None:
             pass
         if os.getppid() == 1:   # the parent died before prctl took effect
             os._exit(1)
+
+
+@contextlib.contextmanager
+def passive_openmp():
+    """A spawned worker loads torch before it runs any of our code, and OpenMP reads its wait policy
+    then: passive waiting (see `fastdiag.sweep.plan`) goes in through the environment it inherits,
+    unless the user chose a policy."""
+    chosen = os.environ.get("OMP_WAIT_POLICY")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        yield
+    finally:
+        if chosen is None:
+            os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def init_worker(threads: int, gpu_index: int | None = None) -> None:

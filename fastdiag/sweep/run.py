@@ -26,6 +26,7 @@ from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.ensemble_train import describe_packs, pack_runs
 from fastdiag.store import Lease, Store
 from fastdiag.sweep.backends import run_local, run_ray
+from fastdiag.sweep.plan import default_workers, plan_local, spread_packs
 from fastdiag.sweep.progress import Progress
 
 BACKENDS = ("local", "ray")
@@ -100,8 +101,13 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
             tasks = [[c] for c in todo]
             if todo and ensemble != 1 and train_fn is None:
                 tasks = pack_runs(todo, ensemble)
+                if backend == "local":    # every worker a pack: one pack on two cores idles one
+                    tasks = spread_packs(tasks, plan_local(todo, default_workers(todo, workers))[0])
                 for line in describe_packs(tasks):
                     bar.note(line)
+            if backend == "local" and workers is not None and 0 < len(tasks) < workers:
+                bar.note(f"workers: {len(tasks)} of the {workers} asked for: only {len(tasks)} "
+                         f"task(s) to run ({len(todo)} run(s))")
             if backend == "ray":
                 run_ray(tasks, lease, finish, redo=redo, address=address, max_retries=max_retries,
                          train_fn=train_fn)
