@@ -4,11 +4,27 @@
     stats.sync(), stats.entropy_spread()         # s̄ and σ_H of the layer
     monitor = fastdiag.attach(model)             # the same, inside an existing training loop
 """
-from fastdiag.diagnostics import head_stats
-from fastdiag.monitor import Monitor, attach
-from fastdiag.stats import HeadStats, Summary, summarize
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
+# The public names load on first use (PEP 562): importing them here would load torch (~1-3 s) for
+# every `fastdiag --help`, and the command line must set OMP_WAIT_POLICY before torch loads OpenMP.
+_EXPORTS = {"head_stats": "fastdiag.diagnostics", "Monitor": "fastdiag.monitor", "attach": "fastdiag.monitor",
+            "HeadStats": "fastdiag.stats", "Summary": "fastdiag.stats", "summarize": "fastdiag.stats"}
+
 __all__ = ["HeadStats", "Monitor", "Summary", "attach", "head_stats", "summarize", "__version__"]
 
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fastdiag' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

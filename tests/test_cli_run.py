@@ -1,6 +1,9 @@
 """`fastdiag run`: a tiny real run, and bad input as one line with exit status 2."""
 import json
+import subprocess
+import sys
 
+import click
 import pytest
 
 from fastdiag.cli import main
@@ -56,3 +59,23 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fastdiag: error:") and needle in lines[0], err
     assert "Traceback" not in err
+
+
+def test_every_command_loads_and_the_listing_uses_its_own_words():
+    """Commands load lazily (`fastdiag --help` needs no torch): every module named in the table must
+    import and provide its command, and the listing's words must be the start of the command's help."""
+    from fastdiag.cli import cli
+
+    ctx = click.Context(cli)
+    for name, (module, words) in cli.lazy.items():
+        command = cli.get_command(ctx, name)
+        assert command is not None and command.callback.__module__ == module, name
+        assert " ".join(command.help.split()).startswith(words), name
+
+
+def test_top_level_help_loads_no_torch():
+    code = "import sys; from fastdiag.cli import main; main(['--help']); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "Commands:" in out and "headdim" in out and "export" in out
+    assert out.strip().endswith("False")
+

@@ -1,9 +1,9 @@
 """The `fastdiag` command line: the only layer that knows flags and prints.
 
 ``app`` holds the click group, the error handling (one line on stderr, exit status 2) and the
-mapping from library parameter names to flags; each command lives in its own module and is
-registered here, so a command module that fails to import fails loudly instead of vanishing from
-``fastdiag --help``.
+mapping from library parameter names to flags; each command lives in its own module, registered here
+by name and loaded when it is used (``fastdiag --help`` then needs no torch); tests/test_cli_run.py
+imports every one, so a command module that fails to import fails a test instead of vanishing.
 """
 import os
 
@@ -13,11 +13,18 @@ import os
 # "threads"). A user's own OMP_WAIT_POLICY stands.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from fastdiag.cli import analyze, bench, intervene, plot, run, sweep  # noqa: E402 - after the policy
-from fastdiag.cli.app import CLIError, cli, main
+from fastdiag.cli.app import CLIError, cli, main  # noqa: E402 - after the policy
 
-for _module in (run, sweep, analyze, plot, bench, intervene):
-    for _command in _module.COMMANDS:
-        cli.add_command(_command)
+cli.lazy = {
+    "run": ("fastdiag.cli.run", "Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."),
+    "sweep": ("fastdiag.cli.sweep", "Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."),
+    "merge": ("fastdiag.cli.sweep", "Merge shard stores IN... into OUT (created if missing)."),
+    "export": ("fastdiag.cli.sweep", "Export a store's runs table (config and result flattened into columns)"),
+    "analyze": ("fastdiag.cli.analyze", "Critical weight decay λ_c, exponent ν (with bootstrap CIs), regime table"),
+    "plot": ("fastdiag.cli.plot", "Draw the sweep figures of STORE as PNG and SVG into DIR"),
+    "bench": ("fastdiag.cli.bench", "Measure fastdiag's overhead against a pure-PyTorch reference"),
+    "intervene": ("fastdiag.cli.intervene", "Causal interventions at the Phase-2 peak"),
+    "headdim": ("fastdiag.cli.intervene", "Per-head dimension: train every (d, H, seed) at fixed λ"),
+}
 
 __all__ = ["CLIError", "cli", "main"]

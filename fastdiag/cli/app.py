@@ -1,17 +1,34 @@
 """The `fastdiag` command line. Every error is one line on stderr and exit status 2."""
 from __future__ import annotations
 
+import importlib
+import os
 import signal
 import sqlite3
 import sys
 import threading
 from contextlib import contextmanager
 
-import click
 
-from fastdiag.cli.options import PARAM_FLAGS
-from fastdiag.grokking.config import RunConfig
-from fastdiag.store import Store, open_existing
+def _interrupted_while_loading(signum, frame) -> None:
+    os.write(2, b"fastdiag: error: interrupted\n")
+    os._exit(130)
+
+
+# Ctrl-C while the command line is still loading (click, the store: a tenth of a second, seconds on a
+# loaded machine) ends it with the same one line and status as later, not a traceback from inside an
+# import; main() puts Python's own handler back. Only where this process is the `fastdiag` program
+# (its script, or `python -m` finding fastdiag.cli), never in a program that imports fastdiag.cli.
+if (os.path.basename(sys.argv[0]) == "fastdiag" or sys.argv[0] == "-m") \
+        and threading.current_thread() is threading.main_thread() \
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_loading)
+
+import click  # noqa: E402 - after the handler
+
+from fastdiag.cli.options import PARAM_FLAGS  # noqa: E402
+from fastdiag.grokking.config import RunConfig  # noqa: E402
+from fastdiag.store import Store, open_existing  # noqa: E402
 
 
 class CLIError(click.ClickException):
@@ -20,7 +37,37 @@ class CLIError(click.ClickException):
     exit_code = 2
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A group whose commands' modules load when a command is run (or its help is asked for): they
+    import torch, and ``fastdiag --help`` (the command listing) would otherwise wait seconds, tens of
+    seconds on a loaded machine, for a torch it never uses. ``lazy``: command name → (module, the
+    first words of its help, for the listing; tests/test_cli_run.py checks them against the command)."""
+
+    lazy: dict[str, tuple[str, str]] = {}
+
+    def list_commands(self, ctx) -> list[str]:
+        return sorted(set(self.commands) | set(self.lazy))
+
+    def get_command(self, ctx, name):
+        if name not in self.commands and name in self.lazy:
+            for command in importlib.import_module(self.lazy[name][0]).COMMANDS:
+                self.add_command(command)
+        return self.commands.get(name)
+
+    def format_commands(self, ctx, formatter) -> None:
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names))
+        rows = []
+        for name in names:
+            text = self.lazy[name][1] if name in self.lazy else self.commands[name].get_short_help_str(limit)
+            if len(text) > limit:
+                text = text[:limit - 3].rsplit(" ", 1)[0] + "..."
+            rows.append((name, text))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """fastdiag: cheap, exact, online diagnostics of attention heads."""
 
@@ -81,6 +128,8 @@ def _fail(message: str, status: int = 2) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread and signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
+        signal.signal(signal.SIGINT, signal.default_int_handler)     # loaded: Ctrl-C unwinds as usual
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         cli.main(args=argv, prog_name="fastdiag", standalone_mode=False)
