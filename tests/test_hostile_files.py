@@ -271,3 +271,43 @@ def test_bench_json_target_refused_before_the_benchmark(tmp_path, capsys, where,
               "--json", str(tmp_path / where)])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and "--json:" in err[0] and needle in err[0], err
+
+
+# ----------------------------------------------------------------------------- Ctrl-C while loading
+
+_INTERRUPT_WHILE_LOADING = textwrap.dedent('''
+    import os, signal, sys
+
+    class InterruptAtImport:
+        """Ctrl-C exactly while the command line imports click: no timing involved."""
+        def find_spec(self, name, path=None, target=None):
+            if name == "click":
+                os.kill(os.getpid(), signal.SIGINT)
+            return None
+
+    sys.argv[0] = os.path.join(os.path.dirname(sys.executable), "fastdiag")    # as the console script
+    sys.meta_path.insert(0, InterruptAtImport())
+    from fastdiag.cli import main
+    sys.exit(main(["analyze", "nothing.sqlite"]))
+''')
+
+
+def test_ctrl_c_while_the_command_line_loads_is_one_line_and_130(tmp_path):
+    r = subprocess.run([sys.executable, "-c", _INTERRUPT_WHILE_LOADING], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120)
+    assert r.returncode == 130 and r.stderr == "fastdiag: error: interrupted\n", (r.returncode, r.stderr)
+
+
+def test_ctrl_c_after_loading_still_unwinds(tmp_path):
+    """The loading handler is gone once main() runs: Ctrl-C raises KeyboardInterrupt there, so every
+    `finally` runs (a sweep stores what finished), and a program importing fastdiag.cli keeps its own."""
+    import signal
+
+    from fastdiag.cli import app
+    assert signal.getsignal(signal.SIGINT) is not app._interrupted_while_loading    # pytest imported it
+    script = ("import os, signal, sys; sys.argv[0] = 'fastdiag'; from fastdiag.cli import app; "
+              "assert signal.getsignal(signal.SIGINT) is app._interrupted_while_loading; "
+              "app.cli.command('probe')(lambda: print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)); "
+              "app.main(['probe'])")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
