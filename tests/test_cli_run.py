@@ -79,3 +79,13 @@ def test_top_level_help_loads_no_torch():
     assert "Commands:" in out and "headdim" in out and "export" in out
     assert out.strip().endswith("False")
 
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_sweep_refuses_a_missing_device_before_any_work(capsys, tmp_path):
+    store = tmp_path / "s.sqlite"
+    code, _, err = _run(capsys, "sweep", "--wd", "0.1,1", "--seeds", "2", "--device", "cuda", "--store", str(store))
+    assert code == 2 and err.strip().splitlines() == [
+        "fastdiag: error: --device: 'cuda' requested but CUDA is not available on this machine"]
+    assert not store.exists()                       # no store, no runs recorded as failed
+    code, out, _ = _run(capsys, "sweep", "--wd", "0.1,1", "--device", "cuda", "--store", str(store), "--dry-run")
+    assert code == 0 and "2 runs" in out            # planning a GPU sweep on a laptop still works

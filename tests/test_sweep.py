@@ -113,6 +113,15 @@ def fake_train(cfg):
     return SimpleNamespace(config=cfg, result=result, trace=trace)
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_local_sweep_refuses_a_missing_device_before_registering_runs(tmp_path):
+    grid = sw.build_grid({**TINY, "device": "cuda"}, [0.1], [0, 1])
+    with Store(tmp_path / "s.sqlite") as st:
+        with pytest.raises(ValueError, match="^device: 'cuda' requested but CUDA is not available"):
+            sw.run_sweep(grid, st, workers=1, progress=False)
+        assert st.status_of({c.run_id(): c for c in grid}) == {}
+
+
 def test_resume_skips_done_and_redoes_unfinished(tmp_path):
     grid = sw.build_grid(TINY, [0.01, 0.1, 1.0], [0, 1])
     calls = []

@@ -70,8 +70,9 @@ def run_fields(kw: dict) -> dict:
     return {name: kw[name] for name in _FIELDS if name in kw}
 
 
-THREADS_HELP = ("CPU threads for torch [default: 1 for models below 0.5 M parameters (× ensemble members), "
-                "where a second thread does not pay; else the cores, shared among the workers]")
+THREADS_DEFAULT = ("[default: 1 for models below 0.5 M parameters (× ensemble members), where a second thread "
+                   "does not pay; else the cores, shared among the workers]")
+THREADS_HELP = "CPU threads for torch " + THREADS_DEFAULT
 
 # Library parameter names (the prefix of a ValueError's message) → the flags the user typed.
 PARAM_FLAGS = {

@@ -10,12 +10,12 @@ from pathlib import Path
 import click
 
 from fastdiag.cli.app import CLIError, create_store, open_store, option_errors
-from fastdiag.cli.options import run_fields, run_options
+from fastdiag.cli.options import THREADS_DEFAULT, run_fields, run_options
 from fastdiag.grokking.config import ARCHS, RunConfig
 from fastdiag.store.files import atomic_path, check_target
 from fastdiag.sweep.grid import build_grid, parse_list, parse_seeds, parse_shard, parse_wd
 from fastdiag.sweep.grid import shard as shard_grid
-from fastdiag.sweep.run import BACKENDS, run_sweep
+from fastdiag.sweep.run import BACKENDS, check_devices, run_sweep
 
 _DEFAULTS = RunConfig()
 
@@ -49,7 +49,7 @@ def _parse_ensemble(spec: str) -> int | None:
               help="Where the runs execute: local processes or a Ray cluster.")
 @click.option("--workers", type=int, default=None,
               help="Local processes (default: what the cores and memory hold).")
-@click.option("--threads", type=int, default=None, help="Torch threads per local worker (default cores/workers).")
+@click.option("--threads", type=int, default=None, help="Torch threads per local worker " + THREADS_DEFAULT)
 @click.option("--address", default=None, help="Ray cluster address (default: start Ray locally).")
 @click.option("--max-retries", type=int, default=2, show_default=True,
               help="Retries of a run whose worker was lost.")
@@ -92,6 +92,8 @@ def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, ad
                    + (f", shard {shard}" if shard_spec else ""))
         click.echo("λ: " + ", ".join(f"{w:g}" for w in weight_decays))
         return
+    with option_errors():
+        check_devices(configs, backend)          # before the store exists: no runs recorded failed
     store = create_store(store_path)
     try:
         with option_errors():

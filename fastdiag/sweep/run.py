@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from fastdiag.grokking.build import resolve_device
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.ensemble_train import describe_packs, pack_runs
 from fastdiag.store import Lease, Store
@@ -44,6 +45,14 @@ class SweepSummary:
     wall_seconds: float = 0.0
 
 
+def check_devices(configs: Sequence[RunConfig], backend: str = "local") -> None:
+    """Raise ValueError (naming ``device``) before any work when a local sweep asks for a device this
+    machine lacks, instead of recording every run as failed; a Ray cluster's nodes may have it."""
+    if backend == "local":
+        for device in sorted({c.device for c in configs}):
+            resolve_device(device)
+
+
 def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "local",
               workers: int | None = None, threads: int | None = None, address: str | None = None,
               max_retries: int = 2, retry_failed: bool = True, ensemble: int | None = 1,
@@ -63,6 +72,8 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     if max_retries < 0:
         raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
+    if train_fn is None:
+        check_devices(configs, backend)
     started = time.time()
     by_id = {c.run_id(): c for c in configs}
     store.add_runs(by_id.values())
