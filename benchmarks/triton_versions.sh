@@ -4,7 +4,9 @@
 # --no-deps, then the kernel report (compiled for GPU targets, no GPU needed) and the interpreter
 # kernel tests. pyproject's triton bounds name the versions this script has been run with.
 #
-#   benchmarks/triton_versions.sh [--report-only | --tests-only]     (VENV=/tmp/fastdiag-triton36 TRITON=3.6.0)
+#   benchmarks/triton_versions.sh [--report-only | --tests-only | --matrix]     (VENV=/tmp/fastdiag-triton36 TRITON=3.6.0)
+#
+# --matrix: benchmarks/kernel_matrix.py --quick (every generation, the heavy variants) under that triton.
 #
 # numpy < 2.4: triton 3.6's interpreter fails on `range(..., tl.num_programs(0))` with numpy 2.4
 # (its interpreter.py builds the program count as a numpy scalar that numpy 2.4 no longer accepts
@@ -21,6 +23,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . 2>/dev/null || "$VENV/bin/pip" install -q --no-deps .
 fi
 "$VENV/bin/python" -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)"
+if [ "$MODE" = "--matrix" ]; then
+  exec "$VENV/bin/python" benchmarks/kernel_matrix.py --quick
+fi
 if [ "$MODE" != "--tests-only" ]; then
   echo "== kernel report (triton $TRITON)"
   "$VENV/bin/python" -m fastdiag.cli bench --kernel-report --json "${REPORT_JSON:-$VENV/kernel_report.json}"
