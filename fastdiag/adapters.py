@@ -189,6 +189,12 @@ _SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.soft
 _LOGSUMEXPS = {torch.logsumexp, torch.Tensor.logsumexp}
 
 
+def is_flex_attention(func) -> bool:
+    """``torch.nn.attention.flex_attention`` reaches a function mode as its higher-order operator
+    (eager or not): its probabilities are never formed, so the module calling it is named."""
+    return isinstance(func, torch._ops.HigherOrderOperator) and func.name() == "flex_attention"
+
+
 def softmax_dim(args: tuple, kwargs: dict) -> int | None:
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     return dim if isinstance(dim, int) else None
@@ -426,6 +432,8 @@ class AttentionMode(TorchFunctionMode):
                 if func in _LOGSUMEXPS and isinstance(scores, torch.Tensor) and scores.dim() == 4 \
                         and softmax_dim(args, kwargs) in (-1, 3):
                     self.monitor.on_logsumexp()
+                elif is_flex_attention(func):
+                    self.monitor.on_flex_attention()
             return out
         self.busy = True
         try:

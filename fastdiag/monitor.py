@@ -570,6 +570,14 @@ class Monitor:
         if where is not None:
             self._pass_lse.add(where[0])
 
+    def on_flex_attention(self) -> None:
+        """``flex_attention`` (a fused kernel with score_mod / block_mask): no probabilities and no
+        SDPA call to re-derive them from, so its module, whatever its class name, is named."""
+        where = self._attention_call()
+        if where is not None:
+            self._refuse(where[0], "it calls flex_attention, whose probabilities (score_mod, block_mask) are never "
+                                   "formed and cannot be re-derived: not measured")
+
     def _candidate(self, name: str, call: int, probs: torch.Tensor, stats, how: str) -> None:
         """A softmax in module ``name``: attention once its output is multiplied with values along
         its key axis (`adapters.Provenance`); ``stats`` None: attention whose layout is unreadable

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 from torch.overrides import TorchFunctionMode
 
 import fastdiag
@@ -481,6 +482,8 @@ class OddSoftmaxes(nn.Module):
             return torch.einsum("bthw,bhwd->bhtd", window.softmax(-1), v[:, :, :3])
         if self.how == "logsumexp":     # exp(s - logsumexp), no softmax
             return torch.exp(scores - scores.logsumexp(-1, keepdim=True)) @ v
+        if self.how == "flex":          # flex_attention in a class not named like attention
+            return flex_attention(q, k, v)
         raise AssertionError(self.how)
 
 
@@ -503,6 +506,32 @@ def test_softmaxes_that_are_not_one_attention_map_are_no_layer_and_are_named(how
     assert len(problems) == 1 and "'odd'" in problems[0]
     assert re.search(message, problems[0])
     assert list(monitor.latest_stats()) == ["real"] and list(monitor.coverage()["measured"]) == ["real"]
+    assert_stats_close(monitor.latest_stats()["real"], _hs(model.real.probs))
+
+
+def test_flex_attention_in_a_class_not_named_like_attention_is_named():
+    """flex_attention never forms its probabilities (and has no CPU backward, hence no_grad): the
+    module calling it is named, whatever its class name; the other layer stays exact."""
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.real, self.odd = HandWritten("softmax"), OddSoftmaxes("flex")
+
+        def forward(self, x):
+            return self.odd(self.real(x).transpose(1, 2).reshape(x.shape))
+
+    torch.manual_seed(0)
+    model, x = Pair(), torch.randn(2, 6, 8)
+    with torch.no_grad():
+        want = model(x)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with fastdiag.attach(model, every=1) as monitor:
+                got = model(x)
+    assert torch.equal(got, want)
+    problems = [str(w.message) for w in caught if "fastdiag" in str(w.message)]
+    assert len(problems) == 1 and "'odd'" in problems[0] and "calls flex_attention" in problems[0]
+    assert list(monitor.latest_stats()) == ["real"] and "odd" in monitor.coverage()["missing"]
     assert_stats_close(monitor.latest_stats()["real"], _hs(model.real.probs))
 
 
