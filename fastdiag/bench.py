@@ -335,17 +335,28 @@ def format_sdpa_step_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _cell(value, width: int, spec: str) -> str:
+    """A number, or a dash where the figure does not exist (no compiled reference, no copy bandwidth)."""
+    return f"{'–':>{width}}" if value is None or value != value else f"{value:>{width}{spec}}"
+
+
 def format_kernel_table(rows: list[dict]) -> str:
     head = f"{'shape':<13} {'dtype':<9} {'eager ms':>9} {'compiled':>9} {'fastdiag':>9} {'x eager':>8} {'x comp':>7} {'GB/s':>7} {'%copy':>6}"
     lines = [head, "-" * len(head)]
+    dashes = False
     for r in rows:
         t = r["timings"]
         comp = t.get("compiled")
+        copy = r.get("fraction_of_copy_bandwidth")
+        dashes |= comp is None or copy is None
         lines.append(
             f"{r['shape']:<13} {r['dtype']:<9} {t['eager']['median_ms']:>9.3f} "
-            f"{(comp['median_ms'] if comp else float('nan')):>9.3f} {t['fastdiag']['median_ms']:>9.3f} "
-            f"{r['speedup_vs_eager']:>8.2f} {r.get('speedup_vs_compiled', float('nan')):>7.2f} "
-            f"{r['gbytes_per_s']:>7.1f} {100 * r.get('fraction_of_copy_bandwidth', float('nan')):>6.1f}")
+            f"{_cell(comp['median_ms'] if comp else None, 9, '.3f')} {t['fastdiag']['median_ms']:>9.3f} "
+            f"{r['speedup_vs_eager']:>8.2f} {_cell(r.get('speedup_vs_compiled'), 7, '.2f')} "
+            f"{r['gbytes_per_s']:>7.1f} {_cell(None if copy is None else 100 * copy, 6, '.1f')}")
+    if dashes:
+        lines.append("–: not measured here (compiled: --no-compile or no torch.compile; %copy: the copy "
+                     "bandwidth is measured on a GPU only)")
     return "\n".join(lines)
 
 

@@ -46,9 +46,21 @@ def _known_names(text: str, known, option: str, what: str) -> list[str]:
     return names
 
 
+# The default run is quick (one kernel shape, few repeats, the small sweep workload) so that a first
+# `fastdiag bench` finishes in minutes on a laptop; --full is the measurement benchmarks/RESULTS.md reports.
+QUICK = {"shapes": "grokking", "repeats": 5, "blocks": 5, "workloads": "small"}
+FULL = {"shapes": ",".join(bench.KERNEL_SHAPES), "repeats": 15, "blocks": 21, "workloads": ",".join(bench.ENSEMBLE_WORKLOADS)}
+
+
 @click.command("bench")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--shapes", default=",".join(bench.KERNEL_SHAPES), show_default=True,
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where to measure: auto (CUDA when available), cpu, cuda.")
+@click.option("--full", is_flag=True,
+              help=f"The full measurement (shapes {FULL['shapes']}, {FULL['repeats']} repeats, {FULL['blocks']} "
+                   f"blocks, workloads {FULL['workloads']}) instead of the quick default "
+                   f"(shape {QUICK['shapes']}, {QUICK['repeats']} repeats, {QUICK['blocks']} blocks, "
+                   f"workload {QUICK['workloads']}); options given explicitly override either.")
+@click.option("--shapes", default=None,
               help="Comma list of kernel shapes: " + ", ".join(f"{k}={v}" for k, v in bench.KERNEL_SHAPES.items()))
 @click.option("--steps/--no-steps", default=True, show_default=True, help="Also time training steps with attach.")
 @click.option("--ensembles/--no-ensembles", default=True, show_default=True,
@@ -56,18 +68,19 @@ def _known_names(text: str, known, option: str, what: str) -> list[str]:
 @click.option("--archs/--no-archs", default=True, show_default=True,
               help="Also time a Mamba training step beside the transformer's (batch 512, T 3).")
 @click.option("--members", type=click.IntRange(2), default=None, help="Ensemble size K (default: what `sweep --ensemble auto` picks).")
-@click.option("--workloads", default=",".join(bench.ENSEMBLE_WORKLOADS), show_default=True,
+@click.option("--workloads", default=None,
               help="Comma list of sweep workloads for the ensemble rows: " + ", ".join(bench.ENSEMBLE_WORKLOADS))
 @click.option("--no-compile", is_flag=True, help="Skip the torch.compile'd reference.")
-@click.option("--repeats", type=click.IntRange(3), default=15, show_default=True, help="Timed repeats (CPU).")
-@click.option("--blocks", type=click.IntRange(3), default=21, show_default=True, help="Alternating step blocks.")
+@click.option("--repeats", type=click.IntRange(3), default=None, help="Timed repeats of each kernel (CPU).")
+@click.option("--blocks", type=click.IntRange(3), default=None, help="Alternating blocks of each step timing.")
 @click.option("--kernel-report", is_flag=True,
               help="Instead of timing: compile every Triton kernel for sm_90 (H200) at the benchmark shapes, "
                    "no GPU needed, and print registers, spills, shared memory, hot-loop SASS per element and "
                    "the issue-bound ceiling as a fraction of copy bandwidth.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Write all measurements to this JSON file.")
-def bench_command(device, shapes, steps, ensembles, archs, members, workloads, no_compile, repeats, blocks,
+              help="Write the measurements to this JSON file (rewritten after each section, so a cut-off run "
+                   "keeps what finished).")
+def bench_command(device, full, shapes, steps, ensembles, archs, members, workloads, no_compile, repeats, blocks,
                   kernel_report, json_path):
     """Measure fastdiag's overhead against a pure-PyTorch reference (kernel) and per training step."""
     if json_path:                                # refused now, not after the whole benchmark
@@ -75,6 +88,11 @@ def bench_command(device, shapes, steps, ensembles, archs, members, workloads, n
             check_writable_file(json_path)
         except (OSError, ValueError) as exc:
             raise CLIError(f"--json: {os_error_text(exc) if isinstance(exc, OSError) else exc}") from None
+    preset = FULL if full else QUICK
+    shapes = preset["shapes"] if shapes is None else shapes
+    workloads = preset["workloads"] if workloads is None else workloads
+    repeats = preset["repeats"] if repeats is None else repeats
+    blocks = preset["blocks"] if blocks is None else blocks
     names = _known_names(shapes, bench.KERNEL_SHAPES, "--shapes", "shape")   # "" = no kernel rows
 
     progress = _status_line
@@ -87,40 +105,45 @@ def bench_command(device, shapes, steps, ensembles, archs, members, workloads, n
         raise click.ClickException("nothing to run: --shapes and --workloads are empty or --no-steps, "
                                    "--no-archs and --no-ensembles are given; name at least one kernel shape, "
                                    "step or workload")
+    sections = [s for s, on in (("kernels " + ",".join(names), bool(names)), ("steps", steps), ("architectures", archs),
+                                ("ensembles " + ",".join(sweep_workloads), ensembles and bool(sweep_workloads))) if on]
+    click.echo(f"fastdiag bench ({'full' if full else 'quick; --full for the whole measurement'}) — "
+               f"{_machine(dev)}, torch {torch.__version__}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; "
+               f"sections: {'; '.join(sections)}; {repeats} repeats, {blocks} blocks. Each table is printed"
+               + (f" and saved to {json_path}" if json_path else "") + " as its section finishes.")
+    payload = {"machine": _machine(dev), "device": dev.type, "torch": torch.__version__,
+               "python": sys.version.split()[0], "date": datetime.now(timezone.utc).isoformat(),
+               "full": full, "kernel": [], "step": [], "sdpa_step": [], "ensemble": [], "arch_steps": []}
 
-    kernel_rows = []
+    def finished(table: str) -> None:
+        _status_line("")
+        click.echo()
+        click.echo(table)
+        if json_path:
+            with atomic_path(json_path) as tmp, open(tmp, "w") as f:
+                json.dump(payload, f, indent=2, default=str)
+
     for name in names:
         for dtype in bench.kernel_dtypes(dev):
             r = bench.bench_kernel(name, bench.KERNEL_SHAPES[name], dtype, dev, compiled=not no_compile,
                                    repeats=repeats, progress=progress)
-            kernel_rows.append(r.row())
-    step_rows, sdpa_rows = [], []
+            payload["kernel"].append(r.row())
+    if names:
+        finished(bench.format_kernel_table(payload["kernel"]))
     if steps:
         for name, factory in bench.step_workloads(dev).items():
-            step_rows.append(asdict(bench.bench_step(name, factory, dev, blocks=blocks, progress=progress)))
-        sdpa_rows.append(asdict(bench.bench_sdpa_step(dev, rounds=blocks, progress=progress)))
-    arch_rows = [asdict(r) for r in bench.bench_arch_steps(dev, blocks=blocks, progress=progress)] if archs else []
-    ensemble_rows = []
+            payload["step"].append(asdict(bench.bench_step(name, factory, dev, blocks=blocks, progress=progress)))
+        finished(bench.format_step_table(payload["step"]))
+        payload["sdpa_step"].append(asdict(bench.bench_sdpa_step(dev, rounds=blocks, progress=progress)))
+        finished(bench.format_sdpa_step_table(payload["sdpa_step"]))
+    if archs:
+        payload["arch_steps"] = [asdict(r) for r in bench.bench_arch_steps(dev, blocks=blocks, progress=progress)]
+        finished(bench.format_arch_table(payload["arch_steps"]))
     if ensembles:
         for workload in sweep_workloads:
-            ensemble_rows.append(asdict(bench.bench_ensemble(dev, workload, members, progress=progress)))
-    _status_line("")
-    click.echo(f"fastdiag bench — {_machine(dev)}, torch {torch.__version__}, "
-               f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
-    if kernel_rows:
-        click.echo(bench.format_kernel_table(kernel_rows))
-    for rows, table in ((step_rows, bench.format_step_table), (sdpa_rows, bench.format_sdpa_step_table),
-                        (arch_rows, bench.format_arch_table), (ensemble_rows, bench.format_ensemble_table)):
-        if rows:
-            click.echo()
-            click.echo(table(rows))
+            payload["ensemble"].append(asdict(bench.bench_ensemble(dev, workload, members, progress=progress)))
+            finished(bench.format_ensemble_table(payload["ensemble"]))
     if json_path:
-        payload = {"machine": _machine(dev), "device": dev.type, "torch": torch.__version__,
-                   "python": sys.version.split()[0], "date": datetime.now(timezone.utc).isoformat(),
-                   "kernel": kernel_rows, "step": step_rows, "sdpa_step": sdpa_rows,
-                   "ensemble": ensemble_rows, "arch_steps": arch_rows}
-        with atomic_path(json_path) as tmp, open(tmp, "w") as f:
-            json.dump(payload, f, indent=2, default=str)
         click.echo(f"wrote {json_path}")
 
 
