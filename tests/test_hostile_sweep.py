@@ -18,6 +18,7 @@ TINY = ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "32"
 
 _FAKES = textwrap.dedent('''
     import os
+    import signal
     import sys
     import time
     from types import SimpleNamespace
@@ -66,6 +67,8 @@ _FAKES = textwrap.dedent('''
         if os.environ.get("FD_DIE") and cfg.seed == 1 and cfg.weight_decay == 1.0:
             time.sleep(0.3)
             os._exit(9)
+        if os.environ.get("FD_STOP") and cfg.seed == 1 and cfg.weight_decay == 1.0:
+            os.kill(os.getpid(), signal.SIGSTOP)          # `kill -STOP <worker>`: stalled, not dead
         if os.environ.get("FD_PAIRS"):
             meet_a_partner(cfg, start)
         else:
@@ -82,9 +85,13 @@ _FAKES = textwrap.dedent('''
 
     if __name__ == "__main__":
         store, workers, n_seeds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+        if os.environ.get("FD_STALL_S"):
+            from fastdiag.sweep import backends
+            backends.STALL_S = float(os.environ["FD_STALL_S"])
         grid = sw.build_grid(GRID, [0.1, 1.0], range(n_seeds))
         with Store(store) as st:
-            s = sw.run_sweep(grid, st, workers=workers, threads=1, train_fn=slow, progress=False, ensemble=1)
+            s = sw.run_sweep(grid, st, workers=workers, threads=1, train_fn=slow, progress=False, ensemble=1,
+                             max_retries=int(os.environ.get("FD_MAX_RETRIES", "2")))
         print(f"done {s.done} elsewhere {getattr(s, 'elsewhere', None)}", flush=True)
 ''')
 
@@ -165,6 +172,27 @@ def _driver(tmp_path, store, workers, n_seeds, **popen):
     env = {**os.environ, **_DRIVER_ENV, "PYTHONPATH": str(tmp_path)}
     return subprocess.Popen([sys.executable, str(tmp_path / "fd_hostile_fakes.py"), str(store), str(workers),
                              str(n_seeds)], env=env, **popen)
+
+
+def test_a_stopped_worker_is_detected_and_its_run_failed(tmp_path, fakes):
+    """`kill -STOP` on a worker: before, the sweep waited for ever (> 300 s) and kept renewing the
+    run's claim. Now the silent worker is killed after STALL_S without a heartbeat and its run
+    (max_retries 0) failed, the others done, the claims released."""
+    store = tmp_path / "stop.sqlite"
+    env = {**os.environ, "FD_SLEEP": "0.2", "FD_STOP": "1", "FD_STALL_S": "4", "FD_MAX_RETRIES": "0",
+           "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "fd_hostile_fakes.py"), str(store), "2", "2"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)          # a deadline for the old hang, not a measurement
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)           # the stopped worker too
+    assert proc.returncode == 0, err
+    failed = rows(store, "SELECT run_id, error, attempts FROM runs WHERE status = 'failed'")
+    assert len(failed) == 1 and "stalled" in failed[0][1] and failed[0][2] == 1, failed
+    assert rows(store, "SELECT COUNT(*) FROM runs WHERE status = 'done'") == [(3,)]
+    assert rows(store, "SELECT COUNT(*) FROM claims") == [(0,)]
 
 
 def test_attempts_count_only_runs_that_started(tmp_path, fakes):

@@ -18,6 +18,16 @@ from fastdiag.sweep.execute import execute, execute_pack, init_worker, passive_o
 from fastdiag.sweep.plan import plan_packs
 
 HELD_RETRY_S = 5.0     # how often runs another sweep held are looked at again
+# A worker training a task beats every execute.HEARTBEAT_S; one silent this long is stalled (stopped
+# with SIGSTOP, hung): it is killed and its task retried or failed like a dead worker's, so a sweep
+# never waits for ever and its claim is not renewed for a run nobody trains. Generous: a loaded or
+# swapping machine delays beats, and killing a slow but healthy run costs its whole work.
+STALL_S = 120.0
+
+
+def _stalled(attempts: int) -> dict:
+    return {"ok": False, "error": f"worker process stalled (no heartbeat for {STALL_S:g} s: stopped, hung or "
+                                  f"starved) on each of {attempts} attempt(s); it was killed"}
 
 
 def _died(attempts: int) -> dict:
@@ -105,14 +115,14 @@ def run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, thr
             for index, (cfg, out) in enumerate(zip(task, outs)):
                 if index not in worker.stored:
                     finish(cfg, out)
-        elif kind == "died":                  # only the task on that worker; the others go on
+        elif kind in ("died", "stalled"):     # only the task on that worker; the others go on
             if len(task) > 1:                 # which member killed it is unknown: the rest one by one
                 queue.extend([cfg] for index, cfg in enumerate(task) if index not in worker.stored)
                 return
             rid = task[0].run_id()
             deaths[rid] += 1
             if deaths[rid] > max_retries:
-                finish(task[0], _died(deaths[rid]))
+                finish(task[0], _died(deaths[rid]) if kind == "died" else _stalled(deaths[rid]))
             else:
                 queue.appendleft(task)
 
@@ -148,6 +158,7 @@ class _Worker:
         child.close()
         self.task: list[RunConfig] | None = None
         self.stored: set[int] = set()     # members of its ensemble already finished
+        self.heard: float | None = None   # when it last sent anything for its task (None: not yet started)
 
 
 class _WorkerPool:
@@ -172,7 +183,7 @@ class _WorkerPool:
         return [w for w in self.workers if w.task is not None]
 
     def submit(self, worker: _Worker, task: list[RunConfig], train_fn: Callable | None) -> None:
-        worker.task, worker.stored = task, set()
+        worker.task, worker.stored, worker.heard = task, set(), None
         dicts = [c.to_dict() for c in task]
         try:
             worker.conn.send(("run", dicts[0], train_fn) if len(task) == 1 else ("pack", dicts, None))
@@ -195,13 +206,21 @@ class _WorkerPool:
                     message = w.conn.recv()
                 except (EOFError, OSError):   # the worker died mid-message
                     break
-                if results_only and message[0] == "epoch":
+                w.heard = time.monotonic()
+                if message[0] == "alive" or (results_only and message[0] == "epoch"):
                     continue
                 yield w, message
                 if message[0] == "result":
                     w.task = None
             if w.task is not None and not w.process.is_alive() and not results_only:
                 yield w, ("died", w.process.exitcode)
+                self._replace(w)
+            elif (w.task is not None and not results_only and w.heard is not None
+                  and time.monotonic() - w.heard > STALL_S):
+                # Silent since its first beat (a worker still starting up, importing torch on a
+                # loaded machine, has not beaten yet and is not judged)
+                w.process.kill()              # SIGKILL ends a stopped process too
+                yield w, ("stalled", STALL_S)
                 self._replace(w)
 
     def _replace(self, dead: _Worker) -> None:

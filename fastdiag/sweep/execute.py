@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Callable
@@ -21,6 +22,7 @@ from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.ensemble_train import train_ensemble
 
 EPOCH_REPORT_S = 2.0   # how often a run in flight tells the driver its epoch
+HEARTBEAT_S = 1.0      # how often a worker training a task says it is alive (an epoch may take minutes)
 
 
 def epoch_reporter(report: Callable[[str, int, int], None], run_id: str, epochs: int) -> Callable[[dict], None]:
@@ -109,9 +111,25 @@ def worker_main(conn, threads: int, gpu_index: int | None) -> None:
     process group, and the driver alone decides what it means (store what finished, stop the workers)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     init_worker(threads, gpu_index)
+    sending, training = threading.Lock(), threading.Event()
+
+    def send(message) -> None:              # the heartbeat thread sends too: one message at a time
+        with sending:
+            conn.send(message)
+
+    def heartbeat() -> None:
+        # While a task trains, a beat every HEARTBEAT_S: the driver takes a worker silent for much
+        # longer as stalled (stopped with SIGSTOP, hung) and kills it, instead of waiting for ever.
+        while True:
+            time.sleep(HEARTBEAT_S)
+            if training.is_set():
+                with contextlib.suppress(OSError, ValueError):
+                    send(("alive",))
+
+    threading.Thread(target=heartbeat, name="fastdiag-heartbeat", daemon=True).start()
 
     def report(*msg) -> None:
-        conn.send(("epoch", *msg))
+        send(("epoch", *msg))
 
     while True:
         try:
@@ -121,15 +139,18 @@ def worker_main(conn, threads: int, gpu_index: int | None) -> None:
         if task is None:
             return
         kind, payload, train_fn = task
+        training.set()
+        send(("alive",))
         if kind == "run":
             out = execute(payload, train_fn, report)
         else:
-            out = execute_pack(payload, report, lambda index, member: conn.send(("member", index, member)))
+            out = execute_pack(payload, report, lambda index, member: send(("member", index, member)))
+        training.clear()
         try:
-            conn.send(("result", out))
+            send(("result", out))
         except Exception as exc:  # noqa: BLE001 - e.g. a result that does not pickle: a failed run
             error = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            conn.send(("result", error if kind == "run" else [error] * len(payload)))
+            send(("result", error if kind == "run" else [error] * len(payload)))
 
 
 def execute_pack(cfg_dicts: list[dict], report: Callable[[str, int, int], None] | None = None,
