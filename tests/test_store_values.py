@@ -130,3 +130,16 @@ def test_valid_intervention_arms_are_read(tmp_path):
     with open_existing(tmp_path / "iv.sqlite") as st:
         (rows,) = load_experiments(st).values()
         assert [r["arm"] for r in rows] == ["control", "reinit"] and rows[0]["metrics"]["final_test_acc"] == 1.0
+
+
+def test_minus_zero_weight_decay_is_the_zero_run(tmp_path):
+    """`--wd -0` trained λ = 0 a second time under another run id ("-0.0" in its config)."""
+    import math
+
+    from fastdiag import sweep as sw
+    from fastdiag.grokking.config import RunConfig
+
+    (minus_zero,) = sw.parse_wd("-0")
+    assert math.copysign(1.0, minus_zero) == 1.0
+    assert RunConfig(weight_decay=minus_zero).run_id() == RunConfig(weight_decay=0.0).run_id()
+    assert sw.parse_wd("-0,0,0.1") == [0.0, 0.1]

@@ -51,7 +51,7 @@ def parse_wd(spec: str) -> list[float]:
         value = float(item)
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"weight_decays: weight decay must be a finite number >= 0, got {item}")
-        values.append(value)
+        values.append(value + 0.0)          # -0 is 0: the same run, so the same run id (not "-0.0")
     return sorted(set(values))
 
 
