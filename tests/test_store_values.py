@@ -143,3 +143,13 @@ def test_minus_zero_weight_decay_is_the_zero_run(tmp_path):
     assert math.copysign(1.0, minus_zero) == 1.0
     assert RunConfig(weight_decay=minus_zero).run_id() == RunConfig(weight_decay=0.0).run_id()
     assert sw.parse_wd("-0,0,0.1") == [0.0, 0.1]
+
+
+@pytest.mark.parametrize("argv", [["run", "--seed", str(2**65)], ["sweep", "--wd", "0.1", "--seeds", f"0,{2**65}", "--dry-run"]])
+def test_a_seed_beyond_64_bits_names_the_flag(tmp_path, capsys, argv):
+    """Before: torch's "Overflow when unpacking long long" (after the store was written, for a sweep)."""
+    out = ["--out", str(tmp_path / "run")] if argv[0] == "run" else ["--store", str(tmp_path / "s.sqlite")]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--epochs", "1", "--p", "7", *out])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "--seed" in err[0] and "64 bits" in err[0], err

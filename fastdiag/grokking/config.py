@@ -70,6 +70,8 @@ class RunConfig:
             raise ValueError(f"batch_size: must be >= 1, got {self.batch_size}")
         if self.epochs < 1:
             raise ValueError(f"epochs: must be >= 1, got {self.epochs}")
+        if not -2**63 <= self.seed < 2**63:      # what torch.manual_seed takes (not an overflow message later)
+            raise ValueError(f"seed: must fit in 64 bits (|seed| < 2^63), got {self.seed}")
         if not 0.0 < self.train_frac < 1.0:
             raise ValueError(f"train_frac: must be in (0, 1), got {self.train_frac}")
         if self.eval_every < 1 or self.diag_every < 1:
