@@ -170,3 +170,13 @@ def test_fit_max_lambda_keeps_collapse_runs_out_of_the_fits(synthetic_store, tmp
     with pytest.raises(SystemExit) as exc:
         main(["analyze", str(synthetic_store), "--fit-max-lambda", "0"])
     assert exc.value.code == 2 and "--fit-max-lambda" in capsys.readouterr().err
+
+
+def test_nothing_to_analyse_or_plot_is_exit_2_for_both(tmp_path, capsys):
+    path = tmp_path / "empty.sqlite"
+    Store(path).close()
+    for argv in (["analyze", str(path)], ["analyze", str(path), "--json"], ["plot", str(path), "--out", str(tmp_path / "f")]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1 and "no finished runs" in err[0], (argv, err)
