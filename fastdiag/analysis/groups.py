@@ -2,6 +2,7 @@
 per-group analysis: λ_c, ν (fixed and joint), the regime table and the median t_grok per λ."""
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -47,8 +48,13 @@ GROUP_EXCLUDE = ("weight_decay", "seed", "device")
 
 def file_safe(text) -> str:
     """Letters, digits and single dashes only: a name from a store (untrusted) that can be neither a
-    path nor a hidden file."""
-    return re.sub(r"[^A-Za-z0-9]+", "-", str(text)).strip("-")[:80] or "unnamed"
+    path nor a hidden file. Where that changed the text, a short hash of it follows, so that two
+    names (``a/b`` and ``a.b``) never become one file."""
+    text = str(text)
+    safe = re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")[:80] or "unnamed"
+    if safe != text:
+        safe += "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
+    return safe
 
 
 @dataclass
@@ -58,6 +64,9 @@ class Group:
     key: tuple
     config: dict                       # the shared configuration (λ, seed, device removed)
     runs: list = field(default_factory=list)    # store run dicts (status done)
+    # Settings (beyond model, task and horizon) in which the store's groups differ, e.g. lr: named in
+    # the label and the file names, else two groups share a header and one figure file.
+    distinct: dict = field(default_factory=dict)
 
     def _model_parts(self) -> list[str]:
         """arch [preset] [L.. H.. d.. ff..]"""
@@ -71,15 +80,16 @@ class Group:
     @property
     def label(self) -> str:
         c = self.config
-        return " ".join(self._model_parts() + [f"a{c['op']}b mod {c['p']}", f"{c['epochs']} ep"])
+        return " ".join(self._model_parts() + [f"a{c['op']}b mod {c['p']}", f"{c['epochs']} ep"]
+                        + [f"{k} {v}" for k, v in self.distinct.items()])
 
     @property
     def slug(self) -> str:
         """A file-name-safe short name: arch[-preset][-L..-H..-d..-ff..]-op-pP-eE."""
         c = self.config
         parts = self._model_parts() + [{"+": "add", "-": "sub", "*": "mul", "/": "div"}.get(c["op"], "op"),
-                                       f"p{c['p']}", f"e{c['epochs']}"]
-        return file_safe("-".join(str(x) for x in parts)).lower()
+                                       f"p{c['p']}", f"e{c['epochs']}"] + [f"{k}{v}" for k, v in self.distinct.items()]
+        return re.sub(r"[^A-Za-z0-9]+", "-", "-".join(str(x) for x in parts)).strip("-").lower()
 
     @property
     def n_params(self) -> int | None:
@@ -103,6 +113,11 @@ def load_groups(store: Store) -> tuple[list[Group], dict[str, int]]:
         cfg = {k: v for k, v in run["config"].items() if k not in GROUP_EXCLUDE}
         key = tuple(sorted((k, repr(v)) for k, v in cfg.items()))
         groups.setdefault(key, Group(key=key, config=cfg)).runs.append(run)
+    named = {"arch", "preset", "n_layers", "n_heads", "d_model", "d_ff", "op", "p", "epochs"}   # in the slug
+    varying = sorted(k for k in {k for g in groups.values() for k in g.config} - named
+                     if len({repr(g.config.get(k)) for g in groups.values()}) > 1)
+    for g in groups.values():
+        g.distinct = {k: g.config.get(k) for k in varying}
     ordered = sorted(groups.values(), key=lambda g: (g.config["arch"], g.n_params or 0, g.label))
     return ordered, store.counts()
 
