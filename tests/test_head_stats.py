@@ -7,21 +7,17 @@ import torch
 
 import fastdiag
 from fastdiag.diagnostics import triton_available
-from fastdiag.testing import random_probs, random_query_mask
+from fastdiag.testing import TOLERANCE, random_probs, random_query_mask, rel_err
 
-# Relative error against float64 on the same (rounded) inputs: 1e-5 for fp32, 1e-3 for 16-bit.
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-3}
 FAST_BACKENDS = ["torch", "triton"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16 arithmetic is not supported by the Triton interpreter: bf16 is tested on GPU only.
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 T_PAIRS = [(1, 1), (3, 3), (17, 17), (130, 130), (3, 17), (17, 130), (130, 3)]
 CASES = [(h, tq, tk, b, n) for h, (tq, tk), b, n in itertools.product([2, 3, 8, 12], T_PAIRS, [1, 5], [1, 4])]
-
-
-def _rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+# The Triton interpreter runs a kernel in numpy: the largest cases (20 problems of 130 x 130) took
+# 20-150 s each on the loaded 2-core machine and exercise no code path the smaller ones miss.
+INTERPRETER_SCORES = 5 * 130 * 130
 
 
 def _check_backend(backend):
@@ -34,6 +30,8 @@ def _check_backend(backend):
 @pytest.mark.parametrize("h,tq,tk,b,n", CASES, ids=[f"H{h}-Tq{tq}-Tk{tk}-B{b}-N{n}" for h, tq, tk, b, n in CASES])
 def test_backend_matches_float64_reference(backend, dtype, h, tq, tk, b, n):
     _check_backend(backend)
+    if backend == "triton" and DEVICE == "cpu" and b * n * tq * tk > INTERPRETER_SCORES:
+        pytest.skip("interpreter: B5 N4 at T 130 (its tiles are those of B5 N1 and B1 N4, both run here); on GPU")
     seed = hash((h, tq, tk, b, n)) % 10_000
     mask = random_query_mask((n, b, tq), seed=seed, device=DEVICE)
     probs = random_probs((n, b, h, tq, tk), dtype=dtype, seed=seed, garbage_rows=~mask.cpu(), device=DEVICE)
@@ -43,12 +41,12 @@ def test_backend_matches_float64_reference(backend, dtype, h, tq, tk, b, n):
     got = fastdiag.head_stats(probs, mask, backend=backend)
     tol = TOLERANCE[dtype]
     assert got.gram.dtype in (torch.float32, torch.float64)
-    assert _rel_err(got.gram, ref.gram) <= tol
-    assert _rel_err(got.entropy_sum, ref.entropy_sum) <= tol
+    assert rel_err(got.gram, ref.gram) <= tol
+    assert rel_err(got.entropy_sum, ref.entropy_sum) <= tol
     assert torch.equal(got.rows.double(), ref.rows.double())
     assert bool((got.invalid == 0).all()), "masked garbage rows must be ignored"
     if h >= 2:
-        assert _rel_err(got.sync(), ref.sync()) <= tol
+        assert rel_err(got.sync(), ref.sync()) <= tol
     _assert_spread_close(got, ref, tol)
 
 
@@ -57,7 +55,7 @@ def _assert_spread_close(got, ref, tol):
     want = ref.entropy_spread()
     err = (got.entropy_spread() - want).abs() / want.abs().clamp_min(1e-6)
     assert err.max().item() <= tol, f"σ relative error {err.max().item():.2e} > {tol:.0e}"
-    assert _rel_err(got.head_entropy(), ref.head_entropy()) <= tol
+    assert rel_err(got.head_entropy(), ref.head_entropy()) <= tol
 
 
 def _near_uniform_probs(shape, seed, causal=True):
@@ -92,7 +90,7 @@ def test_near_uniform_attention_keeps_sigma(backend, shape, causal):
         # hint); rows with other masked keys keep ~1e-4 on σ (documented in `head_stats`).
         tol = 2e-4 if backend == "triton" and causal and not hint else 1e-5
         _assert_spread_close(got, ref, tol)
-        assert _rel_err(got.sync(), ref.sync()) <= 1e-5
+        assert rel_err(got.sync(), ref.sync()) <= 1e-5
         _assert_summary_close(got, ref, tol)
 
 
@@ -100,7 +98,7 @@ def _assert_summary_close(got, ref, tol):
     layers = lambda s: {f"layer{i}": s[i] for i in range(s.rows.shape[0])}  # noqa: E731
     want = fastdiag.summarize(layers(ref)).tensors()
     for key, value in fastdiag.summarize(layers(got)).tensors().items():
-        assert _rel_err(value, want[key]) <= tol, key
+        assert rel_err(value, want[key]) <= tol, key
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
@@ -114,8 +112,8 @@ def test_random_causal_rows_with_padding_float32(backend):
         for hint in (False, True):
             got = fastdiag.head_stats(probs, mask, backend=backend, causal=hint)
             _assert_spread_close(got, ref, 1e-5)
-            assert _rel_err(got.sync(), ref.sync()) <= 1e-5
-            assert _rel_err(got.entropy_sum, ref.entropy_sum) <= 1e-5
+            assert rel_err(got.sync(), ref.sync()) <= 1e-5
+            assert rel_err(got.entropy_sum, ref.entropy_sum) <= 1e-5
 
 
 CAUSAL_SHAPES = [(2, 3, 17, 17), (1, 4, 5, 40), (1, 2, 40, 5), (3, 2, 130, 130)]
@@ -132,8 +130,8 @@ def test_causal_hint_gives_the_same_statistics(backend, shape):
     hinted = fastdiag.head_stats(probs, mask, backend=backend, causal=True)
     ref = fastdiag.head_stats(probs, mask, backend="reference")
     for got in (plain, hinted):
-        assert _rel_err(got.gram, ref.gram) <= 1e-5
-        assert _rel_err(got.entropy_sum, ref.entropy_sum) <= 1e-5
+        assert rel_err(got.gram, ref.gram) <= 1e-5
+        assert rel_err(got.entropy_sum, ref.entropy_sum) <= 1e-5
         assert torch.equal(got.rows, hinted.rows) and bool((got.invalid == 0).all())
     torch.testing.assert_close(hinted.gram, plain.gram, rtol=1e-6, atol=0)
     torch.testing.assert_close(hinted.entropy_sum, plain.entropy_sum, rtol=1e-5, atol=0)
@@ -147,8 +145,8 @@ def test_non_contiguous_input_is_read_in_place(backend):
     assert not probs.is_contiguous()
     ref = fastdiag.head_stats(probs.contiguous(), backend="reference")
     got = fastdiag.head_stats(probs, backend=backend)
-    assert _rel_err(got.gram, ref.gram) <= 1e-5
-    assert _rel_err(got.entropy_sum, ref.entropy_sum) <= 1e-5
+    assert rel_err(got.gram, ref.gram) <= 1e-5
+    assert rel_err(got.entropy_sum, ref.entropy_sum) <= 1e-5
 
 
 def test_causal_hint_must_be_bool():
@@ -189,7 +187,7 @@ def test_shared_mask_broadcasts_over_problems():
     mask = random_query_mask((2, 5), seed=6)
     got = fastdiag.head_stats(probs, mask, backend="torch")
     want = fastdiag.head_stats(probs, mask.expand(3, 2, 5), backend="reference")
-    assert _rel_err(got.gram, want.gram) <= 1e-5
+    assert rel_err(got.gram, want.gram) <= 1e-5
 
 
 def test_derived_values_and_summary():

@@ -6,16 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from fastdiag.qk import _attention_with_lse, qk_head_stats, sdpa_with_stats
+from fastdiag.testing import TOLERANCE, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-3}
-
-
-def _rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _qkv(b, h, hk, t, d, dtype, seed=0):
@@ -41,10 +36,10 @@ def test_triton_matches_reference(dtype, h, hk, d, mask_kind):
     ref = qk_head_stats(q, k, mask, causal, backend="reference")
     got = qk_head_stats(q, k, mask, causal, backend="triton")
     tol = TOLERANCE[dtype]
-    assert _rel_err(got.gram, ref.gram) <= tol
-    assert _rel_err(got.entropy_sum, ref.entropy_sum) <= tol
+    assert rel_err(got.gram, ref.gram) <= tol
+    assert rel_err(got.entropy_sum, ref.entropy_sum) <= tol
     assert torch.equal(got.rows, ref.rows) and got.invalid.item() == 0
-    assert _rel_err(got.sync(), ref.sync()) <= tol
+    assert rel_err(got.sync(), ref.sync()) <= tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -61,7 +56,7 @@ def test_sdpa_with_stats_bit_identical_and_uses_the_op_lse(dtype, causal):
     _, lse = _attention_with_lse(q, k, v, None, 0.0, causal, None, False)
     assert lse is not None, "flash / efficient attention should hand over its LSE here"
     ref = qk_head_stats(q, k, None, causal, backend="reference")
-    assert _rel_err(stats.gram, ref.gram) <= 1e-3 and stats.invalid.item() == 0
+    assert rel_err(stats.gram, ref.gram) <= 1e-3 and stats.invalid.item() == 0
 
 
 def test_sdpa_with_stats_mask_fallback_is_bit_identical():
@@ -71,7 +66,7 @@ def test_sdpa_with_stats_mask_fallback_is_bit_identical():
     got, stats = sdpa_with_stats(q, k, v, attn_mask=mask)
     assert torch.equal(got, want)
     ref = qk_head_stats(q, k, mask, backend="reference")
-    assert _rel_err(stats.gram, ref.gram) <= 1e-3
+    assert rel_err(stats.gram, ref.gram) <= 1e-3
 
 
 def test_op_under_compile_fullgraph():

@@ -16,19 +16,14 @@ from fastdiag.diagnostics import triton_available
 from fastdiag.kernels.qk_stats_ref import qk_stats_ref
 from fastdiag.qk import qk_head_stats, sdpa_with_stats, valid_rows
 from fastdiag.stats import HeadStats
+from fastdiag.testing import TOLERANCE, rel_err
 
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3}
 BACKENDS = ["torch", "triton"]
 
 
 def _check_backend(backend):
     if backend == "triton" and not (triton_available() and os.environ.get("TRITON_INTERPRET") == "1"):
         pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1 (CUDA: tests/test_qk_gpu.py)")
-
-
-def _rel_err(a, b, floor=1e-30):
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(floor)).item()
 
 
 def _in_inf_padding(x: torch.Tensor) -> torch.Tensor:
@@ -78,14 +73,14 @@ def _qk(b, h, hk, tq, tk, d, dtype, gen):
 
 
 def _assert_close(got, ref, tol):
-    assert _rel_err(got.gram, ref.gram) <= tol
+    assert rel_err(got.gram, ref.gram) <= tol
     # rows that see a single key have entropy exactly 0: relative to at least 1e-9 nats a row there
     rows = ref.rows.double().clamp_min(1).item()
-    assert _rel_err(got.entropy_sum, ref.entropy_sum, floor=1e-9 * rows) <= tol
+    assert rel_err(got.entropy_sum, ref.entropy_sum, floor=1e-9 * rows) <= tol
     assert torch.equal(got.rows.double(), ref.rows.double())
     assert got.invalid.item() == 0
     if ref.rows.item() > 0:
-        assert _rel_err(got.sync(), ref.sync()) <= tol
+        assert rel_err(got.sync(), ref.sync()) <= tol
         assert abs(got.entropy_spread().item() - ref.entropy_spread().item()) <= tol * max(
             1.0, ref.head_entropy().abs().max().item())
 
