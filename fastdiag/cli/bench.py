@@ -61,7 +61,7 @@ FULL = {"shapes": ",".join(bench.KERNEL_SHAPES), "repeats": 15, "blocks": 21, "w
                    f"(shape {QUICK['shapes']}, {QUICK['repeats']} repeats, {QUICK['blocks']} blocks, "
                    f"workload {QUICK['workloads']}); options given explicitly override either.")
 @click.option("--shapes", default=None,
-              help="Comma list of kernel shapes: " + ", ".join(f"{k}={v}" for k, v in bench.KERNEL_SHAPES.items()))
+              help="Comma list of kernel shapes: " + ", ".join(f"{k}={v}" for k, v in bench.KERNEL_SHAPES.items()) + ".")
 @click.option("--steps/--no-steps", default=True, show_default=True, help="Also time training steps with attach.")
 @click.option("--ensembles/--no-ensembles", default=True, show_default=True,
               help="Also time a sweep's runs as one vectorised ensemble against one by one.")
@@ -69,7 +69,7 @@ FULL = {"shapes": ",".join(bench.KERNEL_SHAPES), "repeats": 15, "blocks": 21, "w
               help="Also time a Mamba training step beside the transformer's (batch 512, T 3).")
 @click.option("--members", type=click.IntRange(2), default=None, help="Ensemble size K (default: what `sweep --ensemble auto` picks).")
 @click.option("--workloads", default=None,
-              help="Comma list of sweep workloads for the ensemble rows: " + ", ".join(bench.ENSEMBLE_WORKLOADS))
+              help="Comma list of sweep workloads for the ensemble rows: " + ", ".join(bench.ENSEMBLE_WORKLOADS) + ".")
 @click.option("--no-compile", is_flag=True, help="Skip the torch.compile'd reference.")
 @click.option("--repeats", type=click.IntRange(3), default=None, help="Timed repeats of each kernel (CPU).")
 @click.option("--blocks", type=click.IntRange(3), default=None, help="Alternating blocks of each step timing.")

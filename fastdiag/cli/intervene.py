@@ -15,7 +15,7 @@ from fastdiag.analysis.headdim import headdim_analysis
 from fastdiag.analysis.paired import compare_arms
 from fastdiag.cli.analyze import format_comparison, format_headdim
 from fastdiag.cli.app import CLIError, create_store, option_errors
-from fastdiag.cli.options import THREADS_HELP, run_fields, run_options
+from fastdiag.cli.options import QUIET_HELP, THREADS_HELP, run_fields, run_options
 from fastdiag.grokking import interventions as iv
 from fastdiag.grokking.build import build_model, check_buildable, heads_width
 from fastdiag.grokking.config import ARMS, RunConfig
@@ -30,12 +30,12 @@ def _experiment_options(command):
     options = [
         click.option("--threads", type=int, default=None, help=THREADS_HELP),
         click.option("--seeds", default="3", show_default=True, metavar="N|LIST",
-                     help="a count N (seeds 0..N-1) or a comma list of seeds (one seed k: 'k,')"),
+                     help="A count N (seeds 0..N-1) or a comma list of seeds (one seed k: 'k,')."),
         click.option("--store", "store_path", default=None, type=click.Path(dir_okay=False),
-                     help="result store (SQLite; created if missing)"),
+                     help="Result store (SQLite; created if missing)."),
         click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
-                     help="directory for the JSON report and the figure"),
-        click.option("--quiet", is_flag=True, help="no progress lines"),
+                     help="Directory for the JSON report and the figure."),
+        click.option("--quiet", is_flag=True, help=QUIET_HELP),
     ]
     for option in reversed(options):
         command = option(command)
@@ -137,25 +137,25 @@ def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epoc
 
 @click.command("intervene")
 @run_options(skip=("seed", "stop_at_grok", "patience"), defaults={"epochs": 5000},
-             helps={"epochs": "search horizon: epochs allowed for grokking and the σ_H peak"})
+             helps={"epochs": "Search horizon: epochs allowed for grokking and the σ_H peak."})
 @_experiment_options
 @click.option("--heads-to-reinit", type=int, default=2, show_default=True,
-              help="heads re-initialised per attention layer (drawn with the run's seed)")
+              help="Heads re-initialised per attention layer (drawn with the run's seed).")
 @click.option("--reinit-heads", default=None, metavar="L:H[,L:H...]",
-              help="explicit heads to re-initialise, as layer-index:head pairs (overrides --heads-to-reinit)")
+              help="Explicit heads to re-initialise, as layer-index:head pairs (overrides --heads-to-reinit).")
 @click.option("--reinit-init", type=click.Choice(iv.REINIT_INITS), default="default", show_default=True,
-              help="default: the heads' Q/K/V rows and output-projection columns from a freshly built model "
-                   "(the model's own initialiser) seeded with seed + 10000")
+              help="How re-initialised heads are drawn; default: their Q/K/V rows and output-projection columns from a freshly built model "
+                   "(the model's own initialiser) seeded with seed + 10000.")
 @click.option("--clip", type=click.Choice(iv.CLIP_SCOPES), default="all-2d", show_default=True,
-              help="which matrices' Frobenius norms are capped at their median (this seed, at the branch point): "
-                   "all 2-D weight matrices, or the attention qkv/proj weights only")
+              help="Which matrices' Frobenius norms are capped at their median (this seed, at the branch point): "
+                   "all 2-D weight matrices, or the attention qkv/proj weights only.")
 @click.option("--after-peak-epochs", type=int, default=500, show_default=True,
-              help="epochs every arm trains after the branch point")
+              help="Epochs every arm trains after the branch point.")
 @click.option("--peak-patience-epochs", type=int, default=iv.PEAK_PATIENCE_EPOCHS, show_default=True,
-              help="epochs without a new σ_H maximum (after grokking) that confirm the Phase-2 peak; the "
-                   "default is set from the paper's timing (peak near epoch 1,300 at λ = 1, falling until ~3,000)")
+              help="Epochs without a new σ_H maximum (after grokking) that confirm the Phase-2 peak; the "
+                   "default is set from the paper's timing (peak near epoch 1,300 at λ = 1, falling until ~3,000).")
 @click.option("--peak-patience", type=int, default=None,
-              help="evaluations without a new σ_H maximum that confirm the peak, instead of --peak-patience-epochs")
+              help="Evaluations without a new σ_H maximum that confirm the peak, instead of --peak-patience-epochs.")
 def intervene_cmd(**kw):
     """Causal interventions at the Phase-2 peak: per seed, train until the σ_H peak after grokking,
     then continue three arms from that checkpoint (control; k heads re-initialised; weight norms
@@ -198,18 +198,18 @@ HEADDIM_PATIENCE_EPOCHS = 2000
 
 
 @click.command("headdim")
-@run_options(skip=("seed", "n_heads", "d_model", "d_ff", "stop_at_grok"),
+@run_options(skip=("arch", "preset", "seed", "n_heads", "d_model", "d_ff", "stop_at_grok"),   # a custom transformer
              defaults={"epochs": 5000, "patience": HEADDIM_PATIENCE_EPOCHS},
-             helps={"weight_decay": "AdamW weight decay λ (fixed)",
-                    "patience": "epochs trained after grokking: long enough to pass the Phase-2 σ_H peak "
-                                "(near epoch 1,300 at λ = 1 in the paper, t_grok ≈ 130)"})
+             helps={"weight_decay": "AdamW weight decay λ (fixed).",
+                    "patience": "Epochs trained after grokking: long enough to pass the Phase-2 σ_H peak "
+                                "(near epoch 1,300 at λ = 1 in the paper, t_grok ≈ 130)."})
 @_experiment_options
 @click.option("--d-model", "widths", default="16,32,64", show_default=True,
-              help="comma list of model widths d (the default with --heads 2,4,8 spans the paper's d/H 2–32)")
-@click.option("--heads", "heads", default="2,4,8", show_default=True, help="comma list of head counts H")
-@click.option("--ff-mult", type=int, default=4, show_default=True, help="d_ff = FF_MULT × d")
-@click.option("--workers", type=int, default=None, help="local worker processes (default: what the cores hold)")
-@click.option("--n-boot", type=int, default=1500, show_default=True, help="bootstrap resamples of the fit")
+              help="Comma list of model widths d (the default with --heads 2,4,8 spans the paper's d/H 2–32).")
+@click.option("--heads", "heads", default="2,4,8", show_default=True, help="Comma list of head counts H.")
+@click.option("--ff-mult", type=int, default=4, show_default=True, help="Feed-forward width d_ff = FF_MULT × d.")
+@click.option("--workers", type=int, default=None, help="Local worker processes (default: what the cores hold).")
+@click.option("--n-boot", type=int, default=1500, show_default=True, help="Bootstrap resamples of the fit.")
 def headdim_cmd(widths, heads, ff_mult, workers, n_boot, **kw):
     """Per-head dimension: train every (d, H, seed) at fixed λ (transformer, custom preset) into a store
     (finished runs are skipped), then fit peak σ_H after grokking against d/H with the saturating curve
@@ -222,9 +222,7 @@ def headdim_cmd(widths, heads, ff_mult, workers, n_boot, **kw):
         raise CLIError(f"--patience: must be >= 0, got {kw['patience']}")
     if ff_mult < 1:
         raise CLIError(f"--ff-mult: must be >= 1, got {ff_mult}")
-    base = {**run_fields(kw), "stop_at_grok": True}
-    if kw["arch"] != "transformer":
-        raise CLIError(f"--arch: headdim varies attention heads; need transformer, got {kw['arch']!r}")
+    base = {**run_fields(kw), "arch": "transformer", "stop_at_grok": True}
     head_counts = _int_list(heads, "heads")
     if min(head_counts) < 2:
         raise CLIError(f"--heads: σ_H is a spread across heads, so every H must be >= 2, got {heads}")

@@ -11,26 +11,26 @@ from fastdiag.grokking.config import ARCHS, OPS, RunConfig
 
 # RunConfig field → (flags: the spelling first, then aliases; help).
 RUN_FIELDS = {
-    "arch": (("--arch",), f"architecture: {', '.join(ARCHS)}"),
-    "preset": (("--preset",), "transformer size: canonical (4x8x128), 19m, 85m or custom"),
-    "n_layers": (("--layers",), "number of layers (overrides the preset)"),
-    "n_heads": (("--heads",), "attention heads (transformer)"),
-    "d_model": (("--d-model",), "model width (MLP/LSTM: hidden width)"),
-    "d_ff": (("--d-ff",), "feed-forward width (transformer)"),
-    "op": (("--op",), "the operation of c = a ∘ b mod p"),
-    "p": (("--p",), "modulus p (prime for /)"),
-    "weight_decay": (("--wd",), "AdamW weight decay λ"),
-    "lr": (("--lr",), "AdamW learning rate"),
-    "batch_size": (("--batch-size", "--batch"), "minibatch size"),
-    "epochs": (("--epochs",), "horizon in epochs"),
-    "seed": (("--seed",), "seed of the initialisation, the train/test split and the batch order"),
-    "train_frac": (("--train-frac",), "fraction of the pairs used for training"),
-    "eval_every": (("--eval-every",), "evaluate every N epochs"),
-    "diag_every": (("--diag-every",), "head diagnostics every N optimizer steps"),
-    "grok_threshold": (("--grok-threshold",), "accuracy defining t_mem and t_grok"),
-    "stop_at_grok": (("--stop-at-grok/--no-stop-at-grok",), "stop once grokked (after --patience epochs)"),
-    "patience": (("--patience",), "epochs to keep training after grokking"),
-    "device": (("--device",), "auto (CUDA when available), cpu, cuda, cuda:N"),
+    "arch": (("--arch",), f"Architecture: {', '.join(ARCHS)}."),
+    "preset": (("--preset",), "Transformer size: canonical (4x8x128), 19m, 85m or custom."),
+    "n_layers": (("--layers",), "Number of layers (overrides the preset)."),
+    "n_heads": (("--heads",), "Attention heads (transformer)."),
+    "d_model": (("--d-model",), "Model width (MLP/LSTM: hidden width)."),
+    "d_ff": (("--d-ff",), "Feed-forward width (transformer)."),
+    "op": (("--op",), "The operation of c = a ∘ b mod p."),
+    "p": (("--p",), "Modulus p (prime for /)."),
+    "weight_decay": (("--wd",), "AdamW weight decay λ."),
+    "lr": (("--lr",), "AdamW learning rate."),
+    "batch_size": (("--batch-size", "--batch"), "Minibatch size."),
+    "epochs": (("--epochs",), "Horizon in epochs."),
+    "seed": (("--seed",), "Seed of the initialisation, the train/test split and the batch order."),
+    "train_frac": (("--train-frac",), "Fraction of the pairs used for training."),
+    "eval_every": (("--eval-every",), "Evaluate every N epochs."),
+    "diag_every": (("--diag-every",), "Head diagnostics every N optimizer steps."),
+    "grok_threshold": (("--grok-threshold",), "Accuracy defining t_mem and t_grok."),
+    "stop_at_grok": (("--stop-at-grok/--no-stop-at-grok",), "Stop once grokked (after --patience epochs)."),
+    "patience": (("--patience",), "Epochs to keep training after grokking."),
+    "device": (("--device",), "Where to train: auto (CUDA when available), cpu, cuda, cuda:N."),
 }
 _FIELDS = [f.name for f in dataclasses.fields(RunConfig)]
 if set(RUN_FIELDS) != set(_FIELDS):      # a new RunConfig field needs its flag here
@@ -72,7 +72,8 @@ def run_fields(kw: dict) -> dict:
 
 THREADS_DEFAULT = ("[default: 1 for models below 0.5 M parameters (× ensemble members), where a second thread "
                    "does not pay; else the cores, shared among the workers]")
-THREADS_HELP = "CPU threads for torch " + THREADS_DEFAULT
+THREADS_HELP = "CPU threads for torch " + THREADS_DEFAULT + "."
+QUIET_HELP = "No progress output (the bar on a terminal, the status lines in a log)."
 
 # Library parameter names (the prefix of a ValueError's message) → the flags the user typed.
 PARAM_FLAGS = {

@@ -5,7 +5,7 @@ import click
 import torch
 
 from fastdiag.cli.app import CLIError, option_errors, os_error_text
-from fastdiag.cli.options import THREADS_HELP, run_fields, run_options
+from fastdiag.cli.options import QUIET_HELP, THREADS_HELP, run_fields, run_options
 from fastdiag.grokking.build import check_buildable
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.train import train_run
@@ -22,8 +22,8 @@ def _fmt(value, spec=".3f") -> str:
 @run_options()
 @click.option("--threads", type=int, default=None, help=THREADS_HELP)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="output directory [default: runs/<run_id>]")
-@click.option("--quiet", is_flag=True, help="no progress bar")
+              help="Output directory [default: runs/<run_id>]")
+@click.option("--quiet", is_flag=True, help=QUIET_HELP)
 def run(threads, out_dir, quiet, **fields) -> None:
     """Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."""
     if threads is not None and threads < 1:

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from fastdiag.cli.app import CLIError, create_store, open_store, option_errors
-from fastdiag.cli.options import THREADS_DEFAULT, run_fields, run_options
+from fastdiag.cli.options import QUIET_HELP, THREADS_DEFAULT, run_fields, run_options
 from fastdiag.grokking.config import ARCHS, RunConfig
 from fastdiag.store.files import atomic_path, check_target
 from fastdiag.sweep.grid import build_grid, parse_list, parse_seeds, parse_shard, parse_wd
@@ -39,7 +39,7 @@ def _parse_ensemble(spec: str) -> int | None:
 @click.option("--seeds", default="1", show_default=True, metavar="N|LIST",
               help="A count N (seeds 0..N-1) or a comma list of seeds (one seed k: 'k,').")
 @click.option("--arch", default=_DEFAULTS.arch, show_default=True, metavar="ARCH[,ARCH...]",
-              help=f"{', '.join(ARCHS)} (comma list: one grid per architecture).")
+              help=f"Architectures: {', '.join(ARCHS)} (comma list: one grid per architecture).")
 @click.option("--preset", default=_DEFAULTS.preset, show_default=True, metavar="NAME[,NAME...]",
               help="Transformer size: canonical, 19m, 85m, custom (comma list: one grid per size).")
 @run_options(skip=("arch", "preset", "weight_decay", "seed"))
@@ -62,7 +62,7 @@ def _parse_ensemble(spec: str) -> int | None:
                    "vectorised model; 1 = one by one; auto = 32 on a GPU; on a CPU 8 for models up to "
                    "~0.45 M parameters, 4 for canonical, 1 from ~2.5 M.")
 @click.option("--dry-run", is_flag=True, help="Print the grid size and exit without running.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress line.")
+@click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, address, max_retries, shard,
               retry_failed, ensemble, dry_run, quiet, **fields):
     """Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."""
