@@ -18,10 +18,12 @@ Two structural kinds keep their own adapters: fastdiag's models (class attribute
 ``records_head_stats``: the module computes its statistics itself) and `torch.nn.MultiheadAttention`
 (a pre-hook re-projects Q and K with the module's weights, whatever path torch takes inside).
 
-**Masks and padding rows (docs/attach.md, "Padding").** A key is masked where a bool mask is False or an additive
-mask (or a score) is −inf or ≤ finfo(dtype).min / 2 (HF masks with finfo.min; two such terms
-added may overflow to −inf). A query row counts when it sees an unmasked key in every head, and,
-in self-attention, when its own position is not a padding key (a key no query of that sequence
+**Masks and padding rows (docs/attach.md, "Padding").** A key is masked where the model's own softmax
+gives it probability exactly 0 (eager: the probabilities; SDPA: ``exp(s + mask − LSE) == 0`` in
+float32), where a bool mask is False, or where a score or mask is −inf or ≤ finfo(dtype).min / 2 (HF's fully
+masked rows, softmaxed to uniform rows) — so finite masks (−1e4, −1e6, −1e30) count as the model applies them. A query row counts when it sees
+an unmasked key in every head, and, in self-attention (queries and keys from the same input of the
+call, `Provenance`), when its own position is not a padding key (a key no query of that sequence
 may see). Both paths apply the same rule, so eager and SDPA give the same statistics.
 """
 from __future__ import annotations
@@ -57,6 +59,19 @@ def real_positions(hidden: torch.Tensor) -> torch.Tensor:
     """Bool ``[B, T]`` for self-attention (Tq = Tk = T): False at a padding position, a key that no
     query row of its sequence may see in any head (its own query row is padding too)."""
     return ~hidden.all(-2).all(1)
+
+
+def seen_only_by_itself(hidden: torch.Tensor) -> torch.Tensor:
+    """Bool scalar for self-attention (``hidden`` True = masked, ``[B, H, T, T]``, B and H possibly
+    broadcast): some sequence's mask is not causal (a row sees a later key) and lets a position's key
+    be seen by its own row only, in every head — XLNet's padding, where each padded query still
+    attends to itself, so `real_positions` cannot tell it from a real token. A device tensor (no sync)."""
+    seen = (~hidden).any(1)                                            # [B, T, T]: in some head
+    t = seen.shape[-1]
+    eye = torch.eye(t, dtype=torch.bool, device=seen.device)
+    only_self = seen.diagonal(dim1=-2, dim2=-1) & ~(seen & ~eye).any(-2)   # [B, T] by key
+    not_causal = (seen & torch.ones_like(eye).triu(1)).flatten(1).any(1)   # [B]
+    return (only_self.any(-1) & not_causal).any()
 
 
 def zero_probability_keys(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor, is_causal: bool,

@@ -156,6 +156,10 @@ class Monitor:
         self._missing: dict[str, str] = {}           # expected modules never measured, and why
         self._pass_refused: dict[str, str] = {}      # this pass's attention calls that cannot be measured, and why
         self._pass_all_rows: dict[str, str] = {}     # this pass's layers of `_all_rows`
+        # self-attention layers whose mask lets a position be seen by itself only (XLNet's padding): a
+        # device flag each, read at the next host read (`_read_suspects`), never in a step
+        self._suspects: dict[str, torch.Tensor] = {}
+        self._suspects_named: set[str] = set()
         self._pass_called: set[str] = set()
         self._candidates: dict[int, tuple] = {}      # this pass's softmaxes not yet multiplied with values
         self._candidate_ids = itertools.count()
@@ -496,7 +500,10 @@ class Monitor:
                         rows = rows & ~adapters.own_statistics(
                             adapters.zero_probability_keys, query, key, attn_mask, call.get("is_causal", False),
                             call.get("scale"), self.chunk_bytes)
-                rows = self._with_padding(rows, b, tq, query.device, name)
+                with_padding = self._with_padding(rows, b, tq, query.device, name)
+                if with_padding is rows and attn_mask is not None:  # no handed-in padding for this call
+                    self._suspect(name, adapters.own_statistics(adapters.seen_only_by_itself, hidden))
+                rows = with_padding
         measure = adapters.sdpa_reissued_with_stats if adapters.outer_attention_mode() else sdpa_with_stats
         out, stats = adapters.own_statistics(measure, **call, query_mask=rows, backend=self.backend,
                                              chunk_bytes=self.chunk_bytes, packed_query_heads=packed)
@@ -550,7 +557,10 @@ class Monitor:
         rows = adapters.sees_a_key(hidden)
         if self._self_attention(name, self.provenance.scores_of_same_input(module_call, scores), tq,
                                 hidden.shape[-1]):
-            rows = self._with_padding(rows & adapters.real_positions(hidden), b, tq, probs.device, name)
+            from_mask = rows & adapters.real_positions(hidden)
+            rows = self._with_padding(from_mask, b, tq, probs.device, name)
+            if rows is from_mask:  # no handed-in padding for this call
+                self._suspect(name, adapters.own_statistics(adapters.seen_only_by_itself, hidden))
         self._candidate(name, module_call, probs,
                         adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend),
                         "probabilities with sink" if sink else "probabilities")
@@ -676,11 +686,30 @@ class Monitor:
                 raise RuntimeError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
 
+    def _suspect(self, name: str, flag: torch.Tensor) -> None:
+        if name not in self._suspects_named and not torch.compiler.is_compiling():
+            self._suspects[name] = flag if name not in self._suspects else self._suspects[name] | flag
+
+    def _read_suspects(self) -> None:
+        """At a host read: a layer whose mask let a position be seen by itself only (XLNet's padding)
+        has had every such row counted; that is said once, and in ``coverage()["all_rows"]``."""
+        suspects, self._suspects = self._suspects, {}
+        for name, flag in suspects.items():
+            if name in self._suspects_named or not bool(flag):
+                continue
+            self._suspects_named.add(name)
+            why = ("its mask lets positions be seen by their own query row only (XLNet's padding: a padded query "
+                   "attends to itself): they cannot be told from real tokens and are counted; "
+                   "monitor.set_padding(attention_mask) leaves them out")
+            self._all_rows.setdefault(name, why)
+            warnings.warn(f"fastdiag.attach: layer {name!r}: {why}", RuntimeWarning, stacklevel=3)
+
     def coverage(self) -> dict:
         """What attach found and measured so far: ``found`` (module names, expected at attach time or
         seen doing attention on a measured pass), ``measured`` (name → how), ``missing``
         (name → why it has no statistics) and ``all_rows`` (measured layers whose padding rows could
         not be told from the call, so every row that sees a key is counted: name → why)."""
+        self._read_suspects()
         found = list(self._expected) + [n for n in self._how if n not in self._expected]
         measured = {name: HOW[how] for name, how in self._how.items()}
         missing = {name: reason for name, reason in self._missing.items() if name not in self._how}
@@ -705,10 +734,12 @@ class Monitor:
     def latest(self, mode: str | None = None) -> dict | None:
         """The last record (of ``mode`` "train" or "eval" if given) as host floats:
         step, mode, s_bar, sigma_h, sync/<layer>, spread/<layer>. None before the first record."""
+        self._read_suspects()
         return self._records.latest(mode)
 
     def history(self, mode: str | None = None) -> list[dict]:
         """All records (optionally only ``mode="train"`` or ``"eval"``) as host floats."""
+        self._read_suspects()
         return self._records.history(mode)
 
     def latest_stats(self) -> dict[str, HeadStats] | None:
@@ -725,6 +756,7 @@ class Monitor:
 
     def flush(self) -> None:
         """Send every record not yet logged to the logger (`fastdiag.records.Records.flush`)."""
+        self._read_suspects()
         self._records.flush()
 
     # ---- lifecycle ------------------------------------------------------------------------------

@@ -399,6 +399,44 @@ def test_padding_masked_with_a_finite_value_leaves_padded_rows_out(fill, use_sdp
     assert_stats_close(stats, _hs(scores.softmax(-1), real))
 
 
+def test_xlnet_padding_that_sees_itself_is_counted_and_named_until_the_mask_is_handed_in():
+    """XLNet's mask (finite, −1e30) lets each padded query attend to itself, so its padded positions
+    cannot be told from the call: every row is counted and said so (a warning at the first read,
+    coverage()["all_rows"]); with set_padding the padded rows are left out, exactly."""
+    config = transformers.XLNetConfig(d_model=32, n_layer=2, n_head=4, d_inner=64, vocab_size=64, dropout=0.0)
+    torch.manual_seed(0)
+    model = transformers.XLNetModel(config).train()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.5)
+    batch = inputs("bert", padded=True)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        want = model(**batch, output_attentions=True).attentions
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fastdiag.attach(model, every=1) as monitor:
+            model(**batch)
+            all_rows = monitor.coverage()["all_rows"]
+    named = [str(w.message) for w in caught if "fastdiag" in str(w.message)]
+    assert len(named) == 2 and all("set_padding" in m for m in named)
+    assert set(all_rows) == {"layer.0.rel_attn", "layer.1.rel_attn"}
+    for got, probs in zip(monitor.latest_stats().values(), want):
+        assert got.rows.item() == 20
+        assert_stats_close(got, _hs(probs))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fastdiag.attach(model, every=1) as monitor:
+            monitor.set_padding(batch["attention_mask"])
+            model(**batch)
+            assert monitor.coverage()["all_rows"] == {}
+    for got, probs in zip(monitor.latest_stats().values(), want):
+        assert got.rows.item() == 15
+        assert_stats_close(got, _hs(probs, real))
+
+
 def test_funnel_helper_structure_is_not_warned_about_and_strict_passes():
     """FunnelAttentionStructure is named like attention but is a helper whose forward never runs."""
     config = transformers.FunnelConfig(d_model=32, n_head=4, d_head=8, d_inner=64, block_sizes=[1, 1],

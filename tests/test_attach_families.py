@@ -1,0 +1,127 @@
+"""attach on Hugging Face families beyond the matrix, each from a tiny random config (nothing
+downloaded): every attention module is either measured exactly (float64 statistics of the
+probabilities the model returns with ``output_attentions``) or named as not measured — never a
+silent number. Outputs unchanged in every case.
+
+CI keeps this representative sample (cross-attention with Tq = Tk, block-sparse, n-gram streams,
+windowed layouts); ``FASTDIAG_SLOW_FAMILIES=1`` adds Longformer (its first build is ~20 s on CPU)."""
+import os
+import warnings
+
+import pytest
+import torch
+
+import fastdiag
+
+from tests.test_attach import assert_stats_close, detach_everything  # noqa: F401
+
+transformers = pytest.importorskip("transformers")
+
+from tests.test_attach_matrix import inputs  # noqa: E402
+
+BATCH = inputs("bert", padded=True)          # 2 x 10 tokens, right padding 2 and left padding 3
+REAL = BATCH["attention_mask"].bool()
+T = transformers
+
+
+def _sharp(model):
+    """Weights at std 0.5, so attention is sharp and a missing term or row would show."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.5)
+    return model.train()
+
+
+def _attached(model, run):
+    """``run(model)`` with attach (every=1): (monitor, fastdiag warnings); outputs must be unchanged."""
+    want = run(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fastdiag.attach(model, every=1) as monitor:
+            got = run(model)
+    assert torch.equal(got, want)
+    return monitor, [str(w.message) for w in caught if "fastdiag" in str(w.message)]
+
+
+def _hs(probs, rows=None):
+    return fastdiag.head_stats(probs.double(), rows, backend="reference")
+
+
+def test_perceiver_cross_attention_of_equal_lengths_keeps_every_latent_row():
+    """10 latents over 10 inputs, the inputs padded: the cross-attention's rows are the latents, all
+    real (provenance, not Tq = Tk); the latents' self-attention has no padding."""
+    config = T.PerceiverConfig(num_latents=10, d_latents=32, d_model=16, num_blocks=1, num_self_attends_per_block=1,
+                               num_self_attention_heads=4, num_cross_attention_heads=4,
+                               attention_probs_dropout_prob=0.0)
+    model = _sharp(T.PerceiverModel(config))
+    x = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(1))
+    monitor, problems = _attached(model, lambda m: m(inputs=x, attention_mask=BATCH["attention_mask"]).last_hidden_state)
+    assert not problems
+    with torch.no_grad():
+        out = model(inputs=x, attention_mask=BATCH["attention_mask"], output_attentions=True)
+    stats = monitor.latest_stats()
+    assert list(stats) == ["encoder.cross_attention.attention.self", "encoder.self_attends.0.attention.self"]
+    for got, probs in zip(stats.values(), [out.cross_attentions[0], out.attentions[0]]):
+        assert got.rows.item() == 20
+        assert_stats_close(got, _hs(probs))
+
+
+def test_bigbird_block_sparse_is_named_not_recorded():
+    config = T.BigBirdConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                             vocab_size=64, attention_type="block_sparse", block_size=2, num_random_blocks=1,
+                             max_position_embeddings=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = _sharp(T.BigBirdModel(config))
+    ids = torch.randint(2, 60, (2, 32), generator=torch.Generator().manual_seed(0))
+    monitor, problems = _attached(model, lambda m: m(input_ids=ids).last_hidden_state)
+    assert len(problems) == 1 and "'encoder.layer.0.attention.self'" in problems[0] and "attention ops" in problems[0]
+    assert monitor.latest() is None and list(monitor.coverage()["missing"]) == ["encoder.layer.0.attention.self"]
+
+
+def test_prophetnet_ngram_streams_are_named_and_its_other_attention_is_measured():
+    config = T.ProphetNetConfig(hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=1,
+                                num_decoder_layers=1, num_encoder_attention_heads=4, num_decoder_attention_heads=4,
+                                vocab_size=64, ngram=2, num_buckets=8, relative_max_distance=16, dropout=0.0,
+                                attention_dropout=0.0, activation_dropout=0.0)
+    model = _sharp(T.ProphetNetModel(config))
+    decoder_ids = BATCH["input_ids"][:, :7]
+    monitor, problems = _attached(model, lambda m: m(**BATCH, decoder_input_ids=decoder_ids).last_hidden_state)
+    assert len(problems) == 1 and "'decoder.layers.0.self_attn'" in problems[0] and "5-D scores" in problems[0]
+    stats = monitor.latest_stats()
+    assert list(stats) == ["encoder.layers.0.self_attn", "decoder.layers.0.cross_attn"]
+    # (its output_attentions are not the probabilities it multiplies V by, so no float64 twin here:
+    # the encoder's padded rows must be left out, the decoder's 3 streams x 7 rows per sequence kept)
+    assert stats["encoder.layers.0.self_attn"].rows.item() == REAL.sum().item() == 15
+    assert stats["decoder.layers.0.cross_attn"].rows.item() == 2 * 3 * 7
+
+
+def _led():
+    config = T.LEDConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64,
+                         attention_window=4, max_encoder_position_embeddings=64, max_decoder_position_embeddings=64,
+                         dropout=0.0, attention_dropout=0.0)
+    return T.LEDModel(config), lambda m: m(**BATCH, decoder_input_ids=BATCH["input_ids"][:, :7]).last_hidden_state
+
+
+def _longformer():
+    config = T.LongformerConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                vocab_size=64, attention_window=4, max_position_embeddings=64,
+                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return T.LongformerModel(config), lambda m: m(**BATCH).last_hidden_state
+
+
+SLOW = os.environ.get("FASTDIAG_SLOW_FAMILIES") == "1"
+
+
+@pytest.mark.parametrize("family", ["led", pytest.param("longformer", marks=pytest.mark.skipif(
+    not SLOW, reason="FASTDIAG_SLOW_FAMILIES=1: Longformer's first build is ~20 s on CPU"))])
+def test_windowed_layouts_are_named_not_read_as_heads(family):
+    """Longformer's [B, T, H, window] scores (LED's encoder the same) are no [B, H, Tq, Tk] map: no
+    layer record, the module named; nothing about them is averaged into s̄."""
+    model, run = {"led": _led, "longformer": _longformer}[family]()
+    monitor, problems = _attached(_sharp(model), run)
+    windowed = [n for n in monitor.coverage()["missing"] if "self_attn.longformer_self_attn" in n or
+                n.endswith("attention.self")]
+    assert windowed and all(any(f"'{n}'" in p for p in problems) for n in windowed)
+    assert not any(n in (monitor.latest_stats() or {}) for n in windowed)
