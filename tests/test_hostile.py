@@ -272,7 +272,7 @@ def test_damaged_store_content_names_store_and_run(tmp_path, sql, needle):
     conn.close()
     commands = [["export", path, "--out", tmp_path / "x.csv", "--trace-out", tmp_path / "t.csv"]]
     if "trace" not in sql:                                    # analyze reads no trace of these runs
-        commands.append(["analyze", path])
+        commands.append(["analyze", path, "--n-boot", "20"])   # few resamples: the damage is found on reading
     for cmd in commands:
         r = cli(*cmd)
         one_line_error(r, needle)
