@@ -28,3 +28,4 @@ def test_quick_is_a_subset_of_full():
     assert set(QUICK["shapes"].split(",")) <= set(FULL["shapes"].split(",")) == set(bench.KERNEL_SHAPES)
     assert set(QUICK["workloads"].split(",")) <= set(FULL["workloads"].split(",")) == set(bench.ENSEMBLE_WORKLOADS)
     assert QUICK["repeats"] < FULL["repeats"] and QUICK["blocks"] < FULL["blocks"]
+    assert FULL["ensembles"] and not QUICK["ensembles"]

@@ -48,8 +48,9 @@ def _known_names(text: str, known, option: str, what: str) -> list[str]:
 
 # The default run is quick (one kernel shape, few repeats, the small sweep workload) so that a first
 # `fastdiag bench` finishes in minutes on a laptop; --full is the measurement benchmarks/RESULTS.md reports.
-QUICK = {"shapes": "grokking", "repeats": 5, "blocks": 5, "workloads": "small"}
-FULL = {"shapes": ",".join(bench.KERNEL_SHAPES), "repeats": 15, "blocks": 21, "workloads": ",".join(bench.ENSEMBLE_WORKLOADS)}
+QUICK = {"shapes": "grokking", "repeats": 5, "blocks": 5, "workloads": "small", "ensembles": False}
+FULL = {"shapes": ",".join(bench.KERNEL_SHAPES), "repeats": 15, "blocks": 21, "workloads": ",".join(bench.ENSEMBLE_WORKLOADS),
+        "ensembles": True}
 
 
 @click.command("bench")
@@ -58,13 +59,14 @@ FULL = {"shapes": ",".join(bench.KERNEL_SHAPES), "repeats": 15, "blocks": 21, "w
 @click.option("--full", is_flag=True,
               help=f"The full measurement (shapes {FULL['shapes']}, {FULL['repeats']} repeats, {FULL['blocks']} "
                    f"blocks, workloads {FULL['workloads']}) instead of the quick default "
-                   f"(shape {QUICK['shapes']}, {QUICK['repeats']} repeats, {QUICK['blocks']} blocks, "
-                   f"workload {QUICK['workloads']}); options given explicitly override either.")
+                   f"(shape {QUICK['shapes']}, {QUICK['repeats']} repeats, {QUICK['blocks']} blocks, no "
+                   f"ensembles); options given explicitly override either.")
 @click.option("--shapes", default=None,
               help="Comma list of kernel shapes: " + ", ".join(f"{k}={v}" for k, v in bench.KERNEL_SHAPES.items()) + ".")
 @click.option("--steps/--no-steps", default=True, show_default=True, help="Also time training steps with attach.")
-@click.option("--ensembles/--no-ensembles", default=True, show_default=True,
-              help="Also time a sweep's runs as one vectorised ensemble against one by one.")
+@click.option("--ensembles/--no-ensembles", default=None,
+              help="Also time a sweep's runs as one vectorised ensemble against one by one [default: with --full; "
+                   "the longest section, 5 of the quick run's 13 minutes at load 7-9 on 2 cores].")
 @click.option("--archs/--no-archs", default=True, show_default=True,
               help="Also time a Mamba training step beside the transformer's (batch 512, T 3).")
 @click.option("--members", type=click.IntRange(2), default=None, help="Ensemble size K (default: what `sweep --ensemble auto` picks).")
@@ -93,6 +95,7 @@ def bench_command(device, full, shapes, steps, ensembles, archs, members, worklo
     workloads = preset["workloads"] if workloads is None else workloads
     repeats = preset["repeats"] if repeats is None else repeats
     blocks = preset["blocks"] if blocks is None else blocks
+    ensembles = preset["ensembles"] if ensembles is None else ensembles
     names = _known_names(shapes, bench.KERNEL_SHAPES, "--shapes", "shape")   # "" = no kernel rows
 
     progress = _status_line
