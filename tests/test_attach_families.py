@@ -34,13 +34,20 @@ def _sharp(model):
 
 
 def _attached(model, run):
-    """``run(model)`` with attach (every=1): (monitor, fastdiag warnings); outputs must be unchanged."""
+    """``run(model)`` with attach (every=1): (monitor, fastdiag warnings); outputs and gradients must
+    be unchanged."""
     want = run(model)
+    want.square().mean().backward()
+    want_grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with fastdiag.attach(model, every=1) as monitor:
             got = run(model)
+            got.square().mean().backward()
     assert torch.equal(got, want)
+    assert all((g is None and p.grad is None) or torch.equal(p.grad, g)
+               for p, g in zip(model.parameters(), want_grads))
     return monitor, [str(w.message) for w in caught if "fastdiag" in str(w.message)]
 
 
