@@ -16,7 +16,7 @@ from tests.test_attach import assert_stats_close, detach_everything  # noqa: F40
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_attach_matrix import inputs  # noqa: E402
+from tests.test_attach_matrix import build, inputs  # noqa: E402
 
 BATCH = inputs("bert", padded=True)          # 2 x 10 tokens, right padding 2 and left padding 3
 REAL = BATCH["attention_mask"].bool()
@@ -127,3 +127,25 @@ def test_windowed_layouts_are_named_not_read_as_heads(family):
                 n.endswith("attention.self")]
     assert windowed and all(any(f"'{n}'" in p for p in problems) for n in windowed)
     assert not any(n in (monitor.latest_stats() or {}) for n in windowed)
+
+
+def test_generate_with_a_kv_cache_on_a_gqa_model_under_sdpa_records_every_query_head():
+    """model.generate() (greedy, left-padded prompt, KV cache): tokens unchanged; every pass — the
+    prefill and each one-token decode step, which transformers packs as [B, Hkv, H/Hkv, D] — records
+    the model's 4 query heads, not its 2 key/value heads."""
+    model = build("llama (GQA)", "sdpa").eval()
+    ids = BATCH["input_ids"][:, :6]
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0                                            # left padding, as generate() expects
+    settings = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, **settings)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with fastdiag.attach(model, every=1, measure_eval=True) as monitor:
+                got = model.generate(ids, **settings)
+    assert torch.equal(got, want)
+    assert not [w for w in caught if "fastdiag" in str(w.message)]
+    records = monitor.history(mode="eval")
+    assert len(records) == 3                                   # prefill + 2 decode steps
+    assert all(stats.num_heads == 4 for stats in monitor.latest_stats().values())
