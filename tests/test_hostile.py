@@ -103,7 +103,13 @@ def test_run_disk_full_is_one_line_and_keeps_no_partial_file(tmp_path):
     (["--grok-threshold", "nan"], "--grok-threshold"),
     (["--grok-threshold", "2"], "--grok-threshold"),
     (["--p", "50021"], "--p"),
-], ids=["wd-inf", "lr-inf", "threshold-nan", "threshold-2", "huge-p"])
+    (["--layers", "100000000"], "--layers"),          # refused before a model is built, even on meta
+    (["--d-model", "1000000"], "--d-model"),          # one weight matrix beyond the memory
+    (["--layers", "2000", "--d-model", "2048"], "GiB to train"),
+    (["--lr", "1e300"], "--lr"),                      # finite, but AdamW's float32 step overflows
+    (["--device", "meta"], "--device"),
+], ids=["wd-inf", "lr-inf", "threshold-nan", "threshold-2", "huge-p", "absurd-layers", "absurd-width",
+        "beyond-memory", "lr-overflow", "meta-device"])
 def test_run_values_checked_before_training(capsys, tmp_path, argv, needle):
     with pytest.raises(SystemExit) as exc:
         main(["run", *TINY_RUN, "--epochs", "3", "--out", str(tmp_path / "out"), *argv])

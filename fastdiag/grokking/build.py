@@ -7,7 +7,7 @@ import functools
 import torch
 
 from fastdiag.grokking.config import ARCHS, RunConfig
-from fastdiag.grokking.tasks import check_task, task_shape
+from fastdiag.grokking.tasks import available_memory, check_task, task_shape
 from fastdiag.models import PRESETS, build, count_parameters
 
 
@@ -55,6 +55,8 @@ def resolve_device(device: str) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device: {device!r} is not a torch device ({exc})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {device!r} cannot train a run; expected auto, cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {device!r} requested but CUDA is not available on this machine")
     return dev
@@ -72,18 +74,56 @@ def check_buildable(cfg: RunConfig, device: bool = False) -> None:
     ``device``, a device this machine does not have."""
     cfg.validate()
     check_task(cfg.op, cfg.p)
-    _check_model(cfg.arch, cfg.preset, cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_ff, cfg.p)
+    _check_size(cfg, available_memory())
+    n_params = _check_model(cfg.arch, cfg.preset, cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_ff, cfg.p)
     if device:
         resolve_device(cfg.device)
+    _check_memory(cfg, n_params, available_memory())
+
+
+# Bytes per parameter while training: the weight, its gradient and AdamW's two moments, in float32.
+TRAINING_BYTES_PER_PARAMETER = 16
+# Layers beyond this are refused before anything is built: even on the meta device, building a model
+# costs Python time per layer (10^8 layers would take hours before any memory check could run).
+MAX_LAYERS = 10_000
+
+
+def _check_size(cfg: RunConfig, memory: int | None) -> None:
+    """Refuse sizes whose building alone would run for hours or whose weights cannot fit: checked on the
+    settings, before the model is built on the meta device."""
+    if cfg.n_layers is not None and cfg.n_layers > MAX_LAYERS:
+        raise ValueError(f"n_layers: {cfg.n_layers:,} layers is beyond what fastdiag builds (at most {MAX_LAYERS:,})")
+    width = max(cfg.d_model or 0, cfg.d_ff or 0)
+    if memory is not None and width ** 2 * TRAINING_BYTES_PER_PARAMETER > memory:
+        name = "d_model" if (cfg.d_model or 0) >= (cfg.d_ff or 0) else "d_ff"
+        raise ValueError(f"{name}: {width:,} makes one {width:,} x {width:,} weight matrix alone need "
+                         f"{width ** 2 * TRAINING_BYTES_PER_PARAMETER / 2**30:,.1f} GiB to train; "
+                         f"{memory / 2**30:.1f} GiB is available")
+
+
+def _check_memory(cfg: RunConfig, n: int, memory: int | None) -> None:
+    """Refuse a model whose weights, gradients and AdamW state do not fit the memory available now (on
+    the CPU; a GPU run is checked against the GPU's memory)."""
+    if uses_cuda(cfg) and torch.cuda.is_available():
+        dev = resolve_device(cfg.device)
+        memory, where = torch.cuda.get_device_properties(dev.index or 0).total_memory, "on the GPU"
+    else:
+        where = "available"
+    need = n * TRAINING_BYTES_PER_PARAMETER
+    if memory is not None and need > memory:
+        name = "d_model" if cfg.d_model is not None else "n_layers"
+        raise ValueError(f"{name}: the model has {n:,} parameters and needs {need / 2**30:,.1f} GiB to "
+                         f"train (weights, gradients, AdamW state); {memory / 2**30:.1f} GiB is {where}")
 
 
 @functools.lru_cache(maxsize=256)
-def _check_model(arch, preset, n_layers, n_heads, d_model, d_ff, p) -> None:
-    """Build the model on the meta device (no memory, no time): the zoo's own checks, once per shape."""
+def _check_model(arch, preset, n_layers, n_heads, d_model, d_ff, p) -> int:
+    """Build the model on the meta device (no memory, little time): the zoo's own checks, once per
+    shape; returns its parameter count."""
     cfg = RunConfig(arch=arch, preset=preset, n_layers=n_layers, n_heads=n_heads, d_model=d_model, d_ff=d_ff, p=p)
     try:
         with torch.device("meta"):
-            build_model(cfg, device=torch.device("meta"))
+            return int(count_parameters(build_model(cfg, device=torch.device("meta"))))
     except TypeError as exc:
         raise ValueError(str(exc)) from None
 

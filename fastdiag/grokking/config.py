@@ -12,6 +12,8 @@ import json
 import math
 from dataclasses import dataclass
 
+FLOAT32_MAX = 3.4028234663852886e38   # the parameters' dtype: optimiser steps must stay below it
+
 # Test (train) accuracy at which a run counts as grokked (memorised): the paper's summaries do not
 # state its threshold; 0.99 is the field's usual one. Runs may set their own (RunConfig.grok_threshold).
 GROK_THRESHOLD = 0.99
@@ -64,6 +66,9 @@ class RunConfig:
             raise ValueError(f"weight_decay: must be a finite number >= 0, got {self.weight_decay}")
         if not 0 < self.lr < math.inf:
             raise ValueError(f"lr: must be a finite number > 0, got {self.lr}")
+        if self.lr * (10 + self.weight_decay) >= FLOAT32_MAX:   # AdamW's first step is 10·lr, decay 1 − lr·λ
+            raise ValueError(f"lr: {self.lr:g} (with weight decay {self.weight_decay:g}) makes AdamW's float32 step "
+                             f"overflow; it must keep lr·(10 + λ) below {FLOAT32_MAX:.3g}")
         if not 0 < self.grok_threshold <= 1:     # an accuracy; NaN would never be reached
             raise ValueError(f"grok_threshold: must be an accuracy in (0, 1], got {self.grok_threshold}")
         if self.batch_size < 1:
