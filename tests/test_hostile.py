@@ -108,8 +108,9 @@ def test_run_disk_full_is_one_line_and_keeps_no_partial_file(tmp_path):
     (["--layers", "2000", "--d-model", "2048"], "GiB to train"),
     (["--lr", "1e300"], "--lr"),                      # finite, but AdamW's float32 step overflows
     (["--device", "meta"], "--device"),
+    (["--threads", "100000"], "--threads"),           # OpenMP would throw std::bad_alloc
 ], ids=["wd-inf", "lr-inf", "threshold-nan", "threshold-2", "huge-p", "absurd-layers", "absurd-width",
-        "beyond-memory", "lr-overflow", "meta-device"])
+        "beyond-memory", "lr-overflow", "meta-device", "absurd-threads"])
 def test_run_values_checked_before_training(capsys, tmp_path, argv, needle):
     with pytest.raises(SystemExit) as exc:
         main(["run", *TINY_RUN, "--epochs", "3", "--out", str(tmp_path / "out"), *argv])

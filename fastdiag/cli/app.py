@@ -37,6 +37,14 @@ class CLIError(click.ClickException):
     exit_code = 2
 
 
+def check_threads(threads: int | None) -> None:
+    """--threads: None (the planned default) or 1 to 4 per CPU — more threads only queue behind each
+    other, and OpenMP fails on absurd counts (100,000: std::bad_alloc; 1,000,000: an abort)."""
+    limit = 4 * (os.cpu_count() or 1)
+    if threads is not None and not 1 <= threads <= limit:
+        raise CLIError(f"--threads: must be between 1 and {limit} (4 per CPU here), got {threads}")
+
+
 class LazyGroup(click.Group):
     """A group whose commands' modules load when a command is run (or its help is asked for): they
     import torch, and ``fastdiag --help`` (the command listing) would otherwise wait seconds, tens of

@@ -14,7 +14,7 @@ import torch
 from fastdiag.analysis.headdim import headdim_analysis
 from fastdiag.analysis.paired import compare_arms
 from fastdiag.cli.analyze import format_comparison, format_headdim
-from fastdiag.cli.app import CLIError, create_store, option_errors
+from fastdiag.cli.app import CLIError, check_threads, create_store, option_errors
 from fastdiag.cli.options import QUIET_HELP, THREADS_HELP, run_fields, run_options
 from fastdiag.grokking import interventions as iv
 from fastdiag.grokking.build import build_model, check_buildable, heads_width
@@ -43,8 +43,7 @@ def _experiment_options(command):
 
 
 def _check_runnable(cfg: RunConfig, threads: int | None) -> None:
-    if threads is not None and threads < 1:
-        raise CLIError(f"--threads: must be >= 1, got {threads}")
+    check_threads(threads)
     with option_errors():
         check_buildable(cfg, device=True)
 

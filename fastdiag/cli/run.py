@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 import torch
 
-from fastdiag.cli.app import CLIError, option_errors, os_error_text
+from fastdiag.cli.app import CLIError, check_threads, option_errors, os_error_text
 from fastdiag.cli.options import QUIET_HELP, THREADS_HELP, run_fields, run_options
 from fastdiag.grokking.build import check_buildable
 from fastdiag.grokking.config import RunConfig
@@ -26,8 +26,7 @@ def _fmt(value, spec=".3f") -> str:
 @click.option("--quiet", is_flag=True, help=QUIET_HELP)
 def run(threads, out_dir, quiet, **fields) -> None:
     """Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."""
-    if threads is not None and threads < 1:
-        raise CLIError(f"--threads: must be >= 1, got {threads}")
+    check_threads(threads)
     # Check everything the run needs before any training: the values, the task (÷ needs a prime p,
     # p² pairs must fit in memory), the model settings, the device, and the output directory.
     with option_errors():

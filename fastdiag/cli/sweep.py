@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from fastdiag.cli.app import CLIError, create_store, open_store, option_errors
+from fastdiag.cli.app import CLIError, check_threads, create_store, open_store, option_errors
 from fastdiag.cli.options import QUIET_HELP, THREADS_DEFAULT, run_fields, run_options
 from fastdiag.grokking.config import ARCHS, RunConfig
 from fastdiag.store.files import atomic_path, check_target
@@ -68,8 +68,7 @@ def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, ad
     """Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."""
     if workers is not None and workers < 1:
         raise CLIError(f"--workers: must be >= 1, got {workers}")
-    if threads is not None and threads < 1:
-        raise CLIError(f"--threads: must be >= 1, got {threads}")
+    check_threads(threads)
     if max_retries < 0:
         raise CLIError(f"--max-retries: must be >= 0, got {max_retries}")
     ensemble_size = _parse_ensemble(ensemble)
