@@ -95,3 +95,30 @@ def test_readme_python_block_runs_as_printed(block, tmp_path):
     script.write_text(code, encoding="utf-8")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def readme_commands() -> list[str]:
+    """Every `fastdiag ...` command of the README's bash blocks (continued lines joined, `&&` chains
+    split, comments cut off); a line with a `...same options...` placeholder is prose, left out."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M)
+    joined = [re.sub(r"\\\n\s*", " ", block) for block in blocks]
+    lines = [part.split("  #")[0].strip() for block in joined for line in block.splitlines()
+             for part in line.split("&&")]
+    return [line for line in lines if line.startswith("fastdiag ") and "..." not in line]
+
+
+@pytest.mark.parametrize("line", readme_commands())
+def test_readme_command_parses_as_pasted(line):
+    """The options of each README command parse (names, types, choices, required ones): nothing runs."""
+    import shlex
+
+    import click
+
+    from fastdiag.cli import cli
+
+    args = shlex.split(line)[1:]
+    ctx = click.Context(cli, info_name="fastdiag")
+    command = cli.get_command(ctx, args[0])
+    assert command is not None, line
+    command.make_context(args[0], args[1:], parent=ctx)
