@@ -326,3 +326,16 @@ def test_analyze_group_too_little_data_says_why(tmp_path):
     report = analyze_group(group, n_boot=50)
     assert "lambda_c" not in report["lambda_c"] and "3 distinct weight decays" in report["lambda_c"]["error"]
     assert "nu" not in report["nu"] and "error" in report["nu_joint"]
+
+
+def test_a_sweep_says_when_workers_asked_for_cannot_be_used(tmp_path):
+    notes = []
+
+    class Recording(sw.Progress):
+        def note(self, message):
+            notes.append(message)
+
+    grid = sw.build_grid(TINY, [0.1], [0])
+    with Store(tmp_path / "s.sqlite") as st:
+        sw.run_sweep(grid, st, workers=2, train_fn=fake_train, progress=Recording(total=1, enabled=False))
+    assert notes == ["workers: 1 of the 2 asked for: only 1 task(s) to run (1 run(s))"]
