@@ -219,7 +219,8 @@ def analyze_cmd(store_path, as_json, n_boot, seed, fit_max_lambda, retention_thr
         report = store_report(store, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
                               predict=PredictSettings(t0, test_frac, split_seed) if predict else None,
                               fit_max_lambda=fit_max_lambda).to_dict()
-    if not report["groups"]:          # as `plot` does: nothing to do is an error a script can see
+    if not (report["groups"] or report.get("interventions") or report.get("headdim")):
+        # nothing to analyse (no finished sweep run, intervention or head-dimension set) is an error a script can see
         c = report["counts"]
         raise CLIError(f"store {store_path}: no finished runs to analyse ({c['pending']} pending, "
                        f"{c['running']} running, {c['failed']} failed)")

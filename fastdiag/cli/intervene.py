@@ -3,7 +3,6 @@ against the per-head dimension d/H)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from fastdiag.grokking import interventions as iv
 from fastdiag.grokking.build import build_model, check_buildable, heads_width
 from fastdiag.grokking.config import ARMS, RunConfig
 from fastdiag.store import dumps
+from fastdiag.store.files import atomic_path
 from fastdiag.store import interventions as tables
 from fastdiag.sweep.grid import parse_seeds
 from fastdiag.sweep.plan import plan_threads
@@ -49,9 +49,8 @@ def _check_runnable(cfg: RunConfig, threads: int | None) -> None:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(json.loads(dumps(data)), indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:      # an unpredictable temporary name, never a planted link
+        tmp.write_text(json.dumps(json.loads(dumps(data)), indent=2, ensure_ascii=False) + "\n")
 
 
 # ============================================================================ intervene

@@ -7,15 +7,11 @@ import torch
 from fastdiag.cli.app import CLIError, check_threads, option_errors, os_error_text
 from fastdiag.cli.options import QUIET_HELP, THREADS_HELP, run_fields, run_options
 from fastdiag.grokking.build import check_buildable
-from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.config import RunConfig, fmt_or_dash
 from fastdiag.grokking.train import train_run
 from fastdiag.store.files import prepare_out_dir
 from fastdiag.sweep.plan import plan_threads
 from fastdiag.sweep.progress import RunProgress
-
-
-def _fmt(value, spec=".3f") -> str:
-    return "–" if value is None else format(value, spec)
 
 
 @click.command("run")
@@ -53,8 +49,9 @@ def run(threads, out_dir, quiet, **fields) -> None:
 
     # The summary first: if the outputs cannot be written (disk full), the run's outcome is still said.
     click.echo(f"regime: {r['regime']}   t_mem: {when('mem')}   t_grok: {when('grok')}")
-    click.echo(f"final: train acc {_fmt(r['final_train_acc'])}  test acc {_fmt(r['final_test_acc'])}  "
-               f"peak s̄ {_fmt(r['peak_s_bar'])}  peak σ_H {_fmt(r['peak_sigma_h'])}  "
+    train, test, s_bar, sigma_h = (fmt_or_dash(r[k], ".3f") for k in
+                                   ("final_train_acc", "final_test_acc", "peak_s_bar", "peak_sigma_h"))
+    click.echo(f"final: train acc {train}  test acc {test}  peak s̄ {s_bar}  peak σ_H {sigma_h}  "
                f"({r['epochs_run']} epochs, {r['steps']} steps, {r['wall_seconds']:.1f} s on {r['device']})")
     from fastdiag.plots.run import write_outputs      # matplotlib: loaded only when a figure is drawn
 
