@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 
 # The public names load on first use (PEP 562): importing them here would load torch (~1-3 s) for
 # every `fastdiag --help`, and the command line must set OMP_WAIT_POLICY before torch loads OpenMP.
-_EXPORTS = {"head_stats": "fastdiag.diagnostics", "Monitor": "fastdiag.monitor", "attach": "fastdiag.monitor",
-            "HeadStats": "fastdiag.stats", "Summary": "fastdiag.stats", "summarize": "fastdiag.stats"}
+_EXPORTS = {"head_stats": "fastdiag.core.diagnostics", "Monitor": "fastdiag.core.monitor", "attach": "fastdiag.core.monitor",
+            "HeadStats": "fastdiag.core.stats", "Summary": "fastdiag.core.stats", "summarize": "fastdiag.core.stats"}
 
 __all__ = ["HeadStats", "Monitor", "Summary", "attach", "head_stats", "summarize", "__version__"]
 

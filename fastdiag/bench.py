@@ -19,15 +19,15 @@ from typing import Callable
 
 import torch
 
-from fastdiag.diagnostics import head_stats
+from fastdiag.core.diagnostics import head_stats
 from fastdiag.grokking.build import build_model
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.ensemble_train import default_ensemble_size
 from fastdiag.kernels import head_stats_ref
 from fastdiag.kernels import report as _report
 from fastdiag.models import count_parameters
-from fastdiag.monitor import attach
-from fastdiag.stats import summarize
+from fastdiag.core.monitor import attach
+from fastdiag.core.stats import summarize
 from fastdiag.store import Store
 from fastdiag.sweep.plan import available_cores
 from fastdiag.sweep.run import run_sweep

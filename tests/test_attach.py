@@ -22,7 +22,7 @@ TOL = 1e-5
 def detach_everything():
     """A failing test must not leave SDPA patched for the tests after it."""
     yield
-    from fastdiag.monitor import _MONITORS
+    from fastdiag.core.monitor import _MONITORS
 
     for monitor in list(_MONITORS.values()):
         monitor.detach()

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import fastdiag
-from fastdiag.monitor import _MONITORS
+from fastdiag.core.monitor import _MONITORS
 
 from tests.test_attach import (StandInZooAttention, TwoLayers, _nano, assert_stats_close,  # noqa: F401
                                detach_everything, reference_stats)

@@ -102,7 +102,7 @@ def test_nanogpt_flash_on_and_off(flash, by_name):
     names = ["h.0.attn", "h.1.attn"]
     assert list(stats) == names
     how = "sdpa" if flash else "probabilities"
-    assert monitor.coverage() == {"found": names, "measured": {n: fastdiag.monitor.HOW[how] for n in names},
+    assert monitor.coverage() == {"found": names, "measured": {n: fastdiag.core.monitor.HOW[how] for n in names},
                                   "missing": {}, "all_rows": {}}
     for name, block in zip(names, model.h):
         assert_stats_close(stats[name], fastdiag.head_stats(block.attn.probs(), backend="reference"))

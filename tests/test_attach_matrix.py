@@ -266,7 +266,7 @@ def measure(arch: str, impl: str, padded: bool):
                            for g, w in zip(stats.values(), ref))}
     if any(not torch.equal(g.rows.double(), w.rows.double()) for g, w in zip(stats.values(), ref)):
         problems.append("counted query rows differ from the padding convention")
-    short = {text: key for key, text in fastdiag.monitor.HOW.items()}
+    short = {text: key for key, text in fastdiag.core.monitor.HOW.items()}
     hows = sorted({short[text] for text in monitor.coverage()["measured"].values()})
     row = dict(arch=arch, impl=impl, padded=padded, how="; ".join(hows), layers=len(ref),
                sigma_h=want_sum.sigma_h.item(), errors=errors)

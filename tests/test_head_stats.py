@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fastdiag
-from fastdiag.diagnostics import triton_available
+from fastdiag.core.diagnostics import triton_available
 from fastdiag.testing import TOLERANCE, random_probs, random_query_mask, rel_err
 
 FAST_BACKENDS = ["torch", "triton"]

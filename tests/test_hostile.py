@@ -331,7 +331,7 @@ def test_merge_quotes_column_names_of_the_input(tmp_path):
 # ----------------------------------------------------------------------------- HeadStats read-out
 
 def test_valid_is_false_where_sync_is_nan():
-    from fastdiag.stats import HeadStats
+    from fastdiag.core.stats import HeadStats
 
     gram = torch.eye(3, dtype=torch.float64).repeat(2, 1, 1)
     gram[1, 2, 2] = 0.0                                       # an all-zero (or underflowed) head
@@ -341,7 +341,7 @@ def test_valid_is_false_where_sync_is_nan():
 
 
 def test_summarize_mismatched_layers_is_a_named_value_error():
-    from fastdiag.stats import HeadStats, summarize
+    from fastdiag.core.stats import HeadStats, summarize
 
     def stats(*lead):
         return HeadStats(torch.eye(2).expand(*lead, 2, 2), torch.ones(*lead, 2), torch.ones(lead),

@@ -163,7 +163,8 @@ def _write(root: Path, files: dict[str, str]) -> None:
 def test_checker_finds_every_kind_of_violation(tmp_path):
     _write(tmp_path, {
         "fastdiag/__init__.py": "",
-        "fastdiag/stats.py": "from fastdiag.grokking import train\n",                      # core → grokking
+        "fastdiag/core/__init__.py": "",
+        "fastdiag/core/stats.py": "from fastdiag.grokking import train\n",                 # core → grokking
         "fastdiag/store/__init__.py": "",
         "fastdiag/store/db.py": "from fastdiag.grokking.config import RunConfig\n",      # store → fastdiag
         "fastdiag/grokking/__init__.py": "",
@@ -186,7 +187,7 @@ def test_checker_finds_every_kind_of_violation(tmp_path):
     sources = {"fastdiag": tmp_path / "fastdiag"}
     text = "\n".join(violations(sources))
     expected = [
-        "fastdiag.stats (core) imports fastdiag.grokking.train (grokking)",
+        "fastdiag.core.stats (core) imports fastdiag.grokking.train (grokking)",
         "fastdiag.store.db (store) imports fastdiag.grokking.config (config)",
         "fastdiag.grokking.config (config) imports torch",
         "import cycle among fastdiag.grokking.train, fastdiag.sweep.run",

@@ -1,4 +1,4 @@
-"""Head statistics straight from Q and K (fastdiag/qk.py) against the float64 reference.
+"""Head statistics straight from Q and K (fastdiag/core/qk.py) against the float64 reference.
 
 The Triton kernels run in the interpreter here (TRITON_INTERPRET=1) and on a GPU in test_gpu.py.
 Inputs live inside buffers padded with +inf, so an out-of-bounds read turns into inf/NaN and fails.
@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastdiag.diagnostics import triton_available
+from fastdiag.core.diagnostics import triton_available
 from fastdiag.kernels.qk_stats_ref import qk_stats_ref
 from fastdiag.qk import qk_head_stats, sdpa_with_stats, valid_rows
-from fastdiag.stats import HeadStats
+from fastdiag.core.stats import HeadStats
 from fastdiag.testing import TOLERANCE, rel_err
 
 BACKENDS = ["torch", "triton"]

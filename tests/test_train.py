@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-import fastdiag.stats
-from fastdiag import zoo
+import fastdiag.core.stats
+from fastdiag.core import zoo_handoff
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.config import REGIMES
 from fastdiag.grokking.train import train_run
@@ -66,13 +66,13 @@ def test_trace_rows_and_result_fields():
 
 def test_diagnostics_merge_every_diag_step_since_the_last_evaluation(monkeypatch):
     seen = []
-    original = fastdiag.stats.summarize
+    original = fastdiag.core.stats.summarize
 
     def spy(stats_by_layer):
         seen.append({name: int(s.rows) for name, s in stats_by_layer.items()})
         return original(stats_by_layer)
 
-    monkeypatch.setattr(fastdiag.stats, "summarize", spy)
+    monkeypatch.setattr(fastdiag.core.stats, "summarize", spy)
     cfg = RunConfig(**{**TINY, "n_layers": 2, "diag_every": 1, "epochs": 2})
     train_run(cfg)
     n_train = round(0.6 * 49)
@@ -154,23 +154,23 @@ def test_auto_device_picks_cuda_when_available():
 def test_recording_sets_record_for_one_pass_and_restores_it_when_the_pass_raises():
     attn = CausalSelfAttention(16, 4)
     x = torch.randn(2, 5, 16)
-    with zoo.recording([attn]):
+    with zoo_handoff.recording([attn]):
         attn(x)
     assert attn.record is False and attn.stats is not None
     attn.stats = None
-    with zoo.recording([attn], on=False):
+    with zoo_handoff.recording([attn], on=False):
         attn(x)
     assert attn.stats is None
     try:
-        with zoo.recording([attn]):
+        with zoo_handoff.recording([attn]):
             attn(torch.randn(2, 5, 7))          # wrong width: the pass raises
     except RuntimeError:
         pass
     assert attn.record is False
     pending: dict = {}
-    with zoo.recording([attn]):
+    with zoo_handoff.recording([attn]):
         attn(x)
     first = attn.stats
-    zoo.accumulate(pending, {"a": first})
-    zoo.accumulate(pending, {"a": first})
+    zoo_handoff.accumulate(pending, {"a": first})
+    zoo_handoff.accumulate(pending, {"a": first})
     assert torch.allclose(pending["a"].gram, 2 * first.gram)

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from fastdiag import zoo
+from fastdiag.core import zoo_handoff
 from fastdiag.grokking.build import build_model, parameter_count, resolve_device
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.tasks import make_task
@@ -139,10 +139,10 @@ def _train_epoch(m: _Members, perm: torch.Tensor, shared: RunConfig, step: int, 
     for start in range(0, perm.shape[1], shared.batch_size):
         idx = perm[:, start:start + shared.batch_size]
         record = bool(m.layer_names) and step % shared.diag_every == 0
-        with zoo.recording([m.model], record):
+        with zoo_handoff.recording([m.model], record):
             logits = m.model(train_x[members, idx])                      # [K, b, vocab]
         if record:
-            zoo.accumulate(pending, m.model.stats)
+            zoo_handoff.accumulate(pending, m.model.stats)
             m.model.stats = {}
         per_member = F.cross_entropy(logits.flatten(0, 1), train_y[members, idx].flatten(),
                                      reduction="none").view(perm.shape[0], -1).mean(1)

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastdiag import stats
+from fastdiag.core import stats
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.labels import anti_grok_epoch, regime_label
 

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fastdiag import zoo
+from fastdiag.core import zoo_handoff
 from fastdiag.grokking.build import build_model, resolve_device
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.tasks import make_task
@@ -66,10 +66,10 @@ class Trainer:
 
     def _train_step(self, idx: torch.Tensor) -> None:
         record = bool(self.attn) and self.step % self.cfg.diag_every == 0
-        with zoo.recording(self.attn.values(), record):
+        with zoo_handoff.recording(self.attn.values(), record):
             logits = self.model(self.task.train_x[idx])
         if record:
-            zoo.accumulate(self.pending, {name: m.stats for name, m in self.attn.items()})
+            zoo_handoff.accumulate(self.pending, {name: m.stats for name, m in self.attn.items()})
             for m in self.attn.values():
                 m.stats = None
         loss = F.cross_entropy(logits, self.task.train_y[idx])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers import TrainerCallback
 
-from fastdiag.monitor import Monitor, attach
+from fastdiag.core.monitor import Monitor, attach
 
 __all__ = ["FastdiagCallback"]
 

@@ -20,7 +20,7 @@ except ImportError:  # the older package name
 
 from collections.abc import Mapping
 
-from fastdiag.monitor import Monitor, attach
+from fastdiag.core.monitor import Monitor, attach
 
 __all__ = ["FastdiagCallback"]
 

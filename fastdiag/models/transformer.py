@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastdiag.diagnostics import head_stats
+from fastdiag.core.diagnostics import head_stats
 
 from .norm import LayerNorm
 

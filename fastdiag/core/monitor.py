@@ -7,7 +7,7 @@
 
 Steps are the model's training-mode forward passes. On every `every`-th one (steps 0, every,
 2·every, ...) each attention layer's `HeadStats` is computed on the device from that same forward
-pass (see `fastdiag.adapters` for how each kind of attention is seen and measured) and kept there;
+pass (see `fastdiag.core.adapters` for how each kind of attention is seen and measured) and kept there;
 the host sees the values only when they are read (`latest`, `history`) or a logger is flushed.
 
 Attention is found by what modules do on a measured pass: the innermost running module that calls
@@ -39,11 +39,11 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from fastdiag import adapters, zoo
-from fastdiag.diagnostics import BACKENDS, head_stats, triton_available
-from fastdiag.qk import CHUNK_BYTES, sdpa_with_stats
-from fastdiag.records import Records
-from fastdiag.stats import HeadStats, Summary
+from fastdiag.core import adapters, zoo_handoff
+from fastdiag.core.diagnostics import BACKENDS, head_stats, triton_available
+from fastdiag.core.qk import CHUNK_BYTES, sdpa_with_stats
+from fastdiag.core.records import Records
+from fastdiag.core.stats import HeadStats, Summary
 
 __all__ = ["Monitor", "attach"]
 
@@ -208,7 +208,7 @@ class Monitor:
                         self._hook(name, m, self._kind.get(name), root=m is model)
             for name, kind in self._kind.items():
                 if kind == "zoo":
-                    zoo.hold(modules[name], self._id, self.backend)
+                    zoo_handoff.hold(modules[name], self._id, self.backend)
                     self._zoo.append(modules[name])
         except BaseException:
             self.detach()
@@ -755,7 +755,7 @@ class Monitor:
         return len(self._records)
 
     def flush(self) -> None:
-        """Send every record not yet logged to the logger (`fastdiag.records.Records.flush`)."""
+        """Send every record not yet logged to the logger (`fastdiag.core.records.Records.flush`)."""
         self._read_suspects()
         self._records.flush()
 
@@ -778,7 +778,7 @@ class Monitor:
                 if not self._suspended:
                     self._mode.__exit__(None, None, None)
                 self._suspended = []
-            zoo.release(self._zoo, self._id)
+            zoo_handoff.release(self._zoo, self._id)
             self._zoo = []
             self._handles = []
             self._measuring = False

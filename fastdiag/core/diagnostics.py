@@ -7,7 +7,7 @@ import os
 import torch
 
 from fastdiag.kernels import head_stats_ref, head_stats_torch
-from fastdiag.stats import HeadStats
+from fastdiag.core.stats import HeadStats
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 

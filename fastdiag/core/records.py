@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastdiag.stats import HeadStats, Summary, summarize
+from fastdiag.core.stats import HeadStats, Summary, summarize
 
 
 @dataclass

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fastdiag.qk import CHUNK_BYTES, qk_head_stats, unpack_query_heads, visible
-from fastdiag.stats import HeadStats
+from fastdiag.core.qk import CHUNK_BYTES, qk_head_stats, unpack_query_heads, visible
+from fastdiag.core.stats import HeadStats
 
 
 

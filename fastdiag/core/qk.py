@@ -1,0 +1,324 @@
+"""Head statistics straight from Q and K, and the one measured SDPA call (`sdpa_with_stats`).
+
+`F.scaled_dot_product_attention` never materialises its probabilities. `qk_head_stats` computes
+the layer's `HeadStats` from Q, K and the masks without holding ``[B, H, Tq, Tk]`` either:
+
+- pass 1, the row log-sum-exp ``lse`` of the scaled, masked scores (a flash forward without V),
+  skipped when the caller already has it (the attention op computes it for its backward anyway);
+- pass 2, the statistics with ``p = exp(s − lse)`` and the row entropy ``−Σ p (s − lse)``.
+
+Backends: ``"triton"`` (two fused kernels, `fastdiag/kernels/qk_stats_triton.py`; the default on CUDA),
+``"torch"`` (chunked over query rows, keys sliced to the causal bound; the default elsewhere) and
+``"reference"`` (float64, the ground truth). Masking semantics (docs/attach.md, "Padding": the attach contract): see
+`fastdiag/kernels/qk_stats_ref.py`. Row validity is read from the masks, never from the LSE (a fully masked
+row has LSE 0 on the CPU flash op and inf on CUDA).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
+
+from fastdiag.core.diagnostics import BACKENDS, run_triton, triton_available
+from fastdiag.kernels.qk_stats_ref import masked_threshold, qk_stats_ref
+from fastdiag.core.stats import HeadStats
+
+CHUNK_BYTES = 64 * 2**20   # scores formed at a time by the torch backend (fp32)
+CPU_CHUNK_BYTES = 2**20    # on CPU, chunks also stay this small: every pass over them hits the cache
+MASKED_SCORE = -1e30       # finite: 0 · MASKED_SCORE is 0, where 0 · -inf would be NaN
+MASS_TOLERANCE = 1e-3      # a caller's LSE must make every valid row's probabilities sum to 1 ± this
+# torch backend: log p is floored here. p < e^-40 = 4e-18 then reads 4e-18, which moves no statistic by
+# more than ~1e-13 relative, and keeps every p, p·log p and p_i·p_j a normal float: on x86, exp of
+# -1e30 and products that underflow run 3-8x slower (measured, 1 thread).
+LOG_P_FLOOR = -40.0
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+
+def _as_batched_heads(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None,
+                      query_mask: torch.Tensor | None, lse: torch.Tensor | None):
+    """q ``[..., H, Tq, D]`` -> ``[B, H, Tq, D]``, k -> ``[B, Hk, Tk, D]``, the mask as a 4-D view
+    broadcastable to ``[B, H, Tq, Tk]`` (size-1 dimensions kept, so row validity stays cheap)."""
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point torch.Tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
+        if t.dim() < 3:
+            raise ValueError(f"{name}: expected shape [..., H, T, D] or [B, T, D], got {tuple(t.shape)}")
+    q, k = q.detach(), k.detach()
+    if q.dim() == 3:  # [B, T, D]: a single head
+        q, k = q.unsqueeze(-3), k.unsqueeze(-3)
+    *lead_q, h, tq, d = q.shape
+    *lead_k, hk, tk, dk = k.shape
+    if dk != d:
+        raise ValueError(f"k: head dimension {dk} differs from q's {d}")
+    if hk == 0 or h % hk:
+        raise ValueError(f"k: {hk} key heads do not divide q's {h} query heads")
+    if min(h, tq, tk, d) == 0:
+        raise ValueError(f"q, k: every dimension must be non-empty, got {tuple(q.shape)} and {tuple(k.shape)}")
+    try:
+        lead = torch.broadcast_shapes(tuple(lead_q), tuple(lead_k))
+    except RuntimeError:
+        raise ValueError(f"k: batch dimensions {tuple(lead_k)} do not broadcast with q's {tuple(lead_q)}") from None
+    b = math.prod(lead)
+    q4 = q.expand(*lead, h, tq, d).reshape(b, h, tq, d)
+    k4 = k.expand(*lead, hk, tk, d).reshape(b, hk, tk, d)
+    mask4 = None
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask: expected a bool (True = may attend) or floating-point (additive) "
+                            f"mask, got {attn_mask.dtype}")
+        if attn_mask.layout != torch.strided:
+            raise TypeError(f"attn_mask: expected a dense (strided) tensor, got layout {attn_mask.layout}")
+        mask4 = attn_mask.detach()
+        full = (*lead, h, tq, tk)
+        if mask4.dim() > len(full):
+            raise ValueError(f"attn_mask: {mask4.dim()} dimensions {tuple(mask4.shape)}, more than the "
+                             f"{len(full)} of the scores {list(full)}")
+        try:
+            torch.broadcast_shapes(tuple(mask4.shape), full)
+        except RuntimeError:
+            raise ValueError(f"attn_mask: shape {tuple(mask4.shape)} does not broadcast to "
+                             f"{list(full)}") from None
+        mask4 = _mask_as_4d(mask4, lead, b)
+    qm = None
+    if query_mask is not None:
+        if not isinstance(query_mask, torch.Tensor) or query_mask.dtype != torch.bool:
+            raise TypeError("query_mask: expected a bool torch.Tensor [B, Tq] (True = valid row), got "
+                            f"{getattr(query_mask, 'dtype', type(query_mask).__name__)}")
+        if query_mask.shape[-1] != tq or math.prod(query_mask.shape[:-1]) != b:
+            raise ValueError(f"query_mask: expected shape [{b}, {tq}], got {tuple(query_mask.shape)}")
+        qm = query_mask.reshape(b, tq)
+    lse3 = None
+    if lse is not None:
+        if not isinstance(lse, torch.Tensor) or lse.numel() != b * h * tq:
+            raise ValueError(f"lse: expected a tensor of shape [{b}, {h}, {tq}], got "
+                             f"{tuple(getattr(lse, 'shape', ()))}")
+        lse3 = lse.detach().reshape(b, h, tq)
+    return q4, k4, mask4, qm, lse3
+
+
+def _mask_as_4d(mask: torch.Tensor, lead: tuple, b: int) -> torch.Tensor:
+    """A mask broadcastable to ``[*lead, H, Tq, Tk]`` as ``[B or 1, H or 1, Tq or 1, Tk or 1]``: its
+    own trailing sizes are kept, and the batch dimensions are copied out only where the mask itself
+    varies over them (a shared [Tq, Tk] mask under a 5-D q stays one [Tq, Tk] matrix)."""
+    mask = mask.reshape((1,) * (len(lead) + 3 - mask.dim()) + tuple(mask.shape))
+    own_lead, tail = tuple(mask.shape[:len(lead)]), tuple(mask.shape[len(lead):])
+    if all(n == 1 for n in own_lead):
+        return mask.reshape(1, *tail)
+    return mask.expand(*lead, *tail).reshape(b, *tail)
+
+
+def visible(mask4: torch.Tensor) -> torch.Tensor:
+    """Bool: which keys the mask leaves visible (True = may attend), same shape as the mask."""
+    if mask4.dtype == torch.bool:
+        return mask4
+    return ~(mask4 <= masked_threshold(mask4.dtype))   # NaN stays visible: it must show up as NaN
+
+
+def valid_rows(mask4: torch.Tensor | None, is_causal: bool, shape: tuple,
+               query_mask: torch.Tensor | None) -> torch.Tensor:
+    """Bool ``[B, Tq]``: the row sees at least one key in every head, and query_mask keeps it.
+
+    Works on the mask as given (``[B, 1, 1, Tk]`` padding masks stay that small): with
+    ``is_causal``, a row sees a key iff the mask's first visible key is not in its future."""
+    b, h, tq, tk = shape
+    device = query_mask.device if mask4 is None else mask4.device
+    ok = torch.ones(b, tq, dtype=torch.bool, device=device)
+    if mask4 is not None:
+        vis = visible(mask4)
+        seen = vis.any(-1)                                              # [B?, H?, Tq?]
+        if is_causal:
+            first = vis.to(torch.uint8).argmax(-1)                       # first visible key
+            seen = seen & (first <= torch.arange(tq, device=device))
+        ok = seen.expand(b, h, tq).all(1)
+    if query_mask is not None:
+        ok = ok & query_mask
+    return ok
+
+
+# ---- the public entry points ------------------------------------------------------------------
+
+def qk_head_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                  is_causal: bool = False, scale: float | None = None, backend: str = "auto",
+                  chunk_bytes: int = CHUNK_BYTES, query_mask: torch.Tensor | None = None,
+                  lse: torch.Tensor | None = None) -> HeadStats:
+    """HeadStats of ``softmax(q kᵀ · scale + mask)``, as `F.scaled_dot_product_attention` defines it.
+
+    q: ``[..., H, Tq, D]``; k: ``[..., Hk, Tk, D]`` with Hk dividing H (grouped-query attention:
+    query head h reads key head ``h // (H / Hk)``). attn_mask: broadcastable to ``[..., H, Tq, Tk]``,
+    bool (True = may attend) or additive float. is_causal: the top-left aligned causal mask.
+    query_mask: bool ``[..., Tq]``, True = valid row. lse: the natural-log row log-sum-exp
+    ``[..., H, Tq]`` of the scaled, masked scores, if the caller has it (pass 1 is skipped; a valid
+    row whose probabilities then do not sum to 1 is counted in ``invalid``).
+    Rows that may attend to no key in some head are left out. Nothing of size Tq × Tk is held whole.
+    """
+    return _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
+                          check_lse=True)
+
+
+def _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
+                   check_lse: bool) -> HeadStats:
+    """`qk_head_stats`; ``check_lse=False`` when the LSE comes from the attention op of the same
+    call (it cannot disagree with these scores; the torch backend then saves a pass)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
+    q4, k4, mask4, qm, lse3 = _as_batched_heads(q, k, attn_mask, query_mask, lse)
+    b, h, tq, d = q4.shape
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale: expected a number or None, got {type(scale).__name__} {scale!r}")
+    scale = d ** -0.5 if scale is None else float(scale)
+    if backend == "auto":
+        backend = "triton" if q4.is_cuda and triton_available() else "torch"
+    if backend == "reference":
+        return HeadStats(*qk_stats_ref(q4, k4, mask4, is_causal, scale, qm))
+    # None: every row is valid (no mask and no query_mask: with is_causal each row sees key 0)
+    rows_ok = None if mask4 is None and qm is None else valid_rows(mask4, is_causal, (b, h, tq, k4.shape[2]), qm)
+    if backend == "torch":
+        if q4.device.type == "cpu":
+            chunk_bytes = min(chunk_bytes, CPU_CHUNK_BYTES)
+        return HeadStats(*_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse3, chunk_bytes,
+                                       check_lse and lse3 is not None))
+    return HeadStats(*run_triton("qk_stats_triton", "qk_stats_op", "qk_stats_triton", q4, k4, mask4, is_causal, scale,
+                                 rows_ok, lse3))
+
+
+def sdpa_with_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
+                    query_mask: torch.Tensor | None = None, backend: str = "auto",
+                    chunk_bytes: int = CHUNK_BYTES,
+                    packed_query_heads: int | None = None) -> tuple[torch.Tensor, HeadStats]:
+    """``(F.scaled_dot_product_attention(...), HeadStats of its probabilities)``.
+
+    The output and its gradients are bit-identical to `F.scaled_dot_product_attention` with the
+    same arguments. Where that call is trivially equivalent to an attention op that also returns
+    the row log-sum-exp (the backend `torch._fused_sdp_choice` names), that op runs and its LSE
+    replaces our pass 1; otherwise F.scaled_dot_product_attention runs and pass 1 is ours.
+    The statistics are those of the probabilities without dropout. ``packed_query_heads`` (H): the
+    call holds one query token's H heads as ``[B, H / G, G, D]`` rows (`unpack_query_heads`).
+    """
+    out, lse = _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if backend == "reference":
+        lse = None
+    if packed_query_heads:
+        query, attn_mask, lse = unpack_query_heads(query, attn_mask, lse, packed_query_heads)
+    stats = _qk_head_stats(query, key, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
+                           check_lse=False)
+    return out, stats
+
+
+def unpack_query_heads(query: torch.Tensor, attn_mask: torch.Tensor | None, lse: torch.Tensor | None,
+                       heads: int):
+    """One query token's ``heads`` heads packed as ``[B, Hkv, G, D]`` rows (Hugging Face's
+    grouped-query decode) back to ``[B, H, 1, D]``; a mask ``[B, Hkv, G, Tk]`` to ``[B, H, 1, Tk]``
+    (one with a single row broadcasts as it is) and the LSE to ``[B, H, 1]``."""
+    b, hk, g, d = query.shape
+    query = query.reshape(b, heads, 1, d)
+    if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.shape[-2] != 1:
+        attn_mask = attn_mask.reshape(*attn_mask.shape[:-3], heads, 1, attn_mask.shape[-1])
+    if lse is not None:
+        lse = lse.reshape(b, heads, 1)
+    return query, attn_mask, lse
+
+
+def _sdpa_float_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A bool mask as F.scaled_dot_product_attention hands it to its fused ops: 0 / -inf in q's dtype."""
+    if attn_mask is None or attn_mask.dtype != torch.bool:
+        return attn_mask
+    return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(
+        ~attn_mask, float("-inf"))
+
+
+def _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """The attention output exactly as F.sdpa computes it, and the op's natural-log LSE or None."""
+    dense_4d = all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.layout == torch.strided
+                   and not t.is_nested for t in (query, key, value))
+    # Under torch.compile the call stays F.sdpa (what the compiled model itself would run; dynamo
+    # cannot trace the backend choice), and pass 1 is ours.
+    if dense_4d and dropout_p == 0.0 and not torch.compiler.is_compiling():
+        choice = SDPBackend(torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal,
+                                                    scale=scale, enable_gqa=enable_gqa))
+        if query.device.type == "cpu" and choice == SDPBackend.FLASH_ATTENTION:
+            # What F.sdpa runs on CPU (bit-identical output and gradients, tests/test_qk_stats.py).
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal,
+                attn_mask=_sdpa_float_mask(attn_mask, query.dtype), scale=scale)
+            return out, lse
+        # CUDA: only the plainest calls, where F.sdpa pads nothing and converts no mask
+        # (tests/test_gpu.py checks the output is bit-identical on a GPU).
+        plain = (query.is_cuda and attn_mask is None and query.shape[1] == key.shape[1]
+                 and query.shape[-1] % 8 == 0 and value.shape[-1] % 8 == 0)
+        if plain and choice == SDPBackend.FLASH_ATTENTION:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale)[:2]
+            return out, lse
+        if plain and choice == SDPBackend.EFFICIENT_ATTENTION:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, None, True, dropout_p, is_causal, scale=scale)[:2]
+            return out, lse[..., :query.shape[-2]]   # Tq may be padded to a multiple of 32
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                         enable_gqa=enable_gqa)
+    return out, None
+
+
+# ---- the torch backend: chunks of query rows ---------------------------------------------------
+
+def _stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, chunk_bytes, check_lse):
+    """Scores a chunk of rows at a time (keys sliced to the causal bound); p = exp(s − lse)."""
+    b, h, tq, d = q4.shape
+    hk, tk = k4.shape[1], k4.shape[2]
+    group = h // hk
+    acc = torch.promote_types(q4.dtype, torch.float32)
+    # Fold the query group into the rows: each key head's K is read once, never copied per group.
+    qg = (q4.to(acc) * scale).reshape(b, hk, group, tq, d)
+    kt = k4.to(acc).transpose(-1, -2)                                  # [B, Hk, D, Tk]
+    gram = torch.zeros(h, h, dtype=torch.float64, device=q4.device)
+    entropy = torch.zeros(h, dtype=torch.float64, device=q4.device)
+    invalid = torch.zeros((), dtype=torch.float64, device=q4.device)
+    if mask4 is not None and mask4.dtype != torch.bool:
+        mask4 = mask4.to(acc).clamp_min(MASKED_SCORE)                   # masked keys: a finite score
+    rows = min(tq, max(1, chunk_bytes // max(1, b * h * tk * 4)))
+    if is_causal:   # the diagonal block of every chunk: key j is in row i's future iff j > i
+        future = torch.ones(rows, rows, dtype=torch.bool, device=q4.device).triu_(1)
+    for r0 in range(0, tq, rows):
+        r1 = min(tq, r0 + rows)
+        n, kb = r1 - r0, (min(tk, r1) if is_causal else tk)
+        s = (qg[..., r0:r1, :].reshape(b, hk, group * n, d) @ kt[..., :kb]).view(b, h, n, kb)
+        if mask4 is not None:
+            m = mask4[..., r0:r1, :kb] if mask4.shape[-2] > 1 else mask4[..., :kb]
+            if m.dtype == torch.bool:
+                s = s.masked_fill_(~m, MASKED_SCORE)
+            else:
+                s = s.add_(m)
+        if is_causal and r0 + 1 < kb:
+            # only keys r0 + 1 .. r1 - 1 can lie in a row's future: mask that diagonal block alone
+            s[..., r0:].masked_fill_(future[:n, :kb - r0], MASKED_SCORE)
+        row_lse = torch.logsumexp(s, -1) if lse is None else lse[..., r0:r1].to(acc)
+        ok = None if rows_ok is None else rows_ok[:, None, r0:r1]    # [B, 1, rows]
+        if ok is not None:
+            # an invalid row's LSE may be inf or garbage: 0 keeps its exponent finite, p is zeroed below
+            row_lse = torch.where(ok, row_lse, torch.zeros((), dtype=acc, device=s.device))
+        x = s.sub_(row_lse[..., None]).clamp_min_(LOG_P_FLOOR)         # log p
+        p = torch.exp(x)
+        if ok is not None:
+            p = p.masked_fill_(~ok[..., None], 0.0)
+        entropy -= torch.linalg.vecdot(p, x).sum((0, 2), dtype=torch.float64)
+        if check_lse:
+            off = ~((p.sum(-1) - 1).abs() <= MASS_TOLERANCE)           # NaN counts as off
+            invalid += (off if ok is None else off & ok).sum(dtype=torch.float64)
+        flat = p.view(b, h, n * kb)
+        gram += (flat @ flat.transpose(-1, -2)).sum(0, dtype=torch.float64)
+    invalid += (~torch.isfinite(gram)).any().double() + (~torch.isfinite(entropy)).any().double()
+    rows_total = (torch.full((), float(b * tq), dtype=torch.float64, device=q4.device) if rows_ok is None
+                  else rows_ok.sum(dtype=torch.float64))
+    return gram, entropy, rows_total, invalid
