@@ -7,24 +7,17 @@ logits ``[B, vocab]`` (the prediction for the last position; the model has no pe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 
+from .baseline import BaselineConfig
+
 
 @dataclass(frozen=True)
-class MLPConfig:
-    vocab_size: int = 98
-    seq_len: int = 3
-    n_layers: int = 4
-    hidden: int = 512
-    d_embed: int = 128
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "n_layers", "hidden", "d_embed"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"mlp: {name} must be a positive integer, got {value!r}")
+class MLPConfig(BaselineConfig):
+    model: ClassVar[str] = "mlp"
 
 
 class MLP(nn.Module):
