@@ -21,7 +21,7 @@ from fastdiag.kernels import head_stats_triton, qk_stats_triton, report
 HEAD_STATS_SHAPES = {"gpt2-small": (1, 8, 12, 1024), "long-context": (1, 1, 16, 4096)}
 
 
-def rows_for(arch: int, quick: bool, progress) -> list[report.KernelReport]:
+def rows_for(arch: int, quick: bool, progress, qk_shapes: dict | None = None) -> list[report.KernelReport]:
     gpu = report.GPUS[arch]
     rows = []
     for case in head_stats_triton.report_cases(HEAD_STATS_SHAPES, quick=quick):
@@ -29,7 +29,8 @@ def rows_for(arch: int, quick: bool, progress) -> list[report.KernelReport]:
         rows.append(report.report_case(case, gpu))
     variants = ("causal", "causal+rows", "additive-mask") if quick else tuple(qk_stats_triton.REPORT_VARIANTS)
     dtypes = (torch.bfloat16, torch.float32) if quick else qk_stats_triton.REPORT_DTYPES
-    rows += qk_stats_triton.kernel_report(qk_stats_triton.REPORT_SHAPES, (arch,), variants, dtypes, progress)
+    rows += qk_stats_triton.kernel_report(qk_shapes or qk_stats_triton.REPORT_SHAPES, (arch,), variants, dtypes,
+                                          progress)
     return rows
 
 
@@ -50,6 +51,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--archs", default=",".join(str(a) for a in report.GPUS))
     ap.add_argument("--quick", action="store_true", help="bf16 and fp32, the heaviest variants only")
+    ap.add_argument("--qk-shapes", default=",".join(qk_stats_triton.REPORT_SHAPES),
+                    help="Q/K model shapes: " + ", ".join(qk_stats_triton.REPORT_SHAPES))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     try:
@@ -61,7 +64,8 @@ def main() -> None:
     start = time.time()
     rows = []
     for arch in archs:
-        rows += rows_for(arch, args.quick, lambda s: print(s, file=sys.stderr, flush=True))
+        rows += rows_for(arch, args.quick, lambda s: print(s, file=sys.stderr, flush=True),
+                         {name: qk_stats_triton.REPORT_SHAPES[name] for name in args.qk_shapes.split(",")})
     print(f"triton {triton.__version__}, torch {torch.__version__}, {len(rows)} rows, "
           f"{time.time() - start:.0f} s to compile")
     print("\n".join(markdown(rows)))
