@@ -65,8 +65,8 @@ def _rel(a, b) -> float:
 def stage_kernels(dev: torch.device, dry: bool) -> None:
     """head_stats against a device copy and a read-only pass of the same bytes; Q/K pass 1 + 2 against
     the SDPA flash forward of the same Q, K, V."""
-    from fastdiag.kernels.head_stats_triton import head_stats_triton
-    from fastdiag.kernels.qk_stats_triton import qk_stats_triton
+    from fastdiag.core.kernels.head_stats_triton import head_stats_triton
+    from fastdiag.core.kernels.qk_stats_triton import qk_stats_triton
 
     repeats = 1 if dry else 20
     shapes = {"tiny": (1, 1, 4, 32, 32)} if dry else {"gpt2-small": (1, 8, 12, 1024, 1024),

@@ -16,7 +16,7 @@ import time
 import torch
 import triton
 
-from fastdiag.kernels import head_stats_triton, qk_stats_triton, report
+from fastdiag.core.kernels import head_stats_triton, qk_stats_triton, report
 
 HEAD_STATS_SHAPES = {"gpt2-small": (1, 8, 12, 1024), "long-context": (1, 1, 16, 4096)}
 

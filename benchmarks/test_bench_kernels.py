@@ -11,7 +11,7 @@ import torch
 
 import fastdiag
 from fastdiag.bench import KERNEL_SHAPES, kernel_dtypes
-from fastdiag.kernels import head_stats_ref
+from fastdiag.core.kernels import head_stats_ref
 from fastdiag.testing import random_probs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -23,8 +23,8 @@ from fastdiag.core.diagnostics import head_stats
 from fastdiag.grokking.build import build_model
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.ensemble_train import default_ensemble_size
-from fastdiag.kernels import head_stats_ref
-from fastdiag.kernels import report as _report
+from fastdiag.core.kernels import head_stats_ref
+from fastdiag.core.kernels import report as _report
 from fastdiag.models import count_parameters
 from fastdiag.core.monitor import attach
 from fastdiag.core.stats import summarize
@@ -121,7 +121,7 @@ format_kernel_report = _report.format_report
 
 
 def kernel_report(shape_names: list[str], progress: Callable[[str], None] = print) -> list:
-    """`fastdiag.kernels.report` of every registered Triton kernel at these benchmark shapes."""
+    """`fastdiag.core.kernels.report` of every registered Triton kernel at these benchmark shapes."""
     return _report.kernel_report({name: KERNEL_SHAPES[name] for name in shape_names}, progress=progress)
 
 

@@ -2,7 +2,7 @@
 import torch
 
 import fastdiag
-from fastdiag.kernels.head_stats_triton import head_stats_op
+from fastdiag.core.kernels.head_stats_triton import head_stats_op
 from fastdiag.testing import random_probs, random_query_mask
 
 

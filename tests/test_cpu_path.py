@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from fastdiag.kernels.head_stats_ref import head_stats_ref, head_stats_torch
+from fastdiag.core.kernels.head_stats_ref import head_stats_ref, head_stats_torch
 from fastdiag.testing import TOLERANCE, random_probs, random_query_mask, rel_err
 
-ref_module = sys.modules["fastdiag.kernels.head_stats_ref"]
+ref_module = sys.modules["fastdiag.core.kernels.head_stats_ref"]
 SHAPES = [(1, 2, 3, 37, 37), (2, 1, 5, 29, 61), (1, 3, 4, 50, 7), (3, 4, 8, 3, 3), (1, 1, 2, 1, 1)]
 
 

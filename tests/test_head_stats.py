@@ -240,7 +240,7 @@ def _gram_in_kernel_order(probs, programs, split):
     summed in float64. ``split``: fp32 inputs, the TF32 split hi·hiᵀ + lo·hiᵀ + (lo·hiᵀ)ᵀ with
     lo·loᵀ dropped, each product accumulated on its own as the kernel does."""
     pytest.importorskip("triton", reason="the model takes the kernel's own block sizes")
-    from fastdiag.kernels.head_stats_triton import _block_sizes
+    from fastdiag.core.kernels.head_stats_triton import _block_sizes
 
     h, rows, tk = probs.shape
     _, block_r, block_k = _block_sizes(h, rows, tk, 4 if split else 2)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from fastdiag.bench import KERNEL_SHAPES
-from fastdiag.kernels import report
+from fastdiag.core.kernels import report
 
 pytest.importorskip("triton", reason="the kernel report compiles Triton kernels")
 MISSING = report.tools_missing()
@@ -81,7 +81,7 @@ def test_shared_memory_bytes_of_the_hot_loop():
 def test_every_generation_compiles_with_its_own_limits():
     """A launch captured for an sm_86 target sizes pass 2 by that target's 99 KB, and the row says which
     target and limit it was compiled for."""
-    from fastdiag.kernels import qk_stats_triton as qk
+    from fastdiag.core.kernels import qk_stats_triton as qk
 
     seen = {}
     for arch in (80, 86):
@@ -102,7 +102,7 @@ def test_every_generation_compiles_with_its_own_limits():
 # subprocess without TRITON_INTERPRET (kernels cannot be compiled under it).
 _EMITTED = r"""
 import json, re, torch
-from fastdiag.kernels import head_stats_triton as hs, qk_stats_triton as qk, report
+from fastdiag.core.kernels import head_stats_triton as hs, qk_stats_triton as qk, report
 head = report.compiled_launch(lambda: hs.head_stats_triton(torch.empty(1, 1, 12, 64, 64, dtype=torch.bfloat16)))
 q, mask = torch.empty(1, 2, 64, 16, dtype=torch.bfloat16), torch.empty(1, 1, 64, 64, dtype=torch.bfloat16)
 lse = report.compiled_launch(lambda: qk.row_lse_triton(q, q, mask, False, 0.25))

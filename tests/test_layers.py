@@ -35,7 +35,7 @@ ALLOWED = {
 }
 # Third-party packages a layer must not import at all (statistics and figures run without torch).
 # Modules that import an optional third-party dependency (Triton) at their top: loaded late on purpose.
-OPTIONAL = {"fastdiag.kernels.head_stats_triton", "fastdiag.kernels.qk_stats_triton"}
+OPTIONAL = {"fastdiag.core.kernels.head_stats_triton", "fastdiag.core.kernels.qk_stats_triton"}
 FORBIDDEN = {"analysis": {"torch"}, "plots": {"torch"}, "config": {"torch", "numpy"}, "store": {"torch", "numpy"}}
 
 
@@ -43,6 +43,8 @@ def layer_of(module: str) -> str:
     parts = module.split(".")
     if parts[:2] == ["fastdiag", "grokking"] and parts[2:3] in (["config"], ["labels"]):
         return "config"
+    if parts[1:3] == ["core", "kernels"]:
+        return "kernels"
     second = parts[1] if len(parts) > 1 else ""
     if second in ("cli", "bench", "plots", "analysis", "store", "sweep", "grokking", "models", "kernels"):
         return second
@@ -182,7 +184,7 @@ def test_checker_finds_every_kind_of_violation(tmp_path):
         "fastdiag/cli/app.py": "def main():\n    from fastdiag import stats\n",           # allowed in cli
         "fastdiag/models/__init__.py": "from . import lstm\n",
         "fastdiag/models/lstm.py": "from fastdiag.cli import app\n",                       # models → cli
-        "fastdiag/kernels/__init__.py": "",
+        "fastdiag/core/kernels/__init__.py": "",
     })
     sources = {"fastdiag": tmp_path / "fastdiag"}
     text = "\n".join(violations(sources))

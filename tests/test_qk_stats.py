@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdiag.core.diagnostics import triton_available
-from fastdiag.kernels.qk_stats_ref import qk_stats_ref
+from fastdiag.core.kernels.qk_stats_ref import qk_stats_ref
 from fastdiag.qk import qk_head_stats, sdpa_with_stats, valid_rows
 from fastdiag.core.stats import HeadStats
 from fastdiag.testing import TOLERANCE, rel_err
@@ -146,7 +146,7 @@ def test_a_wrong_lse_is_counted_invalid(backend):
 
 def test_pass1_lse_matches_float64_logsumexp():
     _check_backend("triton")
-    from fastdiag.kernels.qk_stats_triton import row_lse_triton
+    from fastdiag.core.kernels.qk_stats_triton import row_lse_triton
 
     gen = torch.Generator().manual_seed(4)
     q, k = _qk(2, 4, 2, 9, 13, 24, torch.float32, gen)
@@ -282,7 +282,7 @@ def test_bad_inputs_raise_naming_the_argument():
 
 def _kernel_stats(q, k, mask, causal, scale, tiles=None):
     """HeadStats of the Triton launcher called directly (to force its tiles)."""
-    from fastdiag.kernels.qk_stats_triton import qk_stats_triton
+    from fastdiag.core.kernels.qk_stats_triton import qk_stats_triton
 
     rows_ok = None if mask is None else valid_rows(mask, causal, (*q.shape[:3], k.shape[2]), None)
     return HeadStats(*qk_stats_triton(q, k, mask, causal, scale, rows_ok, tiles=tiles))
@@ -293,7 +293,7 @@ def test_heads_split_into_blocks(h, hk):
     """More heads than one program holds (forced by a small score budget): diagonal and off-diagonal
     Gram blocks, padded heads."""
     _check_backend("triton")
-    from fastdiag.kernels.qk_stats_triton import tile_config
+    from fastdiag.core.kernels.qk_stats_triton import tile_config
 
     tiles = tile_config(h, hk, 16, budget=2048)
     assert hk > tiles["BLOCK_HK"]                             # really split
@@ -312,7 +312,7 @@ def test_full_multi_head_attention_at_llama_7b_heads(kind, dtype):
     """H = Hk = 32, D = 128 (Llama-7B's heads, few rows): pass 2 holds all 32 heads with 16-key tiles
     in one program, D in two dot chunks; pass 1 runs one head per program. Two row and key tiles."""
     _check_backend("triton")
-    from fastdiag.kernels.qk_stats_triton import lse_tile_config, tile_config
+    from fastdiag.core.kernels.qk_stats_triton import lse_tile_config, tile_config
 
     tiles = tile_config(32, 32, 128)
     assert (tiles["BLOCK_HK"], tiles["BLOCK_N"], tiles["num_stages"]) == (32, 16, 1)
@@ -339,11 +339,11 @@ def test_sm90_compile_has_no_spills_and_fits_shared_memory(shape):
     import subprocess
     import sys
 
-    from fastdiag.kernels.report import tools_missing
+    from fastdiag.core.kernels.report import tools_missing
 
     if tools_missing():
         pytest.skip(f"sm_90 compile report needs the CUDA tools of the triton wheel: {tools_missing()}")
-    code = ("import json; from fastdiag.kernels.qk_stats_triton import REPORT_SHAPES, kernel_report; "
+    code = ("import json; from fastdiag.core.kernels.qk_stats_triton import REPORT_SHAPES, kernel_report; "
             f"print(json.dumps([r.row() for r in kernel_report({{{shape!r}: REPORT_SHAPES[{shape!r}]}})]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"

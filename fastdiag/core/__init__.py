@@ -8,6 +8,7 @@
 * ``adapters``     how `attach` finds and measures the attention of real models (softmax, SDPA, MHA).
 * ``monitor``      `attach` / `Monitor`; ``records`` keeps what a monitor measured.
 * ``zoo_handoff``  the attributes a monitor lends to fastdiag's own model-zoo attention modules.
+* ``kernels``      float64 references, the CPU path and the Triton kernels.
 
 Nothing here imports the experiment stack (grokking, sweep, store, analysis, plots) or the CLI.
 """

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from fastdiag.kernels import head_stats_ref, head_stats_torch
+from fastdiag.core.kernels import head_stats_ref, head_stats_torch
 from fastdiag.core.stats import HeadStats
 
 BACKENDS = ("auto", "reference", "torch", "triton")
@@ -107,14 +107,14 @@ def head_stats(probs: torch.Tensor, query_mask: torch.Tensor | None = None, back
 
 
 def run_triton(kernel_module: str, op: str, launcher: str, *args):
-    """Run a Triton kernel of ``fastdiag.kernels.<kernel_module>`` on ``args`` (the first a tensor):
+    """Run a Triton kernel of ``fastdiag.core.kernels.<kernel_module>`` on ``args`` (the first a tensor):
     its `torch.library` op ``op`` on CUDA tensors (one node for torch.compile and CUDA graphs), its
     raw ``launcher`` on CPU tensors under TRITON_INTERPRET=1 (the interpreter cannot run behind
     torch.library's wrappers). The kernel module is imported here, on first use: it imports triton."""
     if not triton_available():
         raise ValueError("backend: 'triton' needs triton and a CUDA device, or TRITON_INTERPRET=1 "
                          "set before import to run the kernels in the interpreter")
-    kernel = importlib.import_module(f"fastdiag.kernels.{kernel_module}")
+    kernel = importlib.import_module(f"fastdiag.core.kernels.{kernel_module}")
     if args[0].is_cuda:
         return getattr(kernel, op)(*args)
     if not kernel.INTERPRETING:

@@ -7,10 +7,10 @@ the layer's `HeadStats` from Q, K and the masks without holding ``[B, H, Tq, Tk]
   skipped when the caller already has it (the attention op computes it for its backward anyway);
 - pass 2, the statistics with ``p = exp(s − lse)`` and the row entropy ``−Σ p (s − lse)``.
 
-Backends: ``"triton"`` (two fused kernels, `fastdiag/kernels/qk_stats_triton.py`; the default on CUDA),
+Backends: ``"triton"`` (two fused kernels, `fastdiag/core/kernels/qk_stats_triton.py`; the default on CUDA),
 ``"torch"`` (chunked over query rows, keys sliced to the causal bound; the default elsewhere) and
 ``"reference"`` (float64, the ground truth). Masking semantics (docs/attach.md, "Padding": the attach contract): see
-`fastdiag/kernels/qk_stats_ref.py`. Row validity is read from the masks, never from the LSE (a fully masked
+`fastdiag/core/kernels/qk_stats_ref.py`. Row validity is read from the masks, never from the LSE (a fully masked
 row has LSE 0 on the CPU flash op and inf on CUDA).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from fastdiag.core.diagnostics import BACKENDS, run_triton, triton_available
-from fastdiag.kernels.qk_stats_ref import masked_threshold, qk_stats_ref
+from fastdiag.core.kernels.qk_stats_ref import masked_threshold, qk_stats_ref
 from fastdiag.core.stats import HeadStats
 
 CHUNK_BYTES = 64 * 2**20   # scores formed at a time by the torch backend (fp32)

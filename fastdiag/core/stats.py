@@ -9,7 +9,7 @@ A fourth sum, ``invalid``, is > 0 when probability entries outside [0, 1] or non
 entry makes every derived value NaN, detected on the device without a host sync.
 
 ``entropy_sum`` is float64 from every backend: near-uniform attention makes the head entropies
-≈ log Tk apart by ~1e-5 of that, and σ_H is their spread (see `fastdiag.kernels.head_stats_ref`).
+≈ log Tk apart by ~1e-5 of that, and σ_H is their spread (see `fastdiag.core.kernels.head_stats_ref`).
 
 Everything here is a device tensor with the problem dimensions ``[...]`` leading (layers, ensemble
 members); nothing syncs with the host until the caller converts a result.

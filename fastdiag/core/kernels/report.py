@@ -57,7 +57,7 @@ for _gpu in GPUS.values():
                 shared_bytes_per_clock=128)
 GPU = GPUS[90]          # the default target (the GPU lent to this project)
 
-KERNEL_MODULES = ("fastdiag.kernels.head_stats_triton", "fastdiag.kernels.qk_stats_triton")
+KERNEL_MODULES = ("fastdiag.core.kernels.head_stats_triton", "fastdiag.core.kernels.qk_stats_triton")
 
 
 @dataclass(frozen=True)
@@ -456,7 +456,7 @@ def _report_in_subprocess(shapes: dict, archs: tuple[int, ...] = (90,)) -> list[
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "fastdiag.kernels.report", json.dumps(shapes), json.dumps(list(archs))],
+    out = subprocess.run([sys.executable, "-m", "fastdiag.core.kernels.report", json.dumps(shapes), json.dumps(list(archs))],
                          capture_output=True, text=True, env=env)
     if out.returncode:
         raise RuntimeError(f"kernel report subprocess failed: {out.stderr.strip().splitlines()[-1:]}")
@@ -467,7 +467,7 @@ if __name__ == "__main__":
     import json
     import sys
 
-    from fastdiag.kernels import report   # the module kernels register with, not this __main__ copy
+    from fastdiag.core.kernels import report   # the module kernels register with, not this __main__ copy
 
     archs = tuple(json.loads(sys.argv[2])) if len(sys.argv) > 2 else (90,)
     print(json.dumps([r.row() for r in report.kernel_report(json.loads(sys.argv[1]), archs=archs)]))
