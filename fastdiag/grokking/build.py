@@ -74,11 +74,12 @@ def check_buildable(cfg: RunConfig, device: bool = False) -> None:
     ``device``, a device this machine does not have."""
     cfg.validate()
     check_task(cfg.op, cfg.p)
-    _check_size(cfg, available_memory())
+    memory = available_memory()          # read once: /proc/meminfo, for both size checks
+    _check_size(cfg, memory)
     n_params = _check_model(cfg.arch, cfg.preset, cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_ff, cfg.p)
     if device:
         resolve_device(cfg.device)
-    _check_memory(cfg, n_params, available_memory())
+    _check_memory(cfg, n_params, memory)
 
 
 # Bytes per parameter while training: the weight, its gradient and AdamW's two moments, in float32.
@@ -94,10 +95,11 @@ def _check_size(cfg: RunConfig, memory: int | None) -> None:
     if cfg.n_layers is not None and cfg.n_layers > MAX_LAYERS:
         raise ValueError(f"n_layers: {cfg.n_layers:,} layers is beyond what fastdiag builds (at most {MAX_LAYERS:,})")
     width = max(cfg.d_model or 0, cfg.d_ff or 0)
-    if memory is not None and width ** 2 * TRAINING_BYTES_PER_PARAMETER > memory:
+    need = width ** 2 * TRAINING_BYTES_PER_PARAMETER
+    if memory is not None and need > memory:
         name = "d_model" if (cfg.d_model or 0) >= (cfg.d_ff or 0) else "d_ff"
         raise ValueError(f"{name}: {width:,} makes one {width:,} x {width:,} weight matrix alone need "
-                         f"{width ** 2 * TRAINING_BYTES_PER_PARAMETER / 2**30:,.1f} GiB to train; "
+                         f"{need / 2**30:,.1f} GiB to train; "
                          f"{memory / 2**30:.1f} GiB is available")
 
 
