@@ -234,10 +234,11 @@ def test_nu_refuses_malformed_input(kwargs, error, expected):
 
 
 def test_regime_table_counts_every_regime_in_lambda_order():
-    table = regime_table([0.3, 0.1, 0.3, 0.1, 0.0], ["grok", "collapse", "grok", "grok", "diverged"])
+    table = regime_table([0.3, 0.1, 0.3, 0.1, 0.0, 0.1], ["grok", "collapse", "grok", "grok", "diverged", "too-short"])
     assert list(table) == [0.0, 0.1, 0.3]
     assert all(list(counts) == list(REGIMES) for counts in table.values())
-    assert table[0.1] == {"grok": 1, "memorization": 0, "collapse": 1, "no-fit": 0, "anti-grok": 0, "diverged": 0}
+    assert table[0.1] == {"grok": 1, "memorization": 0, "collapse": 1, "no-fit": 0, "too-short": 1, "anti-grok": 0,
+                          "diverged": 0}
     assert table[0.3]["grok"] == 2 and sum(table[0.0].values()) == 1
 
 

@@ -180,3 +180,29 @@ def test_nothing_to_analyse_or_plot_is_exit_2_for_both(tmp_path, capsys):
             main(argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert exc.value.code == 2 and len(err) == 1 and "no finished runs" in err[0], (argv, err)
+
+
+def test_too_short_runs_are_counted_in_the_table_and_drawn_in_the_regime_diagram(tmp_path, capsys):
+    from fastdiag.cli.analyze import REGIME_COLUMNS
+    from fastdiag.grokking.config import REGIMES
+    from fastdiag.plots.style import REGIME_STYLE
+    assert set(REGIME_COLUMNS) == set(REGIMES) == set(REGIME_STYLE)     # no regime left out of a summary
+
+    def short_train(cfg):
+        trace = [{"epoch": e, "step": e, "train_acc": 0.1, "test_acc": 0.05, "s_bar": 0.99, "sigma_h": 0.01}
+                 for e in (1, 2, 3)]
+        return SimpleNamespace(config=cfg, result={"run_id": cfg.run_id(), "regime": "too-short",
+                                                   "t_grok_epoch": None, "n_params": 1000}, trace=trace)
+
+    path = tmp_path / "short.sqlite"
+    with Store(path) as st:
+        sw.run_sweep(sw.build_grid(TINY, [0.1, 1.0], range(2)), st, workers=1, train_fn=short_train, progress=False)
+    main(["analyze", str(path), "--n-boot", "20"])
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "median t_grok" in line)
+    assert header.split()[:9] == ["λ", "runs", "grok", "memor.", "collapse", "no-fit", "too-short", "anti-grok",
+                                  "diverged"]
+    row = next(line for line in lines if line.split()[:1] == ["1"])
+    assert row.split()[1:9] == ["2", "0", "0", "0", "0", "2", "0", "0"]
+    main(["plot", str(path), "--out", str(tmp_path / "figs"), "--n-boot", "20", "--n-band", "20"])
+    assert "too short to classify" in (tmp_path / "figs" / "regime_diagram.svg").read_text()

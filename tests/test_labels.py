@@ -97,5 +97,42 @@ def test_every_label_is_a_known_regime_and_relabel_reports_the_change():
     change = labels.relabel(old, trace, 0.99)
     assert change["stored"] == "anti-grok" and change["current"] == "grok" and change["changed"]
     assert labels.relabel({"regime": "diverged"}, trace, 0.99)["current"] == "diverged"
-    assert {"collapse", "no-fit", "anti-grok", "grok", "memorization", "diverged"} == set(REGIMES)
+    assert {"collapse", "no-fit", "too-short", "anti-grok", "grok", "memorization", "diverged"} == set(REGIMES)
     assert set(labels.LABEL_RULES) >= {"anti_grok_below", "collapse_s_bar_min"}
+
+
+# ------------------------------------------------------------------------------ too short to classify
+
+@pytest.mark.parametrize("s_bar", [1.0, 0.96])
+def test_a_run_stopped_before_it_could_fit_is_too_short_not_collapse_or_no_fit(s_bar):
+    # three evaluations at epochs 1-3: s̄ near 1 there is the initial, near-uniform attention, not a collapse
+    trace = _trace([0.05] * 3, train_acc=0.1, s_bar=s_bar, every=1)
+    assert labels.regime_label(trace, 0.99) == "too-short"
+    assert _tracked(trace).regime == "too-short"
+    # the same never-fit trace once the run has trained NEVER_FIT_MIN_EPOCHS epochs is classified
+    long = _trace([0.05] * labels.NEVER_FIT_MIN_EPOCHS, train_acc=0.1, s_bar=s_bar, every=1)
+    assert labels.regime_label(long, 0.99) == ("collapse" if s_bar >= labels.COLLAPSE_S_BAR_MIN else "no-fit")
+    assert labels.regime_label(long[:-1], 0.99) == "too-short"        # one epoch short of the minimum
+
+
+def test_too_few_evaluations_for_the_tail_rule_is_too_short_whatever_the_epochs():
+    # two evaluations, 100 epochs apart: the collapse rule reads the last COLLAPSE_TAIL_EVALS of them
+    trace = _trace([0.05] * (labels.COLLAPSE_TAIL_EVALS - 1), train_acc=0.1, s_bar=1.0, every=100)
+    assert labels.regime_label(trace, 0.99) == "too-short"
+    assert labels.regime_label([], 0.99) == "too-short"
+
+
+def test_a_short_run_that_fit_or_grokked_keeps_its_label():
+    # what happened is known however short the run: grokking and memorisation are events, not absences
+    assert labels.regime_label(_trace([0.1, 0.5, 1.0], every=1), 0.99) == "grok"
+    assert labels.regime_label(_trace([0.1, 0.2, 0.3], every=1), 0.99) == "memorization"
+    assert labels.regime_label(_trace([0.05] * 3, train_acc=0.1, every=1), 0.99, diverged=True) == "diverged"
+
+
+def test_a_real_three_epoch_run_is_too_short():
+    # the case: `fastdiag run --epochs 3` was labelled collapse
+    from fastdiag.grokking.train import train_run
+    cfg = RunConfig(preset="custom", n_layers=1, n_heads=2, d_model=16, d_ff=32, p=7, train_frac=0.6,
+                    batch_size=8, epochs=3, eval_every=1, diag_every=2, device="cpu", seed=0)
+    result = train_run(cfg).result
+    assert result["final_train_acc"] < 0.99 and result["regime"] == "too-short"

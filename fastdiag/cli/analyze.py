@@ -8,7 +8,16 @@ import click
 from fastdiag.analysis.report import PredictSettings, Report, build_report
 from fastdiag.cli.app import CLIError, open_store
 from fastdiag.grokking.build import heads_width
-from fastdiag.grokking.config import fmt_or_dash
+from fastdiag.grokking.config import REGIMES, fmt_or_dash
+
+# The regime table's column headings: the regime's name, shortened where it is long (every regime in
+# REGIMES has one, so a new regime cannot be left out of the table).
+REGIME_COLUMNS = {"grok": "grok", "memorization": "memor.", "collapse": "collapse", "no-fit": "no-fit",
+                  "too-short": "too-short", "anti-grok": "anti-grok", "diverged": "diverged"}
+
+
+def _width(regime: str) -> int:
+    return max(5, len(REGIME_COLUMNS[regime]))
 
 
 def store_report(store, n_boot: int = 1500, seed: int = 0, retention_threshold: float = 0.9,
@@ -156,13 +165,11 @@ def format_report(report: dict) -> str:
                 lines.append(f"  {name} = {fmt_or_dash(nu['nu'], '.3g')}  95% CI [{fmt_or_dash(nu['ci'][0], '.3g')}, "
                              f"{fmt_or_dash(nu['ci'][1], '.3g')}]  amplitude {fmt_or_dash(nu['amplitude'], '.3g')} epochs  "
                              f"({nu['n']} grokked runs above λ_c, {nu['n_boot_ok']}/{nu['n_boot']} resamples)")
-        header = f"  {'λ':>10} {'runs':>5} {'grok':>5} {'memor.':>6} {'collapse':>8} {'no-fit':>6} {'anti-grok':>9} " \
-                 f"{'diverged':>8} {'median t_grok (epochs)':>22}"
-        lines.append(header)
+        lines.append(f"  {'λ':>10} {'runs':>5} " + " ".join(f"{REGIME_COLUMNS[r]:>{_width(r)}}" for r in REGIMES)
+                     + f" {'median t_grok (epochs)':>22}")
         for row in g["regimes"]:
-            lines.append(f"  {row['lambda']:>10.4g} {row['n']:>5} {row['grok']:>5} {row['memorization']:>6} "
-                         f"{row['collapse']:>8} {row['no-fit']:>6} {row['anti-grok']:>9} {row['diverged']:>8} "
-                         f"{fmt_or_dash(row['median_t_grok'], '.4g'):>22}")
+            lines.append(f"  {row['lambda']:>10.4g} {row['n']:>5} " + " ".join(f"{row[r]:>{_width(r)}}" for r in REGIMES)
+                         + f" {fmt_or_dash(row['median_t_grok'], '.4g'):>22}")
     if report["failed_runs"]:
         lines.append("")
         lines.append(f"failed runs ({len(report['failed_runs'])}):")

@@ -21,9 +21,10 @@ ARCHS = ("transformer", "mlp", "lstm", "mamba")
 OPS = ("+", "-", "*", "/")
 
 # How a run ended: grokked (test accuracy reached the threshold), grokked then lost it for good,
-# memorised only, never fit the training set with identical heads (collapse) or without (no-fit), or a
-# non-finite loss or weight norm. The rules and their thresholds: fastdiag/grokking/labels.py.
-REGIMES = ("grok", "memorization", "collapse", "no-fit", "anti-grok", "diverged")
+# memorised only, never fit the training set with identical heads (collapse) or without (no-fit), stopped
+# before it could fit (too-short), or a non-finite loss or weight norm. The rules and their thresholds:
+# fastdiag/grokking/labels.py.
+REGIMES = ("grok", "memorization", "collapse", "no-fit", "too-short", "anti-grok", "diverged")
 GROKKED = ("grok", "anti-grok")          # reached t_grok within the horizon
 
 # The causal interventions at the Phase-2 peak: the arms, and the per-arm metrics (the tested ones

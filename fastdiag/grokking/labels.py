@@ -16,7 +16,13 @@ The labels (docs/experiments.md, "Setup", with the paper's meaning):
                     pattern (s̄ = 1.0).
 * ``no-fit``        never fits the training set, but s̄ stays below ``COLLAPSE_S_BAR_MIN`` (or the model
                     has no attention, so s̄ does not exist): it learned nothing, without the paper's
-                    collapse signature. A run stopped long before it could fit lands here too.
+                    collapse signature.
+* ``too-short``     never fits the training set, but stopped before that says anything: its last evaluation
+                    is before epoch ``NEVER_FIT_MIN_EPOCHS``, or it has fewer than ``COLLAPSE_TAIL_EVALS``
+                    evaluations (the end of the run the collapse rule reads). ``collapse`` and ``no-fit``
+                    claim the run *never* fits; a 3-epoch run has not had the time, and its s̄ is still
+                    the initial near-uniform attention's (≈ 0.975, data/paper/init.json), not a collapse.
+                    A short run that did fit or grok keeps ``memorization`` or ``grok``: those happened.
 * ``diverged``      a non-finite loss or weight norm.
 """
 from __future__ import annotations
@@ -40,9 +46,15 @@ ANTI_GROK_MIN_EVALS = 3
 COLLAPSE_S_BAR_MIN = 0.99
 COLLAPSE_TAIL_EVALS = 3
 
+# Too short to classify: "never fits the training set" (collapse, no-fit) needs a run long enough that a
+# model which fits would have. The canonical model fits by epoch 25-30 (t_mem 25 at λ = 0.001 in 3 of 3
+# seeds, data/paper/runs.csv; train accuracy 1.0 by epoch 30 at λ = 1, SPEC §7), and at λ = 10 s̄ has
+# reached 0.9999 by epoch 30-35 (data/paper/traces.csv); 50 epochs is twice the fitting time seen.
+NEVER_FIT_MIN_EPOCHS = 50
+
 LABEL_RULES = {"anti_grok_below": ANTI_GROK_BELOW, "anti_grok_persist": ANTI_GROK_PERSIST,
                "anti_grok_min_evals": ANTI_GROK_MIN_EVALS, "collapse_s_bar_min": COLLAPSE_S_BAR_MIN,
-               "collapse_tail_evals": COLLAPSE_TAIL_EVALS}
+               "collapse_tail_evals": COLLAPSE_TAIL_EVALS, "never_fit_min_epochs": NEVER_FIT_MIN_EPOCHS}
 
 
 def _finite(x) -> bool:
@@ -81,6 +93,15 @@ def final_s_bar(trace: Sequence[dict], tail: int = COLLAPSE_TAIL_EVALS) -> float
     return float(statistics.median(values)) if values else None
 
 
+def too_short_to_judge(trace: Sequence[dict], min_epochs: int = NEVER_FIT_MIN_EPOCHS,
+                       min_evals: int = COLLAPSE_TAIL_EVALS) -> bool:
+    """Whether a run that never fit the training set stopped too early to say it never fits: its last
+    evaluation is before epoch ``min_epochs``, or it has fewer than ``min_evals`` evaluations with a train
+    accuracy."""
+    evaluated = [r for r in trace if _finite(r.get("train_acc")) and _finite(r.get("epoch"))]
+    return len(evaluated) < min_evals or max(r["epoch"] for r in evaluated) < min_epochs
+
+
 def regime_label(trace: Sequence[dict], grok_threshold: float, *, diverged: bool = False,
                  collapse_s_bar_min: float = COLLAPSE_S_BAR_MIN) -> str:
     """The regime of a finished run from its evaluation rows (epoch, train_acc, test_acc, s_bar): see
@@ -91,6 +112,8 @@ def regime_label(trace: Sequence[dict], grok_threshold: float, *, diverged: bool
         return "anti-grok" if anti_grok_epoch(trace, grok_threshold) is not None else "grok"
     if first_epoch_at_or_above(trace, "train_acc", grok_threshold) is not None:
         return "memorization"
+    if too_short_to_judge(trace):
+        return "too-short"
     s_end = final_s_bar(trace)
     return "collapse" if s_end is not None and s_end >= collapse_s_bar_min else "no-fit"
 

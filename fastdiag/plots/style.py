@@ -17,6 +17,7 @@ REGIME_STYLE = {   # regime: (marker, colour, label)
     "memorization": ("x", "#0072b2", "memorization"),
     "collapse": ("X", "#e69f00", "collapse"),
     "no-fit": ("D", "#999999", "no-fit"),
+    "too-short": ("d", "#cccccc", "too short to classify"),
     "diverged": ("s", "#d55e00", "diverged"),
 }
 
