@@ -7,11 +7,24 @@ import torch
 from fastdiag.cli.app import CLIError, check_threads, option_errors, os_error_text
 from fastdiag.cli.options import QUIET_HELP, THREADS_HELP, run_fields, run_options
 from fastdiag.grokking.build import check_buildable
+from fastdiag.grokking.checkpoint import CADENCE_HELP, DEFAULT_CADENCE, checkpoint_path, make_checkpointer, parse_cadence
 from fastdiag.grokking.config import RunConfig, fmt_or_dash
 from fastdiag.grokking.train import train_run
 from fastdiag.store.files import prepare_out_dir
 from fastdiag.sweep.plan import plan_threads
 from fastdiag.sweep.progress import RunProgress
+
+
+# Shared with `fastdiag sweep`: one spelling, one default.
+checkpoint_option = click.option("--checkpoint-every", "checkpoint_every", default=DEFAULT_CADENCE,
+                                 show_default=True, metavar="N|Nm|Ns|off", help=CADENCE_HELP)
+
+
+def parse_checkpoint_every(text: str):
+    try:
+        return parse_cadence(text)
+    except ValueError as exc:
+        raise CLIError(f"--checkpoint-every:{str(exc).partition(':')[2]}") from None
 
 
 @click.command("run")
@@ -20,9 +33,11 @@ from fastdiag.sweep.progress import RunProgress
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Output directory [default: runs/<run_id>]")
 @click.option("--quiet", is_flag=True, help=QUIET_HELP)
-def run(threads, out_dir, quiet, **fields) -> None:
+@checkpoint_option
+def run(threads, out_dir, quiet, checkpoint_every, **fields) -> None:
     """Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."""
     check_threads(threads)
+    cadence = parse_checkpoint_every(checkpoint_every)
     # Check everything the run needs before any training: the values, the task (÷ needs a prime p,
     # p² pairs must fit in memory), the model settings, the device, and the output directory.
     with option_errors():
@@ -35,9 +50,11 @@ def run(threads, out_dir, quiet, **fields) -> None:
         raise CLIError(f"--out: cannot write to {out_dir}: {os_error_text(exc)}") from None
 
     torch.set_num_threads(threads or plan_threads([cfg]))
+    # A rerun with the same settings and --out resumes from the checkpoint a killed run left there.
+    checkpoint = make_checkpointer(checkpoint_path(out_dir, "run"), cfg.run_id(), cadence)
     progress = None if quiet else RunProgress(cfg.epochs)
     try:
-        outcome = train_run(cfg, progress=progress)
+        outcome = train_run(cfg, progress=progress, checkpoint=checkpoint)
     finally:
         if progress is not None:
             progress.close()
@@ -52,7 +69,9 @@ def run(threads, out_dir, quiet, **fields) -> None:
     train, test, s_bar, sigma_h = (fmt_or_dash(r[k], ".3f") for k in
                                    ("final_train_acc", "final_test_acc", "peak_s_bar", "peak_sigma_h"))
     click.echo(f"final: train acc {train}  test acc {test}  peak s̄ {s_bar}  peak σ_H {sigma_h}  "
-               f"({r['epochs_run']} epochs, {r['steps']} steps, {r['wall_seconds']:.1f} s on {r['device']})")
+               f"({r['epochs_run']} epochs, {r['steps']} steps, {r['wall_seconds']:.1f} s on {r['device']}"
+               + (f"; resumed from the checkpoint at epoch {checkpoint.resumed_epoch}"
+                  if checkpoint is not None and checkpoint.resumed_epoch is not None else "") + ")")
     from fastdiag.plots.run import write_outputs      # matplotlib: loaded only when a figure is drawn
 
     try:
@@ -60,6 +79,8 @@ def run(threads, out_dir, quiet, **fields) -> None:
     except OSError as exc:
         raise CLIError(f"--out: the run finished but its outputs could not be written to {out_dir}: "
                        f"{os_error_text(exc)}") from None
+    if checkpoint is not None:            # the outcome is on disk: the checkpoint has done its work
+        checkpoint.remove()
     click.echo("wrote: " + ", ".join(str(path) for path in paths.values()))
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdiag.core import zoo_handoff
+from fastdiag.grokking import checkpoint as ckpt
 from fastdiag.grokking.build import build_model, resolve_device
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.tasks import make_task
@@ -117,6 +118,28 @@ class Trainer:
                                      device=self.device)
         return RunOutcome(config=self.cfg, result=result, trace=list(self.tracker.trace))
 
+    def state(self) -> dict:
+        """Everything the rest of the run depends on, taken right after an evaluation (nothing pending):
+        what a checkpoint saves (`fastdiag.grokking.checkpoint`)."""
+        if self.pending or self.epoch % self.cfg.eval_every and self.epoch != self.cfg.epochs:
+            raise RuntimeError("Trainer.state: only right after an evaluation (head statistics are pending)")
+        return {"epoch": self.epoch, "step": self.step, "model": self.model.state_dict(),
+                "optimizer": self.opt.state_dict(), "shuffle": self.shuffle.get_state(),
+                "rng": ckpt.rng_state(self.device), "tracker": ckpt.tracker_state(self.tracker),
+                "elapsed": time.perf_counter() - self.started}
+
+    def restore(self, state: dict) -> None:
+        """Continue from ``state()`` of a trainer of the same config."""
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.shuffle.set_state(state["shuffle"])
+        ckpt.set_rng_state(state["rng"], self.device)
+        ckpt.restore_tracker(self.tracker, state["tracker"])
+        self.loss_sum.zero_()
+        self.pending = {}
+        self.started = time.perf_counter() - float(state["elapsed"])   # wall_seconds: all attempts
+
     def branch(self, **changes) -> "Trainer":
         """An independent copy continuing from this exact state; ``changes`` edit the config
         (e.g. a later horizon ``epochs=`` or ``stop_at_grok=False``)."""
@@ -132,9 +155,20 @@ class Trainer:
         return twin
 
 
-def train_run(cfg: RunConfig, progress: Callable[[dict], None] | None = None) -> RunOutcome:
-    """Train one run to its end (grokking + patience, divergence or the horizon)."""
+def train_run(cfg: RunConfig, progress: Callable[[dict], None] | None = None,
+              checkpoint: ckpt.Checkpointer | None = None) -> RunOutcome:
+    """Train one run to its end (grokking + patience, divergence or the horizon).
+
+    With ``checkpoint`` the run first resumes from its saved state, if there is one, and saves its
+    state at the checkpointer's cadence; the caller removes the file once the outcome is safe."""
     trainer = Trainer(cfg, progress)
+    if checkpoint is not None:
+        state = checkpoint.load()
+        if state is not None:
+            trainer.restore(state)
+            checkpoint.last_epoch = checkpoint.resumed_epoch = trainer.epoch
     while not trainer.done:
-        trainer.run_epoch()
+        row = trainer.run_epoch()
+        if checkpoint is not None and row is not None and not trainer.done and checkpoint.due(trainer.epoch):
+            checkpoint.save(trainer.state(), trainer.epoch)
     return trainer.outcome()

@@ -1,0 +1,151 @@
+"""Checkpoint and resume inside a run: a run killed with SIGKILL at a random moment after its first
+checkpoint, rerun, ends with the trace of an uninterrupted run, bit for bit (CPU, one thread). Real
+processes, real signals, real files."""
+import csv
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+
+from fastdiag.grokking.checkpoint import Checkpointer, checkpoint_path, parse_cadence
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.train import Trainer, train_run
+
+TINY_RUN = ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "32", "--d-ff", "64", "--p", "23",
+            "--batch", "64", "--lr", "3e-3", "--eval-every", "2", "--no-stop-at-grok", "--device", "cpu",
+            "--threads", "1", "--quiet"]
+TINY_CFG = RunConfig(arch="transformer", preset="custom", n_layers=1, n_heads=2, d_model=32, d_ff=64, p=23,
+                     batch_size=64, lr=3e-3, eval_every=2, stop_at_grok=False, device="cpu")
+
+
+def fastdiag(*args, **popen):
+    return subprocess.Popen([sys.executable, "-m", "fastdiag.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **popen)
+
+
+def finish(proc, timeout=600):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return out, err
+
+
+def trace_rows(out_dir):
+    with open(out_dir / "trace.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_a_killed_fastdiag_run_resumes_bit_identically(tmp_path):
+    """`fastdiag run` killed with SIGKILL at a random moment after its first checkpoint: the rerun
+    resumes from the checkpoint (not from epoch 0) and writes exactly the uninterrupted run's trace
+    and results; the checkpoint is gone once the outputs are written."""
+    epochs = "600"
+    whole = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", "off", "--out", str(tmp_path / "whole"))
+    out, err = finish(whole)
+    assert whole.returncode == 0, err
+
+    cut = tmp_path / "cut"
+    ckpt = checkpoint_path(cut, "run")
+    seed = random.randrange(10**6)
+    killed = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", "20", "--out", str(cut))
+    try:
+        deadline = time.time() + 300
+        while not ckpt.exists() and killed.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        assert ckpt.exists(), f"no checkpoint was written: {killed.poll()=}"
+        time.sleep(random.Random(seed).uniform(0, 2.0))      # a random moment: mid-epoch, mid-save, ...
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=30)
+    finally:
+        if killed.poll() is None:
+            os.killpg(killed.pid, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL, f"the run ended before the kill (seed {seed}): make it longer"
+    assert not (cut / "result.json").exists() and ckpt.exists()
+
+    rerun = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", "20", "--out", str(cut))
+    out, err = finish(rerun)
+    assert rerun.returncode == 0, err
+    resumed = int(out.split("resumed from the checkpoint at epoch ")[1].split(")")[0])
+    assert 20 <= resumed < int(epochs), out
+    assert (cut / "trace.csv").read_bytes() == (tmp_path / "whole" / "trace.csv").read_bytes(), f"seed {seed}"
+    assert len(trace_rows(cut)) == int(epochs) // 2
+    a, b = (json.loads((d / "result.json").read_text()) for d in (tmp_path / "whole", cut))
+    for r in (a, b):
+        r.pop("wall_seconds")
+    assert a == b
+    assert not ckpt.exists()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_resume_in_process_matches_an_uninterrupted_run(tmp_path):
+    """train_run stopped by an exception right after a checkpoint, then resumed, equals the
+    uninterrupted run in every trace value and every parameter bit."""
+    cfg = RunConfig(**{**TINY_CFG.__dict__, "epochs": 30, "eval_every": 3})
+    whole = Trainer(cfg)
+    while not whole.done:
+        whole.run_epoch()
+
+    class Killed(Exception):
+        pass
+
+    def stop_at_20(row):
+        if row["epoch"] >= 20:
+            raise Killed
+
+    path = tmp_path / "x.ckpt.pt"
+    with pytest.raises(Killed):
+        train_run(cfg, stop_at_20, Checkpointer(path, cfg.run_id(), every_epochs=4))
+    again = Checkpointer(path, cfg.run_id(), every_epochs=4)
+    outcome = train_run(cfg, None, again)
+    assert again.resumed_epoch == 18
+    assert outcome.trace == whole.outcome().trace
+    assert outcome.result["steps"] == whole.step
+
+
+def test_a_foreign_or_damaged_checkpoint_is_ignored_with_a_warning(tmp_path, one_thread):
+    cfg = RunConfig(**{**TINY_CFG.__dict__, "epochs": 4})
+    path = tmp_path / "x.ckpt.pt"
+    other = RunConfig(**{**TINY_CFG.__dict__, "epochs": 4, "seed": 7})
+    train_run(other, None, Checkpointer(path, other.run_id(), every_epochs=1))
+    assert path.exists()
+    with pytest.warns(RuntimeWarning, match="another run"):
+        outcome = train_run(cfg, None, c := Checkpointer(path, cfg.run_id(), every_epochs=100))
+    assert c.resumed_epoch is None and len(outcome.trace) == 2
+    path.write_bytes(b"not a checkpoint")
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        train_run(cfg, None, Checkpointer(path, cfg.run_id(), every_epochs=100))
+
+
+def test_a_checkpoint_that_cannot_be_written_warns_once_and_the_run_goes_on(tmp_path, one_thread):
+    cfg = RunConfig(**{**TINY_CFG.__dict__, "epochs": 6})
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outcome = train_run(cfg, None, Checkpointer(blocker / "x.ckpt.pt", cfg.run_id(), every_epochs=1))
+    assert len(outcome.trace) == 3
+    assert sum("cannot be written" in str(w.message) for w in caught) == 1
+
+
+def test_cadence_spellings():
+    assert parse_cadence("500") == (None, 500)
+    assert parse_cadence("5m") == (300.0, None) and parse_cadence("90s") == (90.0, None)
+    assert parse_cadence("off") is None
+    for bad in ("0", "-1", "m", "5h", "nanm", "infs"):
+        with pytest.raises(ValueError, match="checkpoint_every"):
+            parse_cadence(bad)
+
+
+def test_fastdiag_run_refuses_a_bad_cadence_in_one_line(tmp_path):
+    proc = fastdiag("run", *TINY_RUN, "--epochs", "2", "--checkpoint-every", "soon", "--out", str(tmp_path / "o"))
+    out, err = finish(proc, 120)
+    assert proc.returncode == 2
+    assert err.strip().splitlines() == [err.strip()] and "--checkpoint-every" in err
