@@ -97,14 +97,13 @@ def stage_kernels(dev: torch.device, dry: bool) -> None:
             flash = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), dev, repeats)
         emit("kernels", dry, kernel="qk pass 1 + 2", shape=name, dims=(b, h, t, d), dtype=str(dtype),
              qk_ms=stats, sdpa_flash_ms=flash, ratio_to_flash=stats / flash)
-        # fp32 pass 2 exceeds shared memory at every tile the report compiles (RESULTS.md, issue 27): say
-        # what the device does with it
-        try:
-            qk_stats_triton(q.float(), k.float(), None, True, d ** -0.5)
-            emit("kernels", dry, kernel="qk fp32 launch", shape=name, launched=True)
-        except Exception as e:
-            emit("kernels", dry, kernel="qk fp32 launch", shape=name, launched=False,
-                 raised=f"{type(e).__name__}: {e}"[:300])
+        # fp32: pass 1 in Triton, pass 2 on cuBLAS in full fp32 (no Triton tile fits; RESULTS.md, issue 27)
+        qf, kf, vf = q.float(), k.float(), v.float()
+        fp32 = median_ms(lambda: qk_stats_triton(qf, kf, None, True, d ** -0.5), dev, repeats)
+        flash32 = median_ms(lambda: F.scaled_dot_product_attention(qf, kf, vf, is_causal=True), dev, repeats)
+        emit("kernels", dry, kernel="qk fp32", shape=name, dims=(b, h, t, d), qk_ms=fp32, sdpa_fp32_ms=flash32,
+             ratio_to_sdpa=fp32 / flash32, note="pass 1 Triton, pass 2 chunked cuBLAS (TF32 off)")
+        del q, k, v, qf, kf, vf
 
 
 def stage_accuracy(dev: torch.device, dry: bool) -> None:
@@ -128,25 +127,28 @@ def stage_accuracy(dev: torch.device, dry: bool) -> None:
 
 
 def _models(dev: torch.device, dry: bool):
+    """(name, model, loss, autocast dtype or None): HF GPT-2-small under bf16 autocast as such models
+    train, the zoo's nanoGPT under bf16 autocast and in plain fp32 (Q/K pass 2 on cuBLAS there)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     size = dict(n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=64) if dry else {}
     hf = GPT2LMHeadModel(GPT2Config(**size, attn_implementation="sdpa")).to(dev)
     tokens = torch.randint(0, hf.config.vocab_size, (1 if dry else 8, 32 if dry else 1024), device=dev)
-    yield "hf-gpt2-small-sdpa", hf, lambda: hf(tokens, labels=tokens).loss
+    yield "hf-gpt2-small-sdpa", hf, lambda: hf(tokens, labels=tokens).loss, torch.bfloat16
     zoo = NanoGPT(vocab=64, d_model=32 if dry else 128, n_heads=2 if dry else 4, n_layers=1 if dry else 2,
                   seq_len=16 if dry else 128).to(dev)
     x = torch.randint(0, 64, (2 if dry else 512, 16 if dry else 128), device=dev)
-    yield "nanogpt-sdpa", zoo, lambda: zoo(x).float().square().mean()
+    for dtype in (torch.bfloat16, None):
+        yield "nanogpt-sdpa", zoo, lambda: zoo(x).float().square().mean(), dtype
 
 
 def stage_attach(dev: torch.device, dry: bool) -> None:
     """attach overhead in a real training step: blocks alternate bare / every=10 / every=1, medians."""
     blocks, per_block = (1, 1) if dry else (7, 10)
-    for name, model, loss_fn in _models(dev, dry):
+    for name, model, loss_fn, dtype in _models(dev, dry):
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        # bf16 autocast on a GPU, as such models train (fp32 Q/K statistics cannot launch, see kernels)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")
+        on = dev.type == "cuda" and dtype is not None
+        autocast = torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=on)
 
         def steps(n):
             for _ in range(n):
@@ -169,7 +171,8 @@ def stage_attach(dev: torch.device, dry: bool) -> None:
                 if monitor is not None:
                     monitor.detach()
         base = statistics.median(times[0])
-        emit("attach", dry, model=name, autocast="bf16" if dev.type == "cuda" else "none", step_ms=1e3 * base, every10_ratio=statistics.median(times[10]) / base,
+        emit("attach", dry, model=name, autocast=str(dtype).replace("torch.", "") if on else "none",
+             step_ms=1e3 * base, every10_ratio=statistics.median(times[10]) / base,
              every1_ratio=statistics.median(times[1]) / base, blocks=blocks, steps_per_block=per_block)
 
 

@@ -80,3 +80,25 @@ def test_training_step_with_attach_has_no_host_sync():
     history = monitor.history()
     monitor.detach()
     assert len(history) >= 3
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16, torch.float16])
+def test_attach_in_training_precision_matches_the_float64_reference(autocast):
+    """attach on a CUDA model trained in fp32 or under autocast: the recorded s̄ and σ_H equal those of the
+    float64 reference backend on the same forward pass (the Q and K the model really produced)."""
+    from fastdiag.testing import NanoGPT
+
+    torch.manual_seed(0)
+    model = NanoGPT(vocab=128, d_model=128, n_heads=4, n_layers=2, seq_len=128).cuda()
+    batch = torch.randint(0, 128, (4, 128), device="cuda")
+    records = {}
+    for backend in ("auto", "reference"):
+        with fastdiag.attach(model, every=1, backend=backend) as monitor:
+            with torch.autocast("cuda", dtype=autocast or torch.float32, enabled=autocast is not None):
+                model(batch)
+            records[backend] = monitor.history()[-1]
+    tol = 1e-5 if autocast is None else 1e-3
+    for key, want in records["reference"].items():
+        if isinstance(want, float) and key.startswith(("s_bar", "sigma_h", "sync/", "spread/")):
+            got = records["auto"][key]
+            assert abs(got - want) <= tol * max(abs(want), 1e-3), (key, got, want)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fastdiag.bench import KERNEL_SHAPES
 from fastdiag.core.kernels import report
@@ -89,11 +90,17 @@ def test_every_generation_compiles_with_its_own_limits():
             seen[arch] = report.device_limits(None)
     assert seen == {80: {"shared_bytes": 163 * 1024, "sms": 108}, 86: {"shared_bytes": 99 * 1024, "sms": 72}}
     assert report.device_limits(None) is None
-    configs = qk._fallback_configs(12, 12, 64, 2, 99 * 1024)
+    configs = qk.pass2_configs(12, 12, 64, torch.bfloat16, 99 * 1024)
     estimates = [qk._tile_config_and_shared(12, 12, 64, b, n, 2, 99 * 1024)[1]
                  for b, n in ((8192, 32), (4096, 32), (2048, 16), (1024, 16))]
     assert estimates[0] > 99 * 1024 >= min(estimates)       # the preferred tiles do not fit 99 KB, smaller ones do
     assert configs[0] == qk.tile_config(12, 12, 64, 2048, 16, shared_limit=99 * 1024)    # the first that fits
+    assert all(qk._shared_bytes(c, c["num_stages"], 2, 1) <= 99 * 1024 for c in configs)
+    # float32 (TF32×3 operands) and Llama-7B's 16-bit tiles fit no 99-KB device: pass 2 runs on torch there
+    assert qk.pass2_configs(12, 12, 64, torch.float32, 227 * 1024) == []
+    assert qk.pass2_configs(32, 32, 128, torch.bfloat16, 99 * 1024) == []
+    assert qk.pass2_configs(32, 32, 128, torch.bfloat16, 227 * 1024)
+    assert "sm_86 llama-7b bfloat16" in qk.torch_pass2_cases(archs=(86,))
     with pytest.raises(ValueError, match="archs"):
         report.kernel_report({}, archs=(75,))
 

@@ -21,7 +21,7 @@ def _qkv(b, h, hk, t, d, dtype, seed=0):
     return q, k, v
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("h,hk,d", [(12, 12, 64), (8, 2, 128), (4, 1, 24), (32, 32, 128)])
 @pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive"])
 def test_triton_matches_reference(dtype, h, hk, d, mask_kind):
@@ -90,3 +90,21 @@ def test_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(v.is_cuda for v in values)
+
+
+@pytest.mark.parametrize("precision", ["high", "medium"])
+def test_fp32_is_exact_under_a_tf32_matmul_setting(precision):
+    """float32 pass 2 runs on cuBLAS (no Triton tile fits): a user's TF32 setting must not reach it."""
+    q, k, _ = _qkv(2, 12, 12, 300, 64, torch.float32, seed=3)
+    ref = qk_head_stats(q, k, None, True, backend="reference")
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        got = qk_head_stats(q, k, None, True)
+        after = torch.get_float32_matmul_precision()
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    assert after == precision                      # the user's setting is left as it was
+    assert rel_err(got.gram, ref.gram) <= TOLERANCE[torch.float32]
+    assert rel_err(got.entropy_sum, ref.entropy_sum) <= TOLERANCE[torch.float32]
+    assert got.invalid.item() == 0

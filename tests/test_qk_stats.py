@@ -365,3 +365,26 @@ def test_mixed_and_double_dtypes(backend):
     _assert_close(qk_head_stats(q.double(), k.double(), is_causal=True, backend=backend), ref, 1e-5)
     ref16 = qk_head_stats(q, k.half(), is_causal=True, backend="reference")
     _assert_close(qk_head_stats(q, k.half(), is_causal=True, backend=backend), ref16, 1e-5)
+
+
+def test_torch_path_products_are_float32_whatever_the_matmul_setting():
+    """`torch.set_float32_matmul_precision("high")` (TF32 on CUDA) or "medium" (bf16 in oneDNN) is a
+    common training setting: inside the torch path the products are float32, and the user's setting
+    comes back unchanged."""
+    from fastdiag.core.kernels.constants import exact_fp32_matmul
+
+    saved = torch.get_float32_matmul_precision()
+    gen = torch.Generator().manual_seed(11)
+    q, k = _qk(2, 4, 2, 40, 40, 32, torch.float32, gen)
+    ref = qk_head_stats(q, k, is_causal=True, backend="reference")
+    try:
+        for setting in ("high", "medium"):
+            torch.set_float32_matmul_precision(setting)
+            with exact_fp32_matmul():
+                inside = (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
+            assert inside == ("ieee", "ieee")
+            assert torch.get_float32_matmul_precision() == setting
+            _assert_close(qk_head_stats(q, k, is_causal=True, backend="torch"), ref, TOLERANCE[torch.float32])
+            assert torch.get_float32_matmul_precision() == setting
+    finally:
+        torch.set_float32_matmul_precision(saved)

@@ -24,16 +24,10 @@ from torch.nn.attention import SDPBackend
 
 from fastdiag.core.diagnostics import BACKENDS, run_triton, triton_available
 from fastdiag.core.kernels.qk_stats_ref import masked_threshold, qk_stats_ref
+from fastdiag.core.kernels.qk_stats_torch import CHUNK_BYTES, qk_stats_torch
 from fastdiag.core.stats import HeadStats
 
-CHUNK_BYTES = 64 * 2**20   # scores formed at a time by the torch backend (fp32)
 CPU_CHUNK_BYTES = 2**20    # on CPU, chunks also stay this small: every pass over them hits the cache
-MASKED_SCORE = -1e30       # finite: 0 · MASKED_SCORE is 0, where 0 · -inf would be NaN
-MASS_TOLERANCE = 1e-3      # a caller's LSE must make every valid row's probabilities sum to 1 ± this
-# torch backend: log p is floored here. p < e^-40 = 4e-18 then reads 4e-18, which moves no statistic by
-# more than ~1e-13 relative, and keeps every p, p·log p and p_i·p_j a normal float: on x86, exp of
-# -1e30 and products that underflow run 3-8x slower (measured, 1 thread).
-LOG_P_FLOOR = -40.0
 
 
 # ---- inputs ----------------------------------------------------------------------------------
@@ -186,7 +180,7 @@ def _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, quer
     if backend == "torch":
         if q4.device.type == "cpu":
             chunk_bytes = min(chunk_bytes, CPU_CHUNK_BYTES)
-        return HeadStats(*_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse3, chunk_bytes,
+        return HeadStats(*qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse3, chunk_bytes,
                                        check_lse and lse3 is not None))
     return HeadStats(*run_triton("qk_stats_triton", "qk_stats_op", "qk_stats_triton", q4, k4, mask4, is_causal, scale,
                                  rows_ok, lse3))
@@ -269,56 +263,3 @@ def _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scal
     out = F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                          enable_gqa=enable_gqa)
     return out, None
-
-
-# ---- the torch backend: chunks of query rows ---------------------------------------------------
-
-def _stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, chunk_bytes, check_lse):
-    """Scores a chunk of rows at a time (keys sliced to the causal bound); p = exp(s − lse)."""
-    b, h, tq, d = q4.shape
-    hk, tk = k4.shape[1], k4.shape[2]
-    group = h // hk
-    acc = torch.promote_types(q4.dtype, torch.float32)
-    # Fold the query group into the rows: each key head's K is read once, never copied per group.
-    qg = (q4.to(acc) * scale).reshape(b, hk, group, tq, d)
-    kt = k4.to(acc).transpose(-1, -2)                                  # [B, Hk, D, Tk]
-    gram = torch.zeros(h, h, dtype=torch.float64, device=q4.device)
-    entropy = torch.zeros(h, dtype=torch.float64, device=q4.device)
-    invalid = torch.zeros((), dtype=torch.float64, device=q4.device)
-    if mask4 is not None and mask4.dtype != torch.bool:
-        mask4 = mask4.to(acc).clamp_min(MASKED_SCORE)                   # masked keys: a finite score
-    rows = min(tq, max(1, chunk_bytes // max(1, b * h * tk * 4)))
-    if is_causal:   # the diagonal block of every chunk: key j is in row i's future iff j > i
-        future = torch.ones(rows, rows, dtype=torch.bool, device=q4.device).triu_(1)
-    for r0 in range(0, tq, rows):
-        r1 = min(tq, r0 + rows)
-        n, kb = r1 - r0, (min(tk, r1) if is_causal else tk)
-        s = (qg[..., r0:r1, :].reshape(b, hk, group * n, d) @ kt[..., :kb]).view(b, h, n, kb)
-        if mask4 is not None:
-            m = mask4[..., r0:r1, :kb] if mask4.shape[-2] > 1 else mask4[..., :kb]
-            if m.dtype == torch.bool:
-                s = s.masked_fill_(~m, MASKED_SCORE)
-            else:
-                s = s.add_(m)
-        if is_causal and r0 + 1 < kb:
-            # only keys r0 + 1 .. r1 - 1 can lie in a row's future: mask that diagonal block alone
-            s[..., r0:].masked_fill_(future[:n, :kb - r0], MASKED_SCORE)
-        row_lse = torch.logsumexp(s, -1) if lse is None else lse[..., r0:r1].to(acc)
-        ok = None if rows_ok is None else rows_ok[:, None, r0:r1]    # [B, 1, rows]
-        if ok is not None:
-            # an invalid row's LSE may be inf or garbage: 0 keeps its exponent finite, p is zeroed below
-            row_lse = torch.where(ok, row_lse, torch.zeros((), dtype=acc, device=s.device))
-        x = s.sub_(row_lse[..., None]).clamp_min_(LOG_P_FLOOR)         # log p
-        p = torch.exp(x)
-        if ok is not None:
-            p = p.masked_fill_(~ok[..., None], 0.0)
-        entropy -= torch.linalg.vecdot(p, x).sum((0, 2), dtype=torch.float64)
-        if check_lse:
-            off = ~((p.sum(-1) - 1).abs() <= MASS_TOLERANCE)           # NaN counts as off
-            invalid += (off if ok is None else off & ok).sum(dtype=torch.float64)
-        flat = p.view(b, h, n * kb)
-        gram += (flat @ flat.transpose(-1, -2)).sum(0, dtype=torch.float64)
-    invalid += (~torch.isfinite(gram)).any().double() + (~torch.isfinite(entropy)).any().double()
-    rows_total = (torch.full((), float(b * tq), dtype=torch.float64, device=q4.device) if rows_ok is None
-                  else rows_ok.sum(dtype=torch.float64))
-    return gram, entropy, rows_total, invalid

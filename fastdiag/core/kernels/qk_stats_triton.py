@@ -29,19 +29,19 @@ CUDA kernel registered, fake for tracing) so `torch.compile(fullgraph=True)` hol
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
 import triton.language as tl
 
+from .constants import LOG2E
 from .qk_stats_ref import qk_stats_ref
+from .qk_stats_torch import CHUNK_BYTES, qk_stats_torch
 from .report import GPUS, KernelReport, ReportCase, device_limits, register, report_case
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-LOG2E = 1.4426950408889634
-MASKED = -1e30          # masked score (log2 units)
-MASS_TOLERANCE = 1e-3
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
 
 
@@ -345,16 +345,27 @@ def lse_tile_config(h: int, hk: int, d: int) -> dict:
                 BLOCK_DC=block_dc, Q_IN_LOOP=block_dc < block_d, num_warps=NUM_WARPS, num_stages=2)
 
 
-def _fallback_configs(h: int, hk: int, d: int, element_bytes: int, shared_limit: int = SHARED_LIMIT) -> list[dict]:
-    """From the preferred tiles to the smallest, those whose estimated shared memory fits
-    ``shared_limit`` first: tried in order when a launch still exceeds it."""
-    fits, over = [], []
+def pass2_configs(h: int, hk: int, d: int, dtype: torch.dtype, shared_limit: int | None) -> list[dict]:
+    """Pass 2's tiles to try, preferred first, on a target with ``shared_limit`` bytes of shared memory
+    per block (None: no limit applies — CPU, the interpreter). Empty: no tile fits, and pass 2 runs
+    on `qk_stats_torch` (cuBLAS in full float32; the Triton LSE of pass 1 still saves a pass).
+
+    float32 inputs never fit a GPU: the TF32×3 dots hold three copies of every operand, 256–640 KB at
+    the smallest tiles at GPT-2-small and Llama-7B (compiled for sm_90, benchmarks/RESULTS.md), where
+    the largest GPU allows 227 KB. 16-bit tiles are chosen by the estimate `_shared_bytes` (checked
+    against the compiled metadata); a launch that still exceeds the device tries the next."""
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    if shared_limit is None:
+        return [tile_config(h, hk, d, element_bytes=element_bytes)]
+    if dtype == torch.float32:
+        return []
+    fits = []
     for budget, block_n in ((_SCORE_BUDGET, 32), (_SCORE_BUDGET // 2, 32), (_SCORE_BUDGET // 4, 16),
                             (_SCORE_BUDGET // 8, 16)):
         c, shared = _tile_config_and_shared(h, hk, d, budget, block_n, element_bytes, shared_limit)
-        if c not in fits and c not in over:
-            (fits if shared <= shared_limit else over).append(c)
-    return fits + over
+        if shared <= shared_limit and c not in fits:
+            fits.append(c)
+    return fits
 
 
 def _mask_args(mask4, shape):
@@ -464,14 +475,26 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
     if tiles is not None:
         return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles)
     limits = device_limits(q4.device)
-    configs = _fallback_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.element_size(),
-                                limits["shared_bytes"] if limits else SHARED_LIMIT)
-    for n, cfg in enumerate(configs):
+    for cfg in pass2_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, limits and limits["shared_bytes"]):
         try:
             return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg)
-        except triton.runtime.errors.OutOfResources:
-            if n == len(configs) - 1:
-                raise
+        except triton.runtime.errors.OutOfResources as e:
+            _warn_torch_pass2(q4, e)
+    # no tile fits this device: the same sums in PyTorch, the LSE checked against the scores
+    return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, CHUNK_BYTES, check_lse=True)
+
+
+_WARNED: set = set()
+
+
+def _warn_torch_pass2(q4, error) -> None:
+    """Once per shape: a tile the estimate let through did not fit the device after all."""
+    key = (q4.device, q4.dtype, q4.shape[1], q4.shape[3])
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"qk_head_stats: a pass-2 tile exceeded this GPU's shared memory ({error}); trying "
+                      "smaller tiles, then the chunked PyTorch path (same sums, slower)", RuntimeWarning,
+                      stacklevel=3)
 
 
 def row_lse_triton(q4, k4, mask4, is_causal: bool, scale: float) -> torch.Tensor:
@@ -530,11 +553,12 @@ def _scores_per_iteration(constexprs: dict) -> int:
 
 
 def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dtype = torch.bfloat16,
-           variant: str = "causal") -> list[ReportCase]:
+           variant: str = "causal", shared_limit: int = SHARED_LIMIT) -> list[ReportCase]:
     """Pass 1 and pass 2 (diagonal head blocks) of one variant. An "element" is one score (one query
     row, key and head), so the ceiling reads: how fast these kernels cover the probabilities
     compared with the probabilities kernel streaming a materialised P at copy bandwidth. A variant
-    that changes only pass 2 (query rows) reports pass 2 alone."""
+    that changes only pass 2 (query rows) reports pass 2 alone; pass 2 is left out where no tile fits
+    ``shared_limit`` (it runs on `qk_stats_torch` there: `torch_pass2_cases`)."""
     causal, rows, mask_kind = REPORT_VARIANTS[variant]
     q = torch.empty(b, h, t, d, dtype=dtype)
     k = torch.empty(b, hk, t, d, dtype=dtype)
@@ -550,10 +574,21 @@ def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dty
         lse = torch.empty(q.shape[:3], dtype=torch.float32)          # a given LSE: pass 2 launches first
         qk_stats_triton(q, k, mask, causal, d ** -0.5, rows_ok=rows_ok, lse=lse)
 
-    cases = [ReportCase("qk_stats", label, name, dtype.itemsize, pass2, _scores_per_iteration)]
+    cases = []
+    if pass2_configs(h, hk, d, dtype, shared_limit):
+        cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, _scores_per_iteration))
     if not rows:
         cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, _scores_per_iteration))
     return cases
+
+
+def torch_pass2_cases(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,),
+                      dtypes=REPORT_DTYPES) -> list[str]:
+    """``"sm_86 llama-7b bfloat16"`` for each target, shape and dtype whose pass 2 no Triton tile fits:
+    it runs on `qk_stats_torch` there (exact, slower), so the report has no row for it."""
+    return [f"sm_{arch} {shape} {str(dtype).replace('torch.', '')}"
+            for arch in archs for shape, (h, hk, d, _t) in shapes.items() for dtype in dtypes
+            if not pass2_configs(h, hk, d, dtype, GPUS[arch]["shared_bytes"])]
 
 
 def _report_cases(shapes: dict) -> list[ReportCase]:
@@ -579,7 +614,7 @@ def kernel_report(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,), 
         for shape, (h, hk, d, t) in shapes.items():
             for variant in variants:
                 for dtype in dtypes:
-                    for case in _cases(shape, 1, h, hk, t, d, dtype, variant):
+                    for case in _cases(shape, 1, h, hk, t, d, dtype, variant, GPUS[arch]["shared_bytes"]):
                         progress(f"sm_{arch} {case.kernel} {case.shape} {case.dtype}")
                         rows.append(report_case(case, GPUS[arch]))
     return rows

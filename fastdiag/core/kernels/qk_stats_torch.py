@@ -1,0 +1,69 @@
+"""Head statistics from Q and K in plain PyTorch, a chunk of query rows at a time: nothing of size
+Tq × Tk is held whole. The twin of `qk_stats_triton` (same arguments, same sums), checked against the
+float64 `qk_stats_ref` by the same tests."""
+from __future__ import annotations
+
+import torch
+
+from .constants import LOG_P_FLOOR, MASKED_SCORE, MASS_TOLERANCE, exact_fp32_matmul
+
+CHUNK_BYTES = 64 * 2**20   # scores formed at a time (fp32)
+
+
+def qk_stats_torch(q4, k4, mask4, is_causal: bool, scale: float, rows_ok, lse, chunk_bytes: int, check_lse: bool):
+    """HeadStats sums ``(gram [H, H], entropy_sum [H], rows, invalid)`` in float64 from ``q4 [B, H, Tq, D]``,
+    ``k4 [B, Hk, Tk, D]`` (arguments as `qk_stats_triton`), scoring ``chunk_bytes`` of rows at a time
+    (keys sliced to the causal bound); p = exp(s − lse). ``check_lse``: count rows whose mass is off
+    (a given LSE that disagrees with the scores).
+
+    The CPU default, and pass 2 on a GPU where the Triton pass 2 does not fit the device's shared
+    memory (float32 inputs everywhere: `qk_stats_triton`). Products are float32 or wider whatever
+    the user's matmul-precision setting (`exact_fp32_matmul`)."""
+    with exact_fp32_matmul():
+        b, h, tq, d = q4.shape
+        hk, tk = k4.shape[1], k4.shape[2]
+        group = h // hk
+        acc = torch.promote_types(q4.dtype, torch.float32)
+        # Fold the query group into the rows: each key head's K is read once, never copied per group.
+        qg = (q4.to(acc) * scale).reshape(b, hk, group, tq, d)
+        kt = k4.to(acc).transpose(-1, -2)                                  # [B, Hk, D, Tk]
+        gram = torch.zeros(h, h, dtype=torch.float64, device=q4.device)
+        entropy = torch.zeros(h, dtype=torch.float64, device=q4.device)
+        invalid = torch.zeros((), dtype=torch.float64, device=q4.device)
+        if mask4 is not None and mask4.dtype != torch.bool:
+            mask4 = mask4.to(acc).clamp_min(MASKED_SCORE)                   # masked keys: a finite score
+        rows = min(tq, max(1, chunk_bytes // max(1, b * h * tk * 4)))
+        if is_causal:   # the diagonal block of every chunk: key j is in row i's future iff j > i
+            future = torch.ones(rows, rows, dtype=torch.bool, device=q4.device).triu_(1)
+        for r0 in range(0, tq, rows):
+            r1 = min(tq, r0 + rows)
+            n, kb = r1 - r0, (min(tk, r1) if is_causal else tk)
+            s = (qg[..., r0:r1, :].reshape(b, hk, group * n, d) @ kt[..., :kb]).view(b, h, n, kb)
+            if mask4 is not None:
+                m = mask4[..., r0:r1, :kb] if mask4.shape[-2] > 1 else mask4[..., :kb]
+                if m.dtype == torch.bool:
+                    s = s.masked_fill_(~m, MASKED_SCORE)
+                else:
+                    s = s.add_(m)
+            if is_causal and r0 + 1 < kb:
+                # only keys r0 + 1 .. r1 - 1 can lie in a row's future: mask that diagonal block alone
+                s[..., r0:].masked_fill_(future[:n, :kb - r0], MASKED_SCORE)
+            row_lse = torch.logsumexp(s, -1) if lse is None else lse[..., r0:r1].to(acc)
+            ok = None if rows_ok is None else rows_ok[:, None, r0:r1]    # [B, 1, rows]
+            if ok is not None:
+                # an invalid row's LSE may be inf or garbage: 0 keeps its exponent finite, p is zeroed below
+                row_lse = torch.where(ok, row_lse, torch.zeros((), dtype=acc, device=s.device))
+            x = s.sub_(row_lse[..., None]).clamp_min_(LOG_P_FLOOR)         # log p
+            p = torch.exp(x)
+            if ok is not None:
+                p = p.masked_fill_(~ok[..., None], 0.0)
+            entropy -= torch.linalg.vecdot(p, x).sum((0, 2), dtype=torch.float64)
+            if check_lse:
+                off = ~((p.sum(-1) - 1).abs() <= MASS_TOLERANCE)           # NaN counts as off
+                invalid += (off if ok is None else off & ok).sum(dtype=torch.float64)
+            flat = p.view(b, h, n * kb)
+            gram += (flat @ flat.transpose(-1, -2)).sum(0, dtype=torch.float64)
+        invalid += (~torch.isfinite(gram)).any().double() + (~torch.isfinite(entropy)).any().double()
+        rows_total = (torch.full((), float(b * tq), dtype=torch.float64, device=q4.device) if rows_ok is None
+                      else rows_ok.sum(dtype=torch.float64))
+    return gram, entropy, rows_total, invalid
