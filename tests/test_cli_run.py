@@ -1,4 +1,5 @@
 """`fastdiag run`: a tiny real run, and bad input as one line with exit status 2."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -108,3 +109,38 @@ def test_every_option_has_help_in_one_style():
             if not text or not (text[0].isupper() or not text[0].isalpha()) or not text.endswith((".", "]", ")")):
                 problems.append(f"{name} {param.opts[0]}: {text!r}")
     assert not problems, "\n".join(problems)
+
+
+def test_option_defaults_are_the_settings_dataclasses_defaults():
+    """The options generated from a settings dataclass default to its fields' defaults: RunConfig's for
+    every command's run options, InterventionSettings' for intervene's own (and its search horizon,
+    --epochs, which headdim shares) — except the defaults a command sets on purpose, listed here."""
+    from fastdiag.cli import cli
+    from fastdiag.cli.intervene import HEADDIM_PATIENCE_EPOCHS
+    from fastdiag.grokking.config import RunConfig
+    from fastdiag.grokking.interventions import InterventionSettings, parse_heads
+
+    run, settings = RunConfig(), InterventionSettings()
+    overrides = {("intervene", "epochs"): settings.max_epochs, ("headdim", "epochs"): settings.max_epochs,
+                 ("headdim", "patience"): HEADDIM_PATIENCE_EPOCHS}
+    run_names = {f.name for f in dataclasses.fields(RunConfig)}
+    settings_names = {f.name for f in dataclasses.fields(InterventionSettings)}
+    ctx = click.Context(cli)
+    checked = set()
+    for command in ("run", "intervene", "headdim"):
+        for param in cli.get_command(ctx, command).params:
+            if command == "headdim" and param.name == "heads":       # headdim's --heads: a list, not n_heads
+                continue
+            if param.name in settings_names and command == "intervene":
+                want, got = getattr(settings, param.name), param.default
+                if param.name == "reinit_heads":                      # typed as text: none typed is ()
+                    got = parse_heads(got)
+            elif param.name in run_names:
+                want, got = overrides.get((command, param.name), getattr(run, param.name)), param.default
+            else:
+                continue
+            assert got == want and type(got) is type(want), (command, param.opts[0], got, want)
+            checked.add((command, param.name))
+    # every InterventionSettings field is an intervene option but the two that are not flags
+    assert {n for c, n in checked if c == "intervene"} >= settings_names - {"reinit_seed_offset", "max_epochs"}
+    assert ("run", "weight_decay") in checked and ("headdim", "patience") in checked

@@ -14,7 +14,7 @@ from fastdiag.analysis.headdim import headdim_analysis
 from fastdiag.analysis.paired import compare_arms
 from fastdiag.cli.analyze import format_comparison, format_headdim
 from fastdiag.cli.app import CLIError, check_threads, create_store, option_errors
-from fastdiag.cli.options import QUIET_HELP, THREADS_HELP, run_fields, run_options
+from fastdiag.cli.options import PARAM_FLAGS, QUIET_HELP, THREADS_HELP, dataclass_options, run_fields, run_options
 from fastdiag.grokking import interventions as iv
 from fastdiag.grokking.build import build_model, check_buildable, heads_width
 from fastdiag.grokking.config import ARMS, RunConfig
@@ -56,6 +56,32 @@ def _write_json(path: Path, data: dict) -> None:
 # ============================================================================ intervene
 
 
+SETTINGS_DEFAULTS = iv.InterventionSettings()
+# InterventionSettings field → (flags, help): the options of `fastdiag intervene`, with the field's type
+# and default (reinit_seed_offset is not a flag; max_epochs is the run options' --epochs).
+INTERVENTION_FIELDS = {
+    "heads_to_reinit": (("--heads-to-reinit",), "Heads re-initialised per attention layer (drawn with the run's seed)."),
+    "reinit_heads": (("--reinit-heads",), "Explicit heads to re-initialise, as layer-index:head pairs (overrides "
+                                          "--heads-to-reinit)."),
+    "reinit_init": (("--reinit-init",), "How re-initialised heads are drawn; default: their Q/K/V rows and "
+                                        "output-projection columns from a freshly built model (the model's own "
+                                        f"initialiser) seeded with seed + {SETTINGS_DEFAULTS.reinit_seed_offset}."),
+    "clip": (("--clip",), "Which matrices' Frobenius norms are capped at their median (this seed, at the branch "
+                          "point): all 2-D weight matrices, or the attention qkv/proj weights only."),
+    "after_peak_epochs": (("--after-peak-epochs",), "Epochs every arm trains after the branch point."),
+    "peak_patience_epochs": (("--peak-patience-epochs",), "Epochs without a new σ_H maximum (after grokking) that "
+                                                          "confirm the Phase-2 peak; the default is set from the "
+                                                          "paper's timing (peak near epoch 1,300 at λ = 1, falling "
+                                                          "until ~3,000)."),
+    "peak_patience": (("--peak-patience",), "Evaluations without a new σ_H maximum that confirm the peak, instead of "
+                                            "--peak-patience-epochs."),
+}
+# Library parameter names → flags, for intervene's errors: the run options', its settings', and the
+# search horizon (the settings' max_epochs is --epochs).
+INTERVENE_FLAGS = {**PARAM_FLAGS, **{name: flags[0] for name, (flags, _) in INTERVENTION_FIELDS.items()},
+                   "max_epochs": "--epochs", "scope": "--clip"}
+
+
 def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epochs, peak_patience,
                peak_patience_epochs, **kw):
     with option_errors():
@@ -64,7 +90,7 @@ def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epoc
     if cfg0.arch != "transformer":
         raise CLIError(f"--arch: interventions re-initialise attention heads; need transformer, got {cfg0.arch!r}")
     _check_runnable(cfg0, kw["threads"])
-    with option_errors():
+    with option_errors(INTERVENE_FLAGS):
         settings = iv.InterventionSettings(
             heads_to_reinit=heads_to_reinit, reinit_heads=iv.parse_heads(reinit_heads), reinit_init=reinit_init,
             clip=clip, after_peak_epochs=after_peak_epochs, peak_patience=peak_patience,
@@ -134,26 +160,14 @@ def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epoc
 
 
 @click.command("intervene")
-@run_options(skip=("seed", "stop_at_grok", "patience"), defaults={"epochs": 5000},
+@run_options(skip=("seed", "stop_at_grok", "patience"), defaults={"epochs": SETTINGS_DEFAULTS.max_epochs},
              helps={"epochs": "Search horizon: epochs allowed for grokking and the σ_H peak."})
 @_experiment_options
-@click.option("--heads-to-reinit", type=int, default=2, show_default=True,
-              help="Heads re-initialised per attention layer (drawn with the run's seed).")
-@click.option("--reinit-heads", default=None, metavar="L:H[,L:H...]",
-              help="Explicit heads to re-initialise, as layer-index:head pairs (overrides --heads-to-reinit).")
-@click.option("--reinit-init", type=click.Choice(iv.REINIT_INITS), default="default", show_default=True,
-              help="How re-initialised heads are drawn; default: their Q/K/V rows and output-projection columns from a freshly built model "
-                   "(the model's own initialiser) seeded with seed + 10000.")
-@click.option("--clip", type=click.Choice(iv.CLIP_SCOPES), default="all-2d", show_default=True,
-              help="Which matrices' Frobenius norms are capped at their median (this seed, at the branch point): "
-                   "all 2-D weight matrices, or the attention qkv/proj weights only.")
-@click.option("--after-peak-epochs", type=int, default=500, show_default=True,
-              help="Epochs every arm trains after the branch point.")
-@click.option("--peak-patience-epochs", type=int, default=iv.PEAK_PATIENCE_EPOCHS, show_default=True,
-              help="Epochs without a new σ_H maximum (after grokking) that confirm the Phase-2 peak; the "
-                   "default is set from the paper's timing (peak near epoch 1,300 at λ = 1, falling until ~3,000).")
-@click.option("--peak-patience", type=int, default=None,
-              help="Evaluations without a new σ_H maximum that confirm the peak, instead of --peak-patience-epochs.")
+@dataclass_options(iv.InterventionSettings, INTERVENTION_FIELDS,
+                   # heads are typed as text, parsed by iv.parse_heads: none typed (None) is the settings' ()
+                   defaults={"reinit_heads": None}, metavars={"reinit_heads": "L:H[,L:H...]"},
+                   kinds={"reinit_heads": str, "reinit_init": click.Choice(iv.REINIT_INITS),
+                          "clip": click.Choice(iv.CLIP_SCOPES)})
 def intervene_cmd(**kw):
     """Causal interventions at the Phase-2 peak: per seed, train until the σ_H peak after grokking,
     then continue three arms from that checkpoint (control; k heads re-initialised; weight norms
@@ -197,7 +211,8 @@ HEADDIM_PATIENCE_EPOCHS = 2000
 
 @click.command("headdim")
 @run_options(skip=("arch", "preset", "seed", "n_heads", "d_model", "d_ff", "stop_at_grok"),   # a custom transformer
-             defaults={"epochs": 5000, "patience": HEADDIM_PATIENCE_EPOCHS},
+             # the horizon of intervene's search: grokking and the Phase-2 peak fit in it
+             defaults={"epochs": SETTINGS_DEFAULTS.max_epochs, "patience": HEADDIM_PATIENCE_EPOCHS},
              helps={"weight_decay": "AdamW weight decay λ (fixed).",
                     "patience": "Epochs trained after grokking: long enough to pass the Phase-2 σ_H peak "
                                 "(near epoch 1,300 at λ = 1 in the paper, t_grok ≈ 130)."})

@@ -35,34 +35,43 @@ RUN_FIELDS = {
 _FIELDS = [f.name for f in dataclasses.fields(RunConfig)]
 if set(RUN_FIELDS) != set(_FIELDS):      # a new RunConfig field needs its flag here
     raise RuntimeError(f"RUN_FIELDS and RunConfig fields differ: {sorted(set(RUN_FIELDS) ^ set(_FIELDS))}")
-_DEFAULTS = RunConfig()
 
 
-def _option(name: str, default, help_text: str):
-    flags, _ = RUN_FIELDS[name]
+def _option(flags: tuple, name: str, default, help_text: str, kind=None, metavar: str | None = None):
+    """One click option for a settings field: a bool is an on/off flag; ``kind`` (a click type) wins;
+    a None default takes an int; otherwise the default's own type."""
     if isinstance(default, bool):
         return click.option(*flags, name, default=default, show_default=True, help=help_text)
-    if name == "op":
-        kind = click.Choice(OPS)
-    elif default is None:
-        kind = int
-    else:
-        kind = type(default)
-    return click.option(*flags, name, type=kind, default=default, show_default=default is not None, help=help_text)
+    if kind is None:
+        kind = int if default is None else type(default)
+    return click.option(*flags, name, type=kind, default=default, show_default=default is not None,
+                        metavar=metavar, help=help_text)
+
+
+def dataclass_options(settings_class, fields: dict, skip=(), defaults: dict | None = None,
+                      helps: dict | None = None, kinds: dict | None = None, metavars: dict | None = None):
+    """Decorate a command with one option per field of the dataclass ``settings_class`` named in
+    ``fields`` (field → (flags: the spelling first, then aliases; help)), except ``skip``, in the
+    dataclass's field order, each passed to the command under the field's name with the field's default.
+    ``defaults``, ``helps``, ``kinds`` (click types) and ``metavars`` override a field's."""
+    defaults, helps, kinds, metavars = defaults or {}, helps or {}, kinds or {}, metavars or {}
+    names = [f.name for f in dataclasses.fields(settings_class) if f.name in fields and f.name not in skip]
+    instance = settings_class()
+
+    def decorate(command):
+        for name in reversed(names):
+            flags, help_text = fields[name]
+            command = _option(flags, name, defaults.get(name, getattr(instance, name)), helps.get(name, help_text),
+                              kinds.get(name), metavars.get(name))(command)
+        return command
+    return decorate
 
 
 def run_options(skip=(), defaults: dict | None = None, helps: dict | None = None):
     """Decorate a command with one option per RunConfig field (except ``skip``), passed to it under the
     field's name; ``defaults`` and ``helps`` override a field's default and help text."""
-    defaults, helps = defaults or {}, helps or {}
-
-    def decorate(command):
-        for name in reversed(_FIELDS):
-            if name not in skip:
-                command = _option(name, defaults.get(name, getattr(_DEFAULTS, name)),
-                                  helps.get(name, RUN_FIELDS[name][1]))(command)
-        return command
-    return decorate
+    return dataclass_options(RunConfig, RUN_FIELDS, skip=skip, defaults=defaults, helps=helps,
+                             kinds={"op": click.Choice(OPS)})
 
 
 def run_fields(kw: dict) -> dict:
@@ -81,8 +90,5 @@ PARAM_FLAGS = {
     "archs": "--arch", "presets": "--preset", "weight_decays": "--wd", "seeds": "--seeds",
     "weight_decays, seeds": "--wd, --seeds", "eval_every and diag_every": "--eval-every and --diag-every",
     "shard": "--shard", "workers": "--workers", "threads": "--threads", "backend": "--backend",
-    "max_retries": "--max-retries", "ensemble": "--ensemble", "max_epochs": "--epochs",
-    "heads_to_reinit": "--heads-to-reinit", "reinit_heads": "--reinit-heads", "reinit_init": "--reinit-init",
-    "clip": "--clip", "scope": "--clip", "after_peak_epochs": "--after-peak-epochs", "peak_patience": "--peak-patience",
-    "peak_patience_epochs": "--peak-patience-epochs",
-}
+    "max_retries": "--max-retries", "ensemble": "--ensemble",
+}   # `fastdiag intervene` adds its settings' flags (cli/intervene.py)
