@@ -245,8 +245,20 @@ def split_seeds(seeds: Iterable[int], test_frac: float = 0.5, split_seed: int = 
     return sorted(order[n_test:]), sorted(order[:n_test])
 
 
+def seed_list(seeds: Sequence[int]) -> str:
+    """Seeds as ``fastdiag analyze`` and the predict figure both print them: [0, 3, 5]."""
+    return "[" + ", ".join(str(int(s)) for s in seeds) + "]"
+
+
+TOO_SMALL = "cannot be judged: the sample is too small (every bootstrap resample gave the same difference)"
+
+
 def _verdict(diff_ci: tuple[float, float], better_if_positive: bool) -> str:
     lo, hi = diff_ci
+    if hi - lo <= 1e-12 * max(1.0, abs(lo)):
+        # A zero-width interval is no certainty: the resamples cannot vary (e.g. one grokked and one
+        # non-grokked test run: the class-stratified resample is always that pair)
+        return TOO_SMALL
     if lo <= 0 <= hi:
         return "adds no measurable value"
     gain = lo > 0 if better_if_positive else hi < 0

@@ -5,6 +5,7 @@ import json
 
 import click
 
+from fastdiag.analysis.predict import seed_list
 from fastdiag.analysis.report import PredictSettings, Report, build_report
 from fastdiag.cli.app import CLIError, open_store
 from fastdiag.grokking.build import heads_width
@@ -111,7 +112,7 @@ def format_predict(p: dict) -> list[str]:
     if "error" in p:
         lines.append(f"  no analysis: {p['error']}")
         return lines
-    lines.append(f"  train seeds {p['train_seeds']} ({p['n_train']} runs), test seeds {p['test_seeds']} "
+    lines.append(f"  train seeds {seed_list(p['train_seeds'])} ({p['n_train']} runs), test seeds {seed_list(p['test_seeds'])} "
                  f"({p['n_test']} runs); baselines: {', '.join(p['baseline_features'])}; "
                  f"+ attention: {', '.join(p['attention_features'])}")
     c = p["groks_by_horizon"]

@@ -9,18 +9,25 @@ import matplotlib as mpl
 import numpy as np
 from matplotlib.ticker import NullFormatter
 
-from fastdiag.analysis.predict import roc_curve
-from fastdiag.plots.style import ARM_COLOURS, FORMATS, STAGE_COLOURS, STYLE, figure, no_data, save, why, wrap
+from fastdiag.analysis.predict import roc_curve, seed_list
+from fastdiag.plots.style import (ARM_COLOURS, FORMATS, STAGE_COLOURS, STYLE, figure, mathify, no_data,
+                                  readable_log_axis, save, why, wrap)
 from fastdiag.plots.sweep import quantiles
 
 
 def predict_figure(pa: dict, stem: Path, formats=FORMATS) -> list[Path]:
     """`experiments.predictive_analysis` on the held-out seeds: ROC curves of "groks by the horizon"
-    (baselines against baselines + s̄/σ_H) and predicted against true ln t_grok."""
+    (baselines against baselines + s̄/σ_H) and predicted against true ln t_grok, written as
+    ``stem``.png/.svg."""
+    return save(draw_predict(pa), stem, formats)
 
+
+def draw_predict(pa: dict):
+    """The predictive-value figure (see ``predict_figure``) as a Figure: each panel's legend below it,
+    off the data; titles wrapped to the panel's width; the seed lists as ``fastdiag analyze`` prints them."""
     models = (("baseline", "baselines", "#6c7a89"), ("full", "baselines + $\\bar{s}$, $\\sigma_H$", "#d35f0a"))
     with mpl.rc_context(STYLE):
-        fig, axes = figure(9.0, 4.2, ncols=2)
+        fig, axes = figure(9.0, 5.0, ncols=2)
         ax, bx = axes[0, 0], axes[0, 1]
         cls = pa.get("groks_by_horizon", {})
         if "test_scores" in cls:
@@ -32,8 +39,9 @@ def predict_figure(pa: dict, stem: Path, formats=FORMATS) -> list[Path]:
                         label=f"{label}: AUC {auc:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
             ax.plot([0, 1], [0, 1], ":", color="#999999", linewidth=1)
             ax.set_title(wrap(f"groks by the horizon ({cls['test_positives']} grokked, {cls['test_negatives']} not); "
-                               f"ΔAUC {cls['diff']:+.3f} [{cls['diff_ci'][0]:+.3f}, {cls['diff_ci'][1]:+.3f}]", 62))
-            ax.legend(loc="lower right")
+                               f"ΔAUC {cls['diff']:+.3f} [{cls['diff_ci'][0]:+.3f}, {cls['diff_ci'][1]:+.3f}]: "
+                               f"{mathify(cls['verdict'])}", PANEL_TITLE_WIDTH))
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16))
         else:
             no_data(ax, cls.get("error", pa.get("error", "no data")))
         ax.set_xlabel("false-positive rate")
@@ -49,16 +57,23 @@ def predict_figure(pa: dict, stem: Path, formats=FORMATS) -> list[Path]:
             lo, hi = float(truth.min()), float(truth.max())
             pad = 0.1 * (hi - lo or 1.0)
             bx.plot([lo - pad, hi + pad], [lo - pad, hi + pad], ":", color="#999999", linewidth=1)
-            bx.set_title(wrap(f"ln t_grok ({reg['n_test']} grokked test runs); ΔMAE {reg['diff']:+.3f} "
-                               f"[{reg['diff_ci'][0]:+.3f}, {reg['diff_ci'][1]:+.3f}]", 62))
-            bx.legend(loc="upper left")
+            bx.set_title(wrap(f"ln $t_{{\\mathrm{{grok}}}}$ ({reg['n_test']} grokked test runs); ΔMAE {reg['diff']:+.3f} "
+                               f"[{reg['diff_ci'][0]:+.3f}, {reg['diff_ci'][1]:+.3f}]: {mathify(reg['verdict'])}",
+                              PANEL_TITLE_WIDTH))
+            bx.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16))
         else:
             no_data(bx, reg.get("error", pa.get("error", "no data")))
-        bx.set_xlabel("true ln $t_{grok}$")
-        bx.set_ylabel("predicted ln $t_{grok}$")
-        fig.suptitle(f"Predictive value on held-out seeds at $t_0$ = {pa['t0']:g} epochs ({pa['t0_source']}); "
-                     f"train seeds {len(pa.get('train_seeds', []))}, test seeds {len(pa.get('test_seeds', []))}")
-        return save(fig, stem, formats)
+        bx.set_xlabel("true ln $t_{\\mathrm{grok}}$")
+        bx.set_ylabel("predicted ln $t_{\\mathrm{grok}}$")
+        seeds = (f"; train seeds {seed_list(pa['train_seeds'])}, test seeds {seed_list(pa['test_seeds'])}"
+                 if "train_seeds" in pa else "")
+        fig.suptitle(wrap(f"Predictive value on held-out seeds at $t_0$ = {pa['t0']:g} epochs "
+                          f"({mathify(pa['t0_source'])}){seeds}", 100))
+        return fig
+
+
+# characters of a panel title line in a two-panel 9-inch figure at the style's 10.5 pt (longer lines are clipped)
+PANEL_TITLE_WIDTH = 48
 
 
 def headdim_figure(analysis: dict, stem: Path, title_note: str = "", formats=FORMATS) -> list[Path]:
@@ -157,7 +172,13 @@ def intervention_figure(rows: list[dict], traces: dict[str, list[dict]], stem: P
 
 
 def stages_figure(trace: list[dict], segmentation: dict, stem: Path, title: str = "", formats=FORMATS) -> list[Path]:
-    """Test accuracy, s̄ and σ_H of one long run (log epochs) with its stages shaded."""
+    """Test accuracy, s̄ and σ_H of one long run (log epochs) with its stages shaded, written as
+    ``stem``.png/.svg."""
+    return save(draw_stages(trace, segmentation, title), stem, formats)
+
+
+def draw_stages(trace: list[dict], segmentation: dict, title: str = ""):
+    """The stages figure (see ``stages_figure``) as a Figure."""
 
     panels = [("test_acc", "test accuracy"), ("s_bar", "$\\bar{s}(t)$"), ("sigma_h", "$\\sigma_H(t)$")]
     with mpl.rc_context(STYLE):
@@ -175,7 +196,7 @@ def stages_figure(trace: list[dict], segmentation: dict, stem: Path, title: str 
                             st["stage"].replace("second ", "2nd ").replace("re-synchronisation", "re-sync."),
                             transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=7.5)
             ax.set_ylabel(label)
-        axes[-1, 0].set_xscale("log")
+        readable_log_axis(axes[-1, 0].xaxis)
         axes[-1, 0].set_xlabel("training epoch")
         fig.suptitle(wrap(title or "Stages of a long run", 80) + "\n")
-        return save(fig, stem, formats)
+        return fig

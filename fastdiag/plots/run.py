@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: renders with Agg, no GUI backend, no global state
-from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from fastdiag.grokking.config import GROK_THRESHOLD
 from fastdiag.grokking.labels import first_epoch_at_or_above
+from fastdiag.plots.style import readable_log_axis
 from fastdiag.store.files import atomic_path, prepare_out_dir
 
 
@@ -27,6 +27,11 @@ def _series(trace, key):
 
 def plot_trajectory(trace: list[dict], path: str | os.PathLike, result: dict | None = None,
                     title: str | None = None) -> None:
+    """Draw ``draw_trajectory`` into ``path`` (PNG)."""
+    draw_trajectory(trace, result, title).savefig(os.fspath(path), dpi=120)
+
+
+def draw_trajectory(trace: list[dict], result: dict | None = None, title: str | None = None) -> Figure:
     """Three stacked panels sharing a log epoch axis: accuracy, head synchronisation s̄ and entropy
     spread σ_H, with t_mem / t_grok marked. Runs without attention get the accuracy panel only."""
     result = result or {}
@@ -58,9 +63,7 @@ def plot_trajectory(trace: list[dict], path: str | os.PathLike, result: dict | N
         for epoch, label, color in ((t_mem, "t_mem", "tab:gray"), (t_grok, "t_grok", "tab:purple")):
             if epoch:
                 ax.axvline(epoch, color=color, ls=":", lw=1.2, label=f"{label} = {epoch}")
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-        ax.xaxis.set_minor_formatter(NullFormatter())
+        readable_log_axis(ax.xaxis)          # a 3-epoch run gets 1, 2, 3, not one "1"
         ax.grid(True, which="both", alpha=0.25)
         ax.legend(loc="best", fontsize=8)
     axes[-1].set_xlabel("epoch (log scale)")
@@ -75,7 +78,7 @@ def plot_trajectory(trace: list[dict], path: str | os.PathLike, result: dict | N
     if not has_attention:
         title += " (no attention: accuracy only)"
     fig.suptitle(title, fontsize=10)
-    fig.savefig(os.fspath(path), dpi=120)
+    return fig
 
 
 def trace_columns(trace: list[dict]) -> list[str]:

@@ -21,12 +21,17 @@ from fastdiag.analysis.bootstrap import FitError
 from fastdiag.analysis.fits import lambda_c_point, logistic
 from fastdiag.analysis.groups import in_fit_range
 from fastdiag.analysis.regions import regime_counts, regime_regions
-from fastdiag.plots.style import FORMATS, REGIME_STYLE, REGION_COLOURS, STYLE, figure, fmt_lambda, save, why, wrap
+from fastdiag.plots.style import (FORMATS, REGIME_STYLE, REGION_COLOURS, STYLE, count_number, figure, fmt_lambda,
+                                  readable_log_axis, save, why, wrap)
 
 
 def regime_diagram(groups, analyses, stem: Path, formats=FORMATS) -> list[Path]:
-    """All groups on one λ × N diagram."""
+    """All groups on one λ × N diagram, written as ``stem``.png/.svg."""
+    return save(draw_regime_diagram(groups, analyses), stem, formats)
 
+
+def draw_regime_diagram(groups, analyses):
+    """The regime diagram as a Figure (see ``regime_diagram``)."""
     with mpl.rc_context(STYLE):
         fig, axes = figure(7.5, 4.6)
         ax = axes[0, 0]
@@ -55,8 +60,8 @@ def regime_diagram(groups, analyses, stem: Path, formats=FORMATS) -> list[Path]:
                            linewidths=1.6 if marker in "x" else 0.5, zorder=3)
                 handles.append(Line2D([], [], marker=marker, color=colour, linestyle="none", label=label,
                                       markersize=7))
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        readable_log_axis(ax.xaxis)
+        readable_log_axis(ax.yaxis, count_number)
         if all_lams:
             lo, hi = min(all_lams) / 2, max(all_lams) * 2
         else:
@@ -108,7 +113,7 @@ def regime_diagram(groups, analyses, stem: Path, formats=FORMATS) -> list[Path]:
         ax.set_title(title)
         if handles:
             fig.legend(handles=handles, loc="outside upper center", ncol=min(6, len(handles)))
-        return save(fig, stem, formats)
+        return fig
 
 
 def _band(lambdas, grokked, grid, n_boot: int, seed: int):
@@ -133,7 +138,12 @@ def _band(lambdas, grokked, grid, n_boot: int, seed: int):
 
 def p_grok_figure(group, analysis: dict, stem: Path, n_band: int = 300, seed: int = 0,
                   formats=FORMATS) -> list[Path]:
+    """P(grok) per λ with the logistic fit, written as ``stem``.png/.svg."""
+    return save(draw_p_grok(group, analysis, n_band=n_band, seed=seed), stem, formats)
 
+
+def draw_p_grok(group, analysis: dict, n_band: int = 300, seed: int = 0):
+    """P(grok) per λ with binomial error bars, the logistic fit and its bootstrap band, as a Figure."""
     lambdas, regimes, grokked, _ = group.arrays()
     lam = np.asarray(lambdas, float)
     g = np.asarray(grokked, bool)
@@ -167,7 +177,7 @@ def p_grok_figure(group, analysis: dict, stem: Path, n_band: int = 300, seed: in
                      f"  $k = {fit['k']:.2f}$")
         else:
             title = wrap(f"no logistic fit: {why(fit)}", 58)
-        ax.set_xscale("log")
+        readable_log_axis(ax.xaxis)
         ax.set_xlim(lo, hi)
         ax.set_ylim(-0.06, 1.06)
         ax.set_xlabel("Weight decay $\\lambda$")
@@ -181,11 +191,16 @@ def p_grok_figure(group, analysis: dict, stem: Path, n_band: int = 300, seed: in
         handles, _ = ax.get_legend_handles_labels()
         if handles:
             fig.legend(loc="outside lower center", ncol=2)
-        return save(fig, stem, formats)
+        return fig
 
 
 def t_grok_figure(group, analysis: dict, stem: Path, formats=FORMATS) -> list[Path]:
+    """t_grok against λ − λ_c with the power-law fit, written as ``stem``.png/.svg."""
+    return save(draw_t_grok(group, analysis), stem, formats)
 
+
+def draw_t_grok(group, analysis: dict):
+    """t_grok against λ − λ_c (log-log) with the power-law fit, as a Figure; without a λ_c fit, against λ."""
     lambdas, regimes, grokked, t_grok = group.arrays()
     lam = np.asarray(lambdas, float)
     t = np.asarray(t_grok, float)
@@ -200,8 +215,8 @@ def t_grok_figure(group, analysis: dict, stem: Path, formats=FORMATS) -> list[Pa
             ok = np.isfinite(t) & (lam > lc)
             if ok.any():
                 x = lam[ok] - lc
-                ax.scatter(x, t[ok], s=28, color="#3b8bc2", alpha=0.45, linewidths=0, label="grokked runs",
-                           zorder=3)
+                ax.scatter(x, t[ok], s=28, color="#3b8bc2", alpha=0.45, linewidths=0,
+                           label=f"grokked runs ({int(ok.sum())})", zorder=3)
                 drawn = True
                 if "nu" in nu:
                     grid = np.logspace(math.log10(x.min() / 1.3), math.log10(x.max() * 1.3), 100)
@@ -212,9 +227,10 @@ def t_grok_figure(group, analysis: dict, stem: Path, formats=FORMATS) -> list[Pa
             ok = np.isfinite(t) & (lam > 0)
             if ok.any():
                 ax.scatter(lam[ok], t[ok], s=28, color="#3b8bc2", alpha=0.45, linewidths=0,
-                           label="grokked runs (against $\\lambda$: no $\\lambda_c$)", zorder=3)
+                           label=f"grokked runs ({int(ok.sum())})", zorder=3)
                 drawn = True
-            xlabel = "Weight decay $\\lambda$ (no $\\lambda_c$ fit)"
+            # without λ_c there is no λ − λ_c: the axis says what is drawn instead, and why
+            xlabel = "Weight decay $\\lambda$  (no $\\lambda_c$ fit, so not $\\lambda - \\lambda_c$)"
         if "nu" in nu:
             joint = analysis.get("nu_joint", {})
             title = f"$\\nu = {nu['nu']:.3g}$  95% CI $[{nu['ci'][0]:.3g}, {nu['ci'][1]:.3g}]$ ($\\lambda_c$ fixed)"
@@ -223,16 +239,16 @@ def t_grok_figure(group, analysis: dict, stem: Path, formats=FORMATS) -> list[Pa
         else:
             title = wrap(f"no power-law fit: {why(nu)}", 58)
         if drawn:
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.legend(loc="upper right")
+            readable_log_axis(ax.xaxis)
+            readable_log_axis(ax.yaxis)
+            fig.legend(loc="outside lower center", ncol=2)          # below the axes, never over the points
         else:
             ax.text(0.5, 0.5, "no grokked runs to show", transform=ax.transAxes, ha="center", va="center",
                     color="#666666")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("$t_{\\mathrm{grok}}$ (epochs)")
         ax.set_title(title + "\n" + wrap(group.label, 60))
-        return save(fig, stem, formats)
+        return fig
 
 
 def quantiles(series: list[list[tuple[int, float]]]):
@@ -249,7 +265,13 @@ def quantiles(series: list[list[tuple[int, float]]]):
 
 
 def trajectories_figure(group, traces: dict[str, list[dict]], stem: Path, formats=FORMATS) -> list[Path]:
-    """Median and IQR across seeds, per λ, of test accuracy, s̄ and σ_H against epoch (log x)."""
+    """Median and IQR across seeds, per λ, of test accuracy, s̄ and σ_H against epoch (log x), written
+    as ``stem``.png/.svg."""
+    return save(draw_trajectories(group, traces), stem, formats)
+
+
+def draw_trajectories(group, traces: dict[str, list[dict]]):
+    """The trajectories figure (see ``trajectories_figure``) as a Figure."""
 
     panels = [("test_acc", "test accuracy"), ("s_bar", "$\\bar{s}(t)$"), ("sigma_h", "$\\sigma_H(t)$ (nats)")]
     by_lambda: dict[float, list[str]] = {}
@@ -285,7 +307,7 @@ def trajectories_figure(group, traces: dict[str, list[dict]], stem: Path, format
                         if key != "test_acc" else "no data", transform=ax.transAxes, ha="center",
                         va="center", color="#666666")
         if any(any_data.values()):
-            axes[-1, 0].set_xscale("log")
+            readable_log_axis(axes[-1, 0].xaxis)
         axes[-1, 0].set_xlabel("training epoch")
         if any_data["test_acc"]:
             axes[0, 0].set_ylim(-0.03, 1.03)
@@ -293,4 +315,4 @@ def trajectories_figure(group, traces: dict[str, list[dict]], stem: Path, format
             fig.legend(handles, labels, loc="outside right center", ncol=1 if len(labels) <= 14 else 2)
         fig.suptitle(wrap(f"Trajectories per $\\lambda$: {group.label}", 80)
                      + "\nline: median over seeds, band: interquartile range")
-        return save(fig, stem, formats)
+        return fig
