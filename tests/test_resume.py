@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -149,3 +150,48 @@ def test_fastdiag_run_refuses_a_bad_cadence_in_one_line(tmp_path):
     out, err = finish(proc, 120)
     assert proc.returncode == 2
     assert err.strip().splitlines() == [err.strip()] and "--checkpoint-every" in err
+
+
+def store_traces(store):
+    conn = sqlite3.connect(f"file:{store}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT run_id, idx, row FROM trace ORDER BY run_id, idx").fetchall()
+    finally:
+        conn.close()
+
+
+def test_a_killed_ensemble_sweep_resumes_its_pack_bit_identically(tmp_path):
+    """`fastdiag sweep --ensemble 2` killed with SIGKILL after its pack's first checkpoint: the rerun
+    packs the two runs together again, resumes them from the pack's checkpoint and stores exactly the
+    traces of an uninterrupted sweep; the checkpoint directory is gone at the end."""
+    grid = ["--wd", "0.3,1", "--seeds", "1", *TINY_RUN[:-5], "--device", "cpu", "--epochs", "400",
+            "--ensemble", "2", "--workers", "1", "--threads", "1", "--quiet"]
+    whole = fastdiag("sweep", *grid, "--store", str(tmp_path / "whole.sqlite"), "--checkpoint-every", "off")
+    _, err = finish(whole)
+    assert whole.returncode == 0, err
+
+    store = tmp_path / "cut.sqlite"
+    folder = tmp_path / "cut.sqlite.checkpoints"
+    seed = random.randrange(10**6)
+    killed = fastdiag("sweep", *grid, "--store", str(store), "--checkpoint-every", "20")
+    try:
+        deadline = time.time() + 300
+        while not list(folder.glob("pack-*")) and killed.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        assert list(folder.glob("pack-*")), f"no pack checkpoint was written: {killed.poll()=}"
+        time.sleep(random.Random(seed).uniform(0, 1.5))
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=30)
+    finally:
+        if killed.poll() is None:
+            os.killpg(killed.pid, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL, f"the sweep ended before the kill (seed {seed})"
+    assert not store_traces(store)
+
+    rerun = fastdiag("sweep", *grid, "--store", str(store), "--checkpoint-every", "20")
+    _, err = finish(rerun)
+    assert rerun.returncode == 0, err
+    assert "2 resumed from checkpoints" in err, err
+    assert store_traces(store) == store_traces(tmp_path / "whole.sqlite"), f"seed {seed}"
+    assert len(store_traces(store)) == 2 * 200
+    assert not folder.exists()

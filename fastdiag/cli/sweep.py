@@ -11,6 +11,7 @@ import click
 
 from fastdiag.cli.app import CLIError, check_threads, create_store, open_store, option_errors
 from fastdiag.cli.options import QUIET_HELP, THREADS_DEFAULT, run_fields, run_options
+from fastdiag.cli.run import checkpoint_option, parse_checkpoint_every
 from fastdiag.grokking.config import ARCHS, RunConfig
 from fastdiag.store.files import atomic_path, check_target
 from fastdiag.sweep.grid import build_grid, parse_list, parse_seeds, parse_shard, parse_wd
@@ -63,8 +64,9 @@ def _parse_ensemble(spec: str) -> int | None:
                    "~0.45 M parameters, 4 for canonical, 1 from ~2.5 M.")
 @click.option("--dry-run", is_flag=True, help="Print the grid size and exit without running.")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
+@checkpoint_option
 def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, address, max_retries, shard,
-              retry_failed, ensemble, dry_run, quiet, **fields):
+              retry_failed, ensemble, dry_run, quiet, checkpoint_every, **fields):
     """Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."""
     if workers is not None and workers < 1:
         raise CLIError(f"--workers: must be >= 1, got {workers}")
@@ -72,6 +74,7 @@ def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, ad
     if max_retries < 0:
         raise CLIError(f"--max-retries: must be >= 0, got {max_retries}")
     ensemble_size = _parse_ensemble(ensemble)
+    cadence = parse_checkpoint_every(checkpoint_every)
     with option_errors():
         weight_decays = parse_wd(wd)
         seed_list = parse_seeds(seeds)
@@ -98,13 +101,14 @@ def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, ad
         with option_errors():
             summary = run_sweep(configs, store, backend=backend, workers=workers, threads=threads,
                                    address=address, max_retries=max_retries, retry_failed=retry_failed,
-                                   ensemble=ensemble_size, progress=not quiet)
+                                   ensemble=ensemble_size, progress=not quiet, checkpoint_every=cadence)
     finally:
         store.close()
     regimes = ", ".join(f"{r} {n}" for r, n in sorted(summary.regimes.items())) or "none"
     click.echo(f"sweep: {summary.total} runs in {store_path}: {summary.skipped} already done, "
-               f"{summary.done} finished now ({regimes}), {summary.failed} failed, "
-               f"{summary.wall_seconds:.1f} s", err=True)
+               f"{summary.done} finished now ({regimes}"
+               + (f"; {summary.resumed} resumed from checkpoints" if summary.resumed else "")
+               + f"), {summary.failed} failed, {summary.wall_seconds:.1f} s", err=True)
     if summary.elsewhere:
         click.echo(f"sweep: {summary.elsewhere} run(s) left to another sweep running on {store_path} "
                    "(rerun this command after it ends to pick up any it did not finish)", err=True)

@@ -177,3 +177,15 @@ def make_checkpointer(path: str | os.PathLike, key: str, cadence: tuple[float | 
         return None
     every_s, every_epochs = cadence
     return Checkpointer(path, key, every_s=every_s, every_epochs=every_epochs)
+
+
+def saved_members(path: str | os.PathLike) -> tuple[str, list[str]] | None:
+    """(key, member run ids) of an ensemble pack's checkpoint, or None where it cannot be read. Memory
+    mapped: a sweep looks at its packs' checkpoints without reading their tensors."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if payload.get("format") == CHECKPOINT_FORMAT:
+            return str(payload["key"]), [str(rid) for rid in payload["state"]["member_ids"]]
+    except Exception:  # noqa: BLE001 - unreadable: not resumed (train_ensemble warns if it is given it)
+        pass
+    return None

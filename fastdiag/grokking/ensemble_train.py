@@ -11,6 +11,7 @@ diverged) are dropped from every stacked tensor at the next evaluation, so they 
 from __future__ import annotations
 
 import time
+import warnings
 from collections import Counter
 from typing import Callable, Sequence
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdiag.core import zoo_handoff
+from fastdiag.grokking import checkpoint as ckpt
 from fastdiag.grokking.build import build_model, parameter_count, resolve_device
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.tasks import make_task
@@ -166,12 +168,46 @@ def _evaluation_rows(m: _Members, pending: dict, chunk: int) -> list[dict[str, f
     return [dict(zip(names, values)) for values in host]
 
 
+def _pack_state(m: _Members, ids: list[str], shuffles, trackers, epoch: int, step: int, device, started) -> dict:
+    """The state of the members still training, right after an evaluation (nothing pending): every
+    stacked tensor keeps its member axis, so a resume may take any subset of ``member_ids``."""
+    return {"epoch": epoch, "step": step, "member_ids": ids,
+            "params": [p.detach() for p in m.model.parameters()],
+            "exp_avg": m.opt.exp_avg, "exp_avg_sq": m.opt.exp_avg_sq, "step_count": m.opt.step_count,
+            "decay": m.opt.decay, "shuffles": [g.get_state() for g in shuffles],
+            "trackers": [ckpt.tracker_state(t) for t in trackers], "rng": ckpt.rng_state(device),
+            "elapsed": time.perf_counter() - started}
+
+
+@torch.no_grad()
+def _restore_pack(m: _Members, state: dict, ids: list[str], shuffles, trackers, device) -> tuple[int, int]:
+    """Load the members ``ids`` (all among the state's ``member_ids``) from a pack state; returns
+    (epoch, step)."""
+    slots = torch.tensor([state["member_ids"].index(rid) for rid in ids], dtype=torch.long)
+    for p, saved in zip(m.model.parameters(), state["params"]):
+        p.copy_(saved.index_select(0, slots))
+    m.opt.exp_avg = [t.index_select(0, slots).to(device) for t in state["exp_avg"]]
+    m.opt.exp_avg_sq = [t.index_select(0, slots).to(device) for t in state["exp_avg_sq"]]
+    m.opt.step_count = int(state["step_count"])
+    m.opt.decay = state["decay"].index_select(0, slots)
+    m.opt._decay_on = {}
+    for slot, g, t in zip(slots.tolist(), shuffles, trackers):
+        g.set_state(state["shuffles"][slot])
+        ckpt.restore_tracker(t, state["trackers"][slot])
+    ckpt.set_rng_state(state["rng"], device)
+    return int(state["epoch"]), int(state["step"])
+
+
 def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], None] | None = None,
-                   on_finish: Callable[[int, RunOutcome], None] | None = None) -> list[RunOutcome]:
+                   on_finish: Callable[[int, RunOutcome], None] | None = None,
+                   checkpoint: ckpt.Checkpointer | None = None) -> list[RunOutcome]:
     """Train the runs ``cfgs`` as one vectorised model; returns their outcomes in the given order.
 
     ``progress(member_index, row)`` receives every member's trace rows; ``on_finish(member_index,
     outcome)`` is called as soon as a member is done, so a caller can store it before the others end.
+    With ``checkpoint`` the pack resumes from its saved state when every run of ``cfgs`` is among the
+    members it saved (members finished since are simply absent), and saves the members still training
+    at the checkpointer's cadence; the caller removes the file once the outcomes are safe.
     """
     cfgs = [c.validate() for c in cfgs]
     _check_pack(cfgs)
@@ -187,6 +223,16 @@ def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], No
     chunk = eval_chunk(device)
     step = epoch = 0
     pending: dict = {}
+    ids = [c.run_id() for c in cfgs]
+    if checkpoint is not None:
+        state = checkpoint.load()
+        if state is not None and set(ids) <= set(state["member_ids"]):
+            epoch, step = _restore_pack(m, state, ids, shuffles, trackers, device)
+            started -= float(state["elapsed"])
+            checkpoint.last_epoch = checkpoint.resumed_epoch = epoch
+        elif state is not None:
+            warnings.warn(f"checkpoint {checkpoint.path}: holds other members than this pack's; starting "
+                          "from epoch 0", RuntimeWarning, stacklevel=2)
     while active:
         epoch += 1
         perm = torch.stack([torch.randperm(n_train, generator=shuffles[i]) for i in active]).to(device)
@@ -212,6 +258,9 @@ def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], No
         if len(keep) < len(active):   # compact: finished members stop costing time
             m.keep(torch.tensor(keep, dtype=torch.long, device=device))
             active = [active[s] for s in keep]
+        if checkpoint is not None and active and checkpoint.due(epoch):
+            checkpoint.save(_pack_state(m, [ids[i] for i in active], [shuffles[i] for i in active],
+                                        [trackers[i] for i in active], epoch, step, device, started), epoch)
     return [outcomes[i] for i in range(len(cfgs))]
 
 

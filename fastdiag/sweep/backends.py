@@ -36,10 +36,12 @@ def _died(attempts: int) -> dict:
 
 
 def run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, threads, max_retries, train_fn,
-              report=None) -> None:
+              report=None, checkpoints=None) -> None:
     """Run ``tasks`` (one config: a run; more: an ensemble) in this process (one worker) or on a
     `_WorkerPool`. Every task is claimed right before it starts; tasks a live concurrent sweep holds
-    are tried once more when everything else is done, and otherwise left to it."""
+    are tried once more when everything else is done, and otherwise left to it. With ``checkpoints``
+    (`fastdiag.sweep.checkpoints.SweepCheckpoints`, the real trainers only) every task resumes from
+    and keeps its checkpoint, removed once the task's outcome is stored."""
     cfgs = [c for task in tasks for c in task]
     if not cfgs:
         return
@@ -48,6 +50,15 @@ def run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, thr
     held: list[list[RunConfig]] = []          # claimed by another sweep when we came to them
     last_look = [-math.inf]
     deaths: collections.Counter = collections.Counter()
+    use_checkpoints = checkpoints is not None and train_fn is None
+
+    def spec(task: list[RunConfig]) -> dict | None:
+        return checkpoints.spec(task) if use_checkpoints else None
+
+    def ended(task: list[RunConfig]) -> None:
+        """The task's outcome is stored (or its pack split up): its checkpoint has done its work."""
+        if use_checkpoints:
+            checkpoints.discard(task)
 
     def claim(task: list[RunConfig]) -> tuple[list[RunConfig], list[RunConfig]]:
         """(members claimed now, members another sweep holds)."""
@@ -83,17 +94,19 @@ def run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, thr
         try:
             while (task := next_task()) is not None:
                 if len(task) == 1:
-                    finish(task[0], execute(task[0].to_dict(), train_fn, report))
+                    finish(task[0], execute(task[0].to_dict(), train_fn, report, spec(task)))
+                    ended(task)
                     continue
                 stored: set[int] = set()
 
                 def on_member(index: int, out: dict, task=task, stored=stored) -> None:
                     finish(task[index], out)
                     stored.add(index)
-                outs = execute_pack([c.to_dict() for c in task], report, on_member)
+                outs = execute_pack([c.to_dict() for c in task], report, on_member, spec(task))
                 for index, (cfg, out) in enumerate(zip(task, outs)):
                     if index not in stored:
                         finish(cfg, out)
+                ended(task)
         finally:
             torch.set_num_threads(previous)
         return
@@ -115,21 +128,24 @@ def run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, thr
             for index, (cfg, out) in enumerate(zip(task, outs)):
                 if index not in worker.stored:
                     finish(cfg, out)
+            ended(task)
         elif kind in ("died", "stalled"):     # only the task on that worker; the others go on
             if len(task) > 1:                 # which member killed it is unknown: the rest one by one
+                ended(task)
                 queue.extend([cfg] for index, cfg in enumerate(task) if index not in worker.stored)
                 return
             rid = task[0].run_id()
             deaths[rid] += 1
             if deaths[rid] > max_retries:
                 finish(task[0], _died(deaths[rid]) if kind == "died" else _stalled(deaths[rid]))
-            else:
+                ended(task)
+            else:                             # retried from its checkpoint, if it saved one
                 queue.appendleft(task)
 
     try:
         while True:
             while pool.idle and (task := next_task()) is not None:
-                pool.submit(pool.idle[0], task, train_fn)
+                pool.submit(pool.idle[0], task, train_fn, spec(task))
             if not pool.busy:
                 break
             for worker, message in pool.events(timeout=1.0):
@@ -182,11 +198,13 @@ class _WorkerPool:
     def busy(self) -> list[_Worker]:
         return [w for w in self.workers if w.task is not None]
 
-    def submit(self, worker: _Worker, task: list[RunConfig], train_fn: Callable | None) -> None:
+    def submit(self, worker: _Worker, task: list[RunConfig], train_fn: Callable | None,
+               checkpoint: dict | None = None) -> None:
         worker.task, worker.stored, worker.heard = task, set(), None
         dicts = [c.to_dict() for c in task]
         try:
-            worker.conn.send(("run", dicts[0], train_fn) if len(task) == 1 else ("pack", dicts, None))
+            worker.conn.send(("run", dicts[0], train_fn, checkpoint) if len(task) == 1
+                             else ("pack", dicts, None, checkpoint))
         except OSError:                       # it died while idle: `events` reports it with this task
             pass
 

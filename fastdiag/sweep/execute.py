@@ -20,6 +20,7 @@ from fastdiag.grokking import train
 from fastdiag.grokking.build import parameter_count
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.ensemble_train import train_ensemble
+from fastdiag.sweep.checkpoints import checkpointer
 
 EPOCH_REPORT_S = 2.0   # how often a run in flight tells the driver its epoch
 HEARTBEAT_S = 1.0      # how often a worker training a task says it is alive (an epoch may take minutes)
@@ -38,14 +39,16 @@ def epoch_reporter(report: Callable[[str, int, int], None], run_id: str, epochs:
 
 
 def execute(cfg_dict: dict, train_fn: Callable | None = None,
-            report: Callable[[str, int, int], None] | None = None) -> dict:
+            report: Callable[[str, int, int], None] | None = None, checkpoint: dict | None = None) -> dict:
     """Run one config; never raises for a failing run (the error comes back as data). ``report``
-    receives (run id, epoch, horizon) of the real trainer now and then."""
+    receives (run id, epoch, horizon) of the real trainer now and then; ``checkpoint`` (a
+    `SweepCheckpoints.spec`) resumes the real trainer from its checkpoint and keeps it saved."""
     started = time.time()
     try:
         cfg = RunConfig.from_dict(cfg_dict)
         if train_fn is None:
-            outcome = train.train_run(cfg, epoch_reporter(report, cfg.run_id(), cfg.epochs) if report else None)
+            outcome = train.train_run(cfg, epoch_reporter(report, cfg.run_id(), cfg.epochs) if report else None,
+                                      checkpoint=checkpointer(checkpoint))
         else:
             outcome = train_fn(cfg)
         result = dict(outcome.result)
@@ -138,13 +141,13 @@ def worker_main(conn, threads: int, gpu_index: int | None) -> None:
             return
         if task is None:
             return
-        kind, payload, train_fn = task
+        kind, payload, train_fn, checkpoint = task
         training.set()
         send(("alive",))
         if kind == "run":
-            out = execute(payload, train_fn, report)
+            out = execute(payload, train_fn, report, checkpoint)
         else:
-            out = execute_pack(payload, report, lambda index, member: send(("member", index, member)))
+            out = execute_pack(payload, report, lambda index, member: send(("member", index, member)), checkpoint)
         training.clear()
         try:
             send(("result", out))
@@ -154,10 +157,11 @@ def worker_main(conn, threads: int, gpu_index: int | None) -> None:
 
 
 def execute_pack(cfg_dicts: list[dict], report: Callable[[str, int, int], None] | None = None,
-                 on_member: Callable[[int, dict], None] | None = None) -> list[dict]:
+                 on_member: Callable[[int, dict], None] | None = None, checkpoint: dict | None = None) -> list[dict]:
     """Train runs as one vectorised ensemble; like `execute`, failures come back as data.
     ``on_member(index, output)`` gets each member's output the moment it is done, so the driver
-    stores it at once instead of when the whole pack ends; ``report`` gets members' epochs."""
+    stores it at once instead of when the whole pack ends; ``report`` gets members' epochs;
+    ``checkpoint`` as for `execute`."""
     started = time.time()
     worker = f"{_hostname()}:{os.getpid()}"
 
@@ -177,7 +181,7 @@ def execute_pack(cfg_dicts: list[dict], report: Callable[[str, int, int], None] 
         def progress(index, row) -> None:
             reporters[index](row)
     try:
-        outcomes = train_ensemble(cfgs, progress=progress, on_finish=on_finish)
+        outcomes = train_ensemble(cfgs, progress=progress, on_finish=on_finish, checkpoint=checkpointer(checkpoint))
     except Exception as exc:  # noqa: BLE001 - recorded as failed runs, the sweep goes on
         error = f"ensemble of {len(cfg_dicts)}: {type(exc).__name__}: {exc}"
         return [{"ok": False, "error": error, "started": started, "finished": time.time(), "worker": worker}

@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from fastdiag.grokking.build import resolve_device
+from fastdiag.grokking.checkpoint import CHECKPOINT_EVERY_S
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.ensemble_train import describe_packs, pack_runs
 from fastdiag.store import Lease, Store
 from fastdiag.sweep.backends import run_local, run_ray
+from fastdiag.sweep.checkpoints import SweepCheckpoints, checkpoint_dir
 from fastdiag.sweep.plan import default_workers, plan_local, spread_packs
 from fastdiag.sweep.progress import Progress
 
@@ -42,6 +44,7 @@ class SweepSummary:
     regimes: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)   # (run_id, error)
     elsewhere: int = 0             # unfinished, held by another live sweep on the same store
+    resumed: int = 0               # runs that started from a checkpoint an interrupted sweep left
     wall_seconds: float = 0.0
 
 
@@ -56,7 +59,8 @@ def check_devices(configs: Sequence[RunConfig], backend: str = "local") -> None:
 def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "local",
               workers: int | None = None, threads: int | None = None, address: str | None = None,
               max_retries: int = 2, retry_failed: bool = True, ensemble: int | None = 1,
-              train_fn: Callable | None = None, progress: bool | Progress = True) -> SweepSummary:
+              train_fn: Callable | None = None, progress: bool | Progress = True,
+              checkpoint_every: tuple[float | None, int | None] | None = (CHECKPOINT_EVERY_S, None)) -> SweepSummary:
     """Register ``configs`` in ``store`` and run those not finished yet. Returns a SweepSummary.
 
     ``ensemble`` > 1 trains compatible runs (same everything but seed and λ, an architecture that
@@ -67,7 +71,12 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
     Each run is claimed in the store (`Lease`) right before it starts, so sweeps running at the same
     time on one store share the grid; runs a live sweep holds are left to it (``summary.elsewhere``).
     An interrupt (KeyboardInterrupt, SystemExit) stops the workers, keeps every finished run and
-    frees the claims of the unfinished ones, then propagates."""
+    frees the claims of the unfinished ones, then propagates.
+
+    ``checkpoint_every`` (`fastdiag.grokking.checkpoint.parse_cadence`: (seconds, None), (None,
+    epochs), or None for no checkpoints): on the local backend each run and pack keeps a checkpoint
+    in ``<store>.checkpoints/`` (`fastdiag.sweep.checkpoints`), so a rerun after a kill resumes the
+    unfinished runs where they were; the files go as their runs end."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     if max_retries < 0:
@@ -107,13 +116,19 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
             summary.failures.append((rid, out["error"]))
             bar.update(failed=True, run_id=rid)
 
+    checkpoints = None
+    if checkpoint_every is not None and backend == "local" and train_fn is None:
+        checkpoints = SweepCheckpoints(checkpoint_dir(store.path), checkpoint_every)
     with Lease(store) as lease:
         try:
             tasks = [[c] for c in todo]
             if todo and ensemble != 1 and train_fn is None:
-                tasks = pack_runs(todo, ensemble)
+                resumed, fresh = checkpoints.regroup(todo) if checkpoints is not None else ([], todo)
+                packs = pack_runs(fresh, ensemble) if fresh else []
                 if backend == "local":    # every worker a pack: one pack on two cores idles one
-                    tasks = spread_packs(tasks, plan_local(todo, default_workers(todo, workers))[0])
+                    # (resumed packs are never split: their members resume from one file together)
+                    packs = spread_packs(packs, plan_local(todo, default_workers(todo, workers))[0] - len(resumed))
+                tasks = resumed + packs
                 for line in describe_packs(tasks):
                     bar.note(line)
             if backend == "local" and workers is not None and 0 < len(tasks) < workers:
@@ -124,10 +139,14 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
                          train_fn=train_fn)
             else:
                 run_local(tasks, lease, finish, redo=redo, workers=workers, threads=threads,
-                           max_retries=max_retries, train_fn=train_fn, report=bar.epoch)
+                           max_retries=max_retries, train_fn=train_fn, report=bar.epoch, checkpoints=checkpoints)
             unfinished = [rid for rid, st in store.status_of(by_id).items() if st in redo]
             summary.elsewhere = len(lease.held_elsewhere(unfinished))
+            if checkpoints is not None:
+                checkpoints.tidy(rid for rid, st in store.status_of().items() if st != "done")
         finally:
+            if checkpoints is not None:
+                summary.resumed = len(checkpoints.resuming)
             bar.show(force=True)
             bar.close()
     summary.wall_seconds = time.time() - started
