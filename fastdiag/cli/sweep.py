@@ -106,7 +106,9 @@ def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, ad
         store.close()
     regimes = ", ".join(f"{r} {n}" for r, n in sorted(summary.regimes.items())) or "none"
     click.echo(f"sweep: {summary.total} runs in {store_path}: {summary.skipped} already done, "
-               f"{summary.done} finished now ({regimes}"
+               + (f"{summary.skipped_failed} failed before and skipped (--skip-failed), "
+                  if summary.skipped_failed else "")
+               + f"{summary.done} finished now ({regimes}"
                + (f"; {summary.resumed} resumed from checkpoints" if summary.resumed else "")
                + f"), {summary.failed} failed, {summary.wall_seconds:.1f} s", err=True)
     if summary.elsewhere:

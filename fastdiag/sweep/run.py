@@ -39,6 +39,7 @@ BACKENDS = ("local", "ray")
 class SweepSummary:
     total: int = 0                 # runs in this (shard of the) grid
     skipped: int = 0               # already done before this invocation
+    skipped_failed: int = 0        # failed before this invocation and not retried (retry_failed=False)
     done: int = 0                  # finished in this invocation
     failed: int = 0                # failed in this invocation (after retries)
     regimes: dict = field(default_factory=dict)
@@ -89,7 +90,9 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
     status = store.status_of(by_id)
     redo = ("pending", "running", "failed") if retry_failed else ("pending", "running")
     todo = [by_id[rid] for rid in sorted(by_id) if status.get(rid) in redo]
-    summary = SweepSummary(total=len(by_id), skipped=len(by_id) - len(todo))
+    skipped_failed = 0 if retry_failed else sum(1 for rid in by_id if status.get(rid) == "failed")
+    summary = SweepSummary(total=len(by_id), skipped=len(by_id) - len(todo) - skipped_failed,
+                           skipped_failed=skipped_failed)
     regimes_so_far: dict = {}
     for run in store.runs("done"):
         if run["run_id"] in by_id and run["result"]:
@@ -98,8 +101,8 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
     if isinstance(progress, Progress):
         bar = progress
     else:
-        bar = Progress(summary.total, summary.skipped, enabled=bool(progress), regimes=regimes_so_far)
-    bar.reset_counts(summary.total, summary.skipped)
+        bar = Progress(summary.total, summary.skipped + skipped_failed, enabled=bool(progress), regimes=regimes_so_far)
+    bar.reset_counts(summary.total, summary.skipped + skipped_failed)   # the bar: runs not to train now
 
     def finish(cfg: RunConfig, out: dict) -> None:
         rid = cfg.run_id()
