@@ -3,6 +3,7 @@ and refusal of degenerate input."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import numpy as np
@@ -408,3 +409,63 @@ def test_bootstrap_mae_with_baseline():
     assert result.n == 4
     plain = bootstrap_mae(y_true, [1.5, 2.0, 2.0, 4.0], n_boot=N_BOOT, seed=0)
     assert plain.baseline_mae is None and plain.diff_ci is None and plain.ci == result.ci
+
+
+# ------------------------------------------------------------------ typed results (issue 29/31)
+
+def _typed_runs(n_seeds=6):
+    rng = np.random.default_rng(1)
+    runs, traces = [], {}
+    for s in range(n_seeds):
+        for j, lam in enumerate((0.1, 0.3, 1.0, 3.0)):
+            grokked = bool(rng.random() < 0.6)
+            rid = f"r{s}-{j}"
+            runs.append({"run_id": rid, "config": {"seed": s, "epochs": 200, "weight_decay": lam, "d_model": 16 * (j + 1),
+                                                   "n_heads": 2},
+                         "result": {"regime": "grok" if grokked else "memorization",
+                                    "t_grok_epoch": 60 + 10 * s + j if grokked else None, "t_mem_epoch": 20}})
+            traces[rid] = [{"epoch": e, "train_loss": 1 / e, "test_loss": 3 + rng.normal(0, 0.1),
+                            "weight_norm": 30 + rng.normal(), "s_bar": 0.95 + rng.normal(0, 0.01),
+                            # peak σ_H after grokking saturating in d/H = 8 (j + 1), as headdim expects
+                            "sigma_h": 0.02 + 0.07 * -math.expm1(-0.15 * 8 * (j + 1)) * (e > 60) + rng.normal(0, 0.001)}
+                           for e in range(10, 201, 10)]
+    return runs, traces
+
+
+def test_predictive_and_headdim_analyses_are_typed_and_their_json_keeps_its_keys_in_order():
+    from fastdiag.analysis.headdim import HeaddimAnalysis, HeaddimBin, HeaddimFit, headdim_analysis
+    from fastdiag.analysis.predict import GroksByHorizon, LogTGrokRegression, PredictiveAnalysis, predictive_analysis
+    runs, traces = _typed_runs()
+    pa = predictive_analysis(runs, traces, t0=40, n_boot=50)
+    assert isinstance(pa, PredictiveAnalysis) and isinstance(pa.groks_by_horizon, GroksByHorizon)
+    assert isinstance(pa.log_t_grok, LogTGrokRegression) and pa.error is None
+    d = pa.to_dict()
+    assert list(d) == ["t0", "t0_source", "test_frac", "split_seed", "n_boot", "alpha", "baseline_features",
+                       "attention_features", "excluded", "n_cases", "train_seeds", "test_seeds", "n_train", "n_test",
+                       "groks_by_horizon", "log_t_grok"]
+    assert list(d["groks_by_horizon"]) == ["train_positives", "train_negatives", "test_positives", "test_negatives",
+                                           "auc_full", "auc_full_ci", "auc_baseline", "auc_baseline_ci", "diff",
+                                           "diff_ci", "verdict", "test_scores"]
+    assert list(d["groks_by_horizon"]["test_scores"][0]) == ["run_id", "grokked", "baseline", "full"]
+    assert list(d["log_t_grok"]) == ["n_train", "n_test", "mae_full", "mae_full_ci", "mae_baseline",
+                                     "mae_baseline_ci", "diff", "diff_ci", "units", "verdict", "test_predictions"]
+    assert isinstance(d["train_seeds"], list) and isinstance(d["log_t_grok"]["diff_ci"], list)
+    assert json.loads(json.dumps(d)) == d
+    # an analysis that cannot be made: the error, and none of the numbers
+    failed = predictive_analysis([r for r in runs if r["config"]["seed"] == 0], traces, t0=40, n_boot=20).to_dict()
+    assert list(failed)[-1] == "error" and "groks_by_horizon" not in failed
+
+    def width(cfg):
+        return cfg["d_model"], cfg["n_heads"]
+
+    hd = headdim_analysis(runs, traces, width, n_boot=30)
+    assert isinstance(hd, HeaddimAnalysis) and isinstance(hd.bins[0], HeaddimBin) and isinstance(hd.fit, HeaddimFit)
+    d = hd.to_dict()
+    assert list(d) == ["n_points", "n_skipped", "n_single_head", "points", "bins", "fit"]
+    assert list(d["points"][0]) == ["run_id", "d_model", "n_heads", "d_per_head", "seed", "peak_sigma_h"]
+    assert list(d["bins"][0]) == ["d_per_head", "n", "mean", "median", "std", "configs"]
+    assert isinstance(d["bins"][0]["configs"][0], list)
+    assert (list(d["fit"]) == ["error"]) if hd.fit.error else (list(d["fit"]) == ["c", "a", "b", "plateau", "ci", "n",
+                                                                                      "n_boot_ok", "n_boot"])
+    one = headdim_analysis(runs[:2], traces, width, n_boot=20).to_dict()
+    assert list(one["fit"]) == ["error"]

@@ -109,10 +109,10 @@ def test_phase2_peak_and_headdim_fit_recover_a_saturating_curve():
     runs.append(_run("onehead", 1.0, 0, "grok", 1.0, t_grok=50, preset="custom", d_model=64, n_heads=1))
     traces["onehead"] = [{"epoch": 60, "sigma_h": 0.0}]
     a = hd.headdim_analysis(runs, traces, heads_width, n_boot=200)
-    assert a["n_points"] == 36 and a["n_skipped"] == 1 and a["n_single_head"] == 1
-    fit = a["fit"]
-    assert abs(fit["plateau"] - 0.11) < 0.01 and fit["ci"]["plateau"][0] <= fit["plateau"] <= fit["ci"]["plateau"][1]
-    assert [b["d_per_head"] for b in a["bins"]][:3] == [2.0, 4.0, 8.0]
+    assert a.n_points == 36 and a.n_skipped == 1 and a.n_single_head == 1
+    fit = a.fit
+    assert abs(fit.plateau - 0.11) < 0.01 and fit.ci["plateau"][0] <= fit.plateau <= fit.ci["plateau"][1]
+    assert [b.d_per_head for b in a.bins][:3] == [2.0, 4.0, 8.0]
     assert len(hd.headdim_sets(runs, heads_width)) == 1
 
 
@@ -142,20 +142,20 @@ def _predict_runs(signal: str, n_seeds=16, n_lambda=6, seed=0):
 def test_predictive_value_known_answers():
     runs, traces = _predict_runs("baseline")
     p = pred.predictive_analysis(runs, traces, t0=50, n_boot=300)
-    assert p["t0"] == 50 and set(p["train_seeds"]).isdisjoint(p["test_seeds"])
-    assert p["n_train"] + p["n_test"] == p["n_cases"] == len(runs)
-    c = p["groks_by_horizon"]
-    assert c["auc_baseline"] > 0.85 and c["verdict"] == "adds no measurable value", c
-    assert c["diff_ci"][0] <= 0 <= c["diff_ci"][1]
-    assert p["log_t_grok"]["verdict"] == "adds no measurable value"
+    assert p.t0 == 50 and set(p.train_seeds).isdisjoint(p.test_seeds)
+    assert p.n_train + p.n_test == p.n_cases == len(runs)
+    c = p.groks_by_horizon
+    assert c.auc_baseline > 0.85 and c.verdict == "adds no measurable value", c
+    assert c.diff_ci[0] <= 0 <= c.diff_ci[1]
+    assert p.log_t_grok.verdict == "adds no measurable value"
     runs, traces = _predict_runs("attention")
-    c = pred.predictive_analysis(runs, traces, t0=50, n_boot=300)["groks_by_horizon"]
-    assert c["auc_full"] > c["auc_baseline"] + 0.2 and c["verdict"] == "adds measurable value", c
+    c = pred.predictive_analysis(runs, traces, t0=50, n_boot=300).groks_by_horizon
+    assert c.auc_full > c.auc_baseline + 0.2 and c.verdict == "adds measurable value", c
     # runs that grokked by t0 are left out, and too few seeds is an error, not a number
     p = pred.predictive_analysis(runs, traces, t0=50, n_boot=50)
-    assert p["excluded"]["grokked by t0"] == 0
+    assert p.excluded["grokked by t0"] == 0
     one = [r for r in runs if r["config"]["seed"] == 0]
-    assert "error" in pred.predictive_analysis(one, traces, t0=50, n_boot=50)
+    assert pred.predictive_analysis(one, traces, t0=50, n_boot=50).error is not None
 
 
 # ------------------------------------------------------------------ CLI on synthetic stores

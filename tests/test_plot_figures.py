@@ -129,7 +129,7 @@ def predict_sweep():
 
 def test_predict_figure_titles_fit_legends_are_off_the_data_and_seeds_are_listed_as_analyze_prints(predict_sweep):
     pa = predict_sweep
-    assert "auc_full" in pa["groks_by_horizon"] and "mae_full" in pa["log_t_grok"], pa
+    assert pa.groks_by_horizon.auc_full is not None and pa.log_t_grok.mae_full is not None, pa
     fig = draw_predict(pa)
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
@@ -141,8 +141,8 @@ def test_predict_figure_titles_fit_legends_are_off_the_data_and_seeds_are_listed
         assert legend is not None and not overlaps(legend.get_window_extent(renderer), ax.get_window_extent(renderer))
     suptitle = fig._suptitle.get_text()
     text = "\n".join(format_predict(pa))
-    for key in ("train_seeds", "test_seeds"):
-        listed = seed_list(pa[key])
+    for seeds in (pa.train_seeds, pa.test_seeds):
+        listed = seed_list(seeds)
         assert listed in " ".join(suptitle.split()) and listed in text                 # was "test seeds 3" vs [1, 4, 5]
     assert raw_names_outside_maths(fig) == []
 
@@ -160,8 +160,8 @@ def test_a_zero_width_interval_says_the_sample_is_too_small_not_measurably_worse
             runs.append(run)
             traces[run["run_id"]] = trace
     pa = predictive_analysis(runs, traces, t0=6, n_boot=200, seed=0)
-    cls = pa["groks_by_horizon"]
-    assert cls["test_positives"] == 1 and cls["test_negatives"] == 1
-    assert cls["diff_ci"][0] == cls["diff_ci"][1] and cls["verdict"] == TOO_SMALL
+    cls = pa.groks_by_horizon
+    assert cls.test_positives == 1 and cls.test_negatives == 1
+    assert cls.diff_ci[0] == cls.diff_ci[1] and cls.verdict == TOO_SMALL
     text = "\n".join(format_predict(pa))
     assert "sample is too small" in text and "measurably" not in text

@@ -11,6 +11,7 @@ from scipy import optimize
 
 from fastdiag.analysis.bootstrap import (FitError, as_float_array, check_n_boot, percentile_ci,
                                          require_enough_resamples, require_same_length, make_rng)
+from fastdiag.analysis.results import JSONResult, optional
 from fastdiag.analysis.trajectories import phase2_peak_sigma_h
 from fastdiag.grokking.config import GROKKED
 
@@ -106,6 +107,53 @@ def fit_saturating(x: Sequence[float], y: Sequence[float], n_boot: int = 1500, s
     return SaturatingFit(c=c, a=a, b=b, ci=ci, n=len(x), n_boot_ok=len(boot))
 
 
+@dataclass(frozen=True)
+class HeaddimPoint(JSONResult):
+    """A grokked run: its width, heads, d/H and peak σ_H after grokking."""
+    run_id: str
+    d_model: int
+    n_heads: int
+    d_per_head: float
+    seed: int | None
+    peak_sigma_h: float
+
+
+@dataclass(frozen=True)
+class HeaddimBin(JSONResult):
+    """The runs at one d/H: count, mean, median, sample std (None for one run), the (d, H) pairs."""
+    d_per_head: float
+    n: int
+    mean: float
+    median: float
+    std: float | None
+    configs: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class HeaddimFit(JSONResult):
+    """The saturating fit σ_max = c + a(1 − exp(−b·d/H)) with 95 % bootstrap CIs, or ``error``."""
+    error: str | None = optional()
+    c: float | None = optional()
+    a: float | None = optional()
+    b: float | None = optional()
+    plateau: float | None = optional()
+    ci: dict[str, tuple[float, float]] | None = optional()    # keys "c", "a", "b", "plateau"
+    n: int | None = optional()
+    n_boot_ok: int | None = optional()
+    n_boot: int | None = optional()
+
+
+@dataclass(frozen=True)
+class HeaddimAnalysis(JSONResult):
+    """``headdim_analysis``: the points, the per-d/H summaries and the fit."""
+    n_points: int
+    n_skipped: int                      # did not grok, or no σ_H after t_grok
+    n_single_head: int                  # σ_H of one head is 0 by definition: left out
+    points: tuple[HeaddimPoint, ...]
+    bins: tuple[HeaddimBin, ...]
+    fit: HeaddimFit
+
+
 HEADDIM_EXCLUDE = ("seed", "device", "n_heads", "d_model", "d_ff", "preset")
 
 
@@ -132,7 +180,8 @@ def headdim_sets(runs: Iterable[dict], heads_width: Callable[[dict], tuple[int, 
 
 
 def headdim_analysis(runs: Sequence[dict], traces: dict[str, list[dict]],
-                     heads_width: Callable[[dict], tuple[int, int] | None], n_boot: int = 1500, seed: int = 0) -> dict:
+                     heads_width: Callable[[dict], tuple[int, int] | None], n_boot: int = 1500,
+                     seed: int = 0) -> HeaddimAnalysis:
     """Phase-2 peak σ_H (``phase2_peak_sigma_h``) against d/H over grokked runs; per-d/H summaries and
     the saturating fit σ_max = c + a(1 − exp(−b·d/H)) with bootstrap CIs (``{"error": why}`` if it
     cannot be made)."""
@@ -150,23 +199,19 @@ def headdim_analysis(runs: Sequence[dict], traces: dict[str, list[dict]],
             skipped += 1
             continue
         d, h = dh
-        points.append({"run_id": run["run_id"], "d_model": d, "n_heads": h, "d_per_head": d / h,
-                       "seed": run["config"].get("seed"), "peak_sigma_h": peak})
+        points.append(HeaddimPoint(run["run_id"], d, h, d / h, run["config"].get("seed"), peak))
     by_x: dict[float, list[float]] = {}
     for p in points:
-        by_x.setdefault(p["d_per_head"], []).append(p["peak_sigma_h"])
-    bins = [{"d_per_head": x, "n": len(v), "mean": float(np.mean(v)), "median": float(np.median(v)),
-             "std": float(np.std(v, ddof=1)) if len(v) > 1 else None,
-             "configs": sorted({(p["d_model"], p["n_heads"]) for p in points if p["d_per_head"] == x})}
-            for x, v in sorted(by_x.items())]
-    out = {"n_points": len(points), "n_skipped": skipped, "n_single_head": single_head, "points": points,
-           "bins": bins}
+        by_x.setdefault(p.d_per_head, []).append(p.peak_sigma_h)
+    bins = tuple(HeaddimBin(d_per_head=x, n=len(v), mean=float(np.mean(v)), median=float(np.median(v)),
+                            std=float(np.std(v, ddof=1)) if len(v) > 1 else None,
+                            configs=tuple(sorted({(p.d_model, p.n_heads) for p in points if p.d_per_head == x})))
+                 for x, v in sorted(by_x.items()))
     try:
-        fit = fit_saturating([p["d_per_head"] for p in points], [p["peak_sigma_h"] for p in points],
-                                      n_boot=n_boot, seed=seed)
-        out["fit"] = {"c": fit.c, "a": fit.a, "b": fit.b, "plateau": fit.plateau,
-                      "ci": {k: list(v) for k, v in fit.ci.items()}, "n": fit.n, "n_boot_ok": fit.n_boot_ok,
-                      "n_boot": n_boot}
+        sat = fit_saturating([p.d_per_head for p in points], [p.peak_sigma_h for p in points], n_boot=n_boot, seed=seed)
+        fit = HeaddimFit(c=sat.c, a=sat.a, b=sat.b, plateau=sat.plateau, ci=dict(sat.ci), n=sat.n,
+                         n_boot_ok=sat.n_boot_ok, n_boot=n_boot)
     except (FitError, ValueError) as exc:
-        out["fit"] = {"error": str(exc)}
-    return out
+        fit = HeaddimFit(error=str(exc))
+    return HeaddimAnalysis(n_points=len(points), n_skipped=skipped, n_single_head=single_head, points=tuple(points),
+                           bins=bins, fit=fit)

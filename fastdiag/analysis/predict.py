@@ -12,6 +12,7 @@ from scipy import optimize, special, stats
 
 from fastdiag.analysis.bootstrap import (as_bool_array, as_float_array, check_n_boot, percentile_ci,
                                          require_same_length, make_rng)
+from fastdiag.analysis.results import JSONResult, optional
 from fastdiag.analysis.trajectories import finite
 from fastdiag.grokking.config import GROKKED
 
@@ -168,6 +169,84 @@ BASELINE_FEATURES = ("epoch", "log_train_loss", "log_test_loss", "weight_norm",
 ATTENTION_FEATURES = ("s_bar", "sigma_h", "d_s_bar", "d_sigma_h")
 
 
+@dataclass(frozen=True)
+class HeldOutScore(JSONResult):
+    """A held-out run's "groks by the horizon" scores from the two models."""
+    run_id: str
+    grokked: bool
+    baseline: float
+    full: float
+
+
+@dataclass(frozen=True)
+class HeldOutPrediction(JSONResult):
+    """A held-out grokked run's true and predicted ln t_grok."""
+    run_id: str
+    log_t_grok: float
+    baseline: float
+    full: float
+
+
+@dataclass(frozen=True)
+class GroksByHorizon(JSONResult):
+    """Logistic regression of "groks by the horizon" on the held-out seeds: class counts, and either
+    ``error`` or the AUCs (95 % CIs), their paired difference and its verdict."""
+    train_positives: int
+    train_negatives: int
+    test_positives: int
+    test_negatives: int
+    error: str | None = optional()
+    auc_full: float | None = optional()
+    auc_full_ci: tuple[float, float] | None = optional()
+    auc_baseline: float | None = optional()
+    auc_baseline_ci: tuple[float, float] | None = optional()
+    diff: float | None = optional()                     # auc_full − auc_baseline
+    diff_ci: tuple[float, float] | None = optional()
+    verdict: str | None = optional()
+    test_scores: tuple[HeldOutScore, ...] | None = optional()
+
+
+@dataclass(frozen=True)
+class LogTGrokRegression(JSONResult):
+    """Ridge regression of ln t_grok over grokked runs, scored by held-out MAE: either ``error`` or the
+    MAEs (95 % CIs), their paired difference and its verdict."""
+    n_train: int
+    n_test: int
+    error: str | None = optional()
+    mae_full: float | None = optional()
+    mae_full_ci: tuple[float, float] | None = optional()
+    mae_baseline: float | None = optional()
+    mae_baseline_ci: tuple[float, float] | None = optional()
+    diff: float | None = optional()                     # mae_full − mae_baseline (negative: better)
+    diff_ci: tuple[float, float] | None = optional()
+    units: str | None = optional()
+    verdict: str | None = optional()
+    test_predictions: tuple[HeldOutPrediction, ...] | None = optional()
+
+
+@dataclass(frozen=True)
+class PredictiveAnalysis(JSONResult):
+    """``predictive_analysis``: the settings, the cases, and either ``error`` (no seed split) or the
+    split and the two held-out tests."""
+    t0: float
+    t0_source: str
+    test_frac: float
+    split_seed: int
+    n_boot: int
+    alpha: float
+    baseline_features: tuple[str, ...]
+    attention_features: tuple[str, ...]
+    excluded: dict[str, int]
+    n_cases: int
+    error: str | None = optional()
+    train_seeds: tuple[int, ...] | None = optional()
+    test_seeds: tuple[int, ...] | None = optional()
+    n_train: int | None = optional()
+    n_test: int | None = optional()
+    groks_by_horizon: GroksByHorizon | None = optional()
+    log_t_grok: LogTGrokRegression | None = optional()
+
+
 def _row_at(trace: Sequence[dict], epoch: float) -> dict | None:
     best = None
     for r in trace:
@@ -313,54 +392,49 @@ def _fitted_on_train(fit, train: list[dict], y_train: np.ndarray, test: list[dic
     return out
 
 
-def _groks_by_horizon(train: list[dict], test: list[dict], alpha: float, n_boot: int, seed: int) -> dict:
+def _groks_by_horizon(train: list[dict], test: list[dict], alpha: float, n_boot: int, seed: int) -> GroksByHorizon:
     """Logistic regression of "groks by the horizon", scored by held-out AUC."""
     y_train = np.array([c["grokked"] for c in train], bool)
     y_test = np.array([c["grokked"] for c in test], bool)
-    cls: dict = {"train_positives": int(y_train.sum()), "train_negatives": int((~y_train).sum()),
-                 "test_positives": int(y_test.sum()), "test_negatives": int((~y_test).sum())}
+    counts = dict(train_positives=int(y_train.sum()), train_negatives=int((~y_train).sum()),
+                  test_positives=int(y_test.sum()), test_negatives=int((~y_test).sum()))
     if y_train.all() or not y_train.any():
-        cls["error"] = "groks-by-horizon: the train seeds hold only one class; nothing to learn"
-        return cls
+        return GroksByHorizon(**counts, error="groks-by-horizon: the train seeds hold only one class; nothing to learn")
     if y_test.all() or not y_test.any():
-        cls["error"] = "groks-by-horizon: the test seeds hold only one class; AUC undefined"
-        return cls
+        return GroksByHorizon(**counts, error="groks-by-horizon: the test seeds hold only one class; AUC undefined")
     scores = _fitted_on_train(fit_logistic, train, y_train.astype(float), test, alpha)
     res = bootstrap_auc(y_test, scores["full"], n_boot=n_boot, seed=seed, baseline_score=scores["baseline"])
     base = bootstrap_auc(y_test, scores["baseline"], n_boot=n_boot, seed=seed)
-    cls.update({"auc_full": res.auc, "auc_full_ci": list(res.ci), "auc_baseline": res.baseline_auc,
-                "auc_baseline_ci": list(base.ci), "diff": res.diff, "diff_ci": list(res.diff_ci),
-                "verdict": _verdict(res.diff_ci, better_if_positive=True),
-                "test_scores": [{"run_id": c["run_id"], "grokked": bool(y), "baseline": float(sb), "full": float(sf)}
-                                for c, y, sb, sf in zip(test, y_test, scores["baseline"], scores["full"])]})
-    return cls
+    return GroksByHorizon(
+        **counts, auc_full=res.auc, auc_full_ci=res.ci, auc_baseline=res.baseline_auc, auc_baseline_ci=base.ci,
+        diff=res.diff, diff_ci=res.diff_ci, verdict=_verdict(res.diff_ci, better_if_positive=True),
+        test_scores=tuple(HeldOutScore(c["run_id"], bool(y), float(sb), float(sf))
+                          for c, y, sb, sf in zip(test, y_test, scores["baseline"], scores["full"])))
 
 
-def _log_t_grok(train: list[dict], test: list[dict], alpha: float, n_boot: int, seed: int) -> dict:
+def _log_t_grok(train: list[dict], test: list[dict], alpha: float, n_boot: int, seed: int) -> LogTGrokRegression:
     """Ridge regression of ln t_grok over the grokked runs, scored by held-out MAE."""
     tr = [c for c in train if c["log_t_grok"] is not None]
     te = [c for c in test if c["log_t_grok"] is not None]
-    reg: dict = {"n_train": len(tr), "n_test": len(te)}
     if len(tr) < 3 or len(te) < 2:
-        reg["error"] = f"ln t_grok: need ≥ 3 grokked train runs and ≥ 2 grokked test runs, got {len(tr)} and {len(te)}"
-        return reg
+        return LogTGrokRegression(n_train=len(tr), n_test=len(te), error="ln t_grok: need ≥ 3 grokked train runs "
+                                  f"and ≥ 2 grokked test runs, got {len(tr)} and {len(te)}")
     ytr = np.array([c["log_t_grok"] for c in tr])
     yte = np.array([c["log_t_grok"] for c in te])
     preds = _fitted_on_train(fit_ridge, tr, ytr, te, alpha)
     res = bootstrap_mae(yte, preds["full"], n_boot=n_boot, seed=seed, baseline_pred=preds["baseline"])
     base = bootstrap_mae(yte, preds["baseline"], n_boot=n_boot, seed=seed)
-    reg.update({"mae_full": res.mae, "mae_full_ci": list(res.ci), "mae_baseline": res.baseline_mae,
-                "mae_baseline_ci": list(base.ci), "diff": res.diff, "diff_ci": list(res.diff_ci),
-                "units": "ln(epochs)", "verdict": _verdict(res.diff_ci, better_if_positive=False),
-                "test_predictions": [{"run_id": c["run_id"], "log_t_grok": float(y), "baseline": float(pb),
-                                      "full": float(pf)}
-                                     for c, y, pb, pf in zip(te, yte, preds["baseline"], preds["full"])]})
-    return reg
+    return LogTGrokRegression(
+        n_train=len(tr), n_test=len(te), mae_full=res.mae, mae_full_ci=res.ci, mae_baseline=res.baseline_mae,
+        mae_baseline_ci=base.ci, diff=res.diff, diff_ci=res.diff_ci, units="ln(epochs)",
+        verdict=_verdict(res.diff_ci, better_if_positive=False),
+        test_predictions=tuple(HeldOutPrediction(c["run_id"], float(y), float(pb), float(pf))
+                               for c, y, pb, pf in zip(te, yte, preds["baseline"], preds["full"])))
 
 
 def predictive_analysis(runs: Sequence[dict], traces: dict[str, list[dict]], t0: float | None = None,
                         test_frac: float = 0.5, split_seed: int = 0, n_boot: int = 1500, seed: int = 0,
-                        alpha: float = 1.0) -> dict:
+                        alpha: float = 1.0) -> PredictiveAnalysis:
     """Held-out test of the attention readouts' predictive value (see the module docstring).
 
     Cases: done runs with s̄/σ_H, a horizon beyond ``t0`` and not yet grokked at ``t0``. Seeds are
@@ -374,17 +448,16 @@ def predictive_analysis(runs: Sequence[dict], traces: dict[str, list[dict]], t0:
     done = [r for r in runs if r.get("result")]
     t0, t0_source = _default_t0(done) if t0 is None else (t0, "given")
     cases, excluded = _cases(done, traces, t0)
-    out: dict = {"t0": t0, "t0_source": t0_source, "test_frac": test_frac, "split_seed": split_seed,
-                 "n_boot": n_boot, "alpha": alpha, "baseline_features": list(BASELINE_FEATURES),
-                 "attention_features": list(ATTENTION_FEATURES), "excluded": excluded, "n_cases": len(cases)}
+    settings = dict(t0=t0, t0_source=t0_source, test_frac=test_frac, split_seed=split_seed, n_boot=n_boot,
+                    alpha=alpha, baseline_features=BASELINE_FEATURES, attention_features=ATTENTION_FEATURES,
+                    excluded=excluded, n_cases=len(cases))
     try:
         train_seeds, test_seeds = split_seeds([c["seed"] for c in cases], test_frac, split_seed)
     except ValueError as exc:
-        out["error"] = str(exc)
-        return out
+        return PredictiveAnalysis(**settings, error=str(exc))
     train = [c for c in cases if c["seed"] in train_seeds]
     test = [c for c in cases if c["seed"] in test_seeds]
-    out.update({"train_seeds": train_seeds, "test_seeds": test_seeds, "n_train": len(train), "n_test": len(test),
-                "groks_by_horizon": _groks_by_horizon(train, test, alpha, n_boot, seed),
-                "log_t_grok": _log_t_grok(train, test, alpha, n_boot, seed)})
-    return out
+    return PredictiveAnalysis(**settings, train_seeds=tuple(train_seeds), test_seeds=tuple(test_seeds),
+                              n_train=len(train), n_test=len(test),
+                              groks_by_horizon=_groks_by_horizon(train, test, alpha, n_boot, seed),
+                              log_t_grok=_log_t_grok(train, test, alpha, n_boot, seed))

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fastdiag.analysis.groups import Group, analyze_group, load_groups
-from fastdiag.analysis.headdim import headdim_analysis, headdim_sets
+from fastdiag.analysis.headdim import HeaddimAnalysis, headdim_analysis, headdim_sets
 from fastdiag.analysis.paired import compare_arms
-from fastdiag.analysis.predict import predictive_analysis
+from fastdiag.analysis.predict import PredictiveAnalysis, predictive_analysis
 from fastdiag.analysis.trajectories import retention_by_lambda, stage_table
 from fastdiag.store import Store
 from fastdiag.store import interventions as tables
@@ -35,9 +35,9 @@ class Report:
     groups: list[Group]
     analyses: list[dict]                                  # per group: analyze_group (+ retention, stages)
     failed_runs: list[dict]
-    headdim: list[tuple[dict, list[dict], dict]] = field(default_factory=list)    # (shared config, runs, analysis)
+    headdim: list[tuple[dict, list[dict], HeaddimAnalysis]] = field(default_factory=list)  # (shared config, runs, analysis)
     interventions: list[tuple[str, list[dict], dict]] = field(default_factory=list)  # (experiment, arm rows, comparison)
-    predict: dict | None = None
+    predict: PredictiveAnalysis | None = None
     _traces: dict = field(default_factory=dict, repr=False)
 
     def trace(self, run_id: str) -> list[dict]:
@@ -54,12 +54,12 @@ class Report:
         out = {"store": str(self.store.path), "counts": self.counts, "n_boot": self.n_boot, "seed": self.seed,
                "groups": self.analyses, "failed_runs": self.failed_runs}
         if self.headdim:
-            out["headdim"] = [{"config": shared, **analysis} for shared, _, analysis in self.headdim]
+            out["headdim"] = [{"config": shared, **analysis.to_dict()} for shared, _, analysis in self.headdim]
         if self.interventions:
             out["interventions"] = [{"experiment": exp_id, "config": rows[0]["config"], "settings": rows[0]["settings"],
                                      "comparison": comparison} for exp_id, rows, comparison in self.interventions]
         if self.predict is not None:
-            out["predict"] = self.predict
+            out["predict"] = self.predict.to_dict()
         return out
 
 

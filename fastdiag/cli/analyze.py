@@ -5,7 +5,8 @@ import json
 
 import click
 
-from fastdiag.analysis.predict import seed_list
+from fastdiag.analysis.headdim import HeaddimAnalysis
+from fastdiag.analysis.predict import PredictiveAnalysis, seed_list
 from fastdiag.analysis.report import PredictSettings, Report, build_report
 from fastdiag.cli.app import CLIError, open_store
 from fastdiag.grokking.build import heads_width
@@ -32,9 +33,9 @@ def _fmt_ci(value, ci, digits: int = 3) -> str:
     return f"{value:.{digits}f} [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
 
 
-def format_experiments(report: dict) -> list[str]:
+def format_experiments(report: Report) -> list[str]:
     lines: list[str] = []
-    for g in report["groups"]:
+    for g in report.analyses:
         if "retention" not in g:
             continue
         lines += ["", f"== retention (trained to the horizon): {g['group']}"]
@@ -52,15 +53,15 @@ def format_experiments(report: dict) -> list[str]:
         for s in long_runs:
             parts = ", ".join(f"{st['stage']} {st['start_epoch']}–{st['end_epoch']}" for st in s["stages"])
             lines.append(f"    λ {s['weight_decay']:g} seed {s['seed']} ({s['regime']}): {parts}")
-    for h in report.get("headdim", []):
-        lines += ["", f"== per-head dimension (λ = {h['config'].get('weight_decay')})"]
-        lines += ["  " + line for line in format_headdim(h).splitlines()]
-    for iv in report.get("interventions", []):
-        lines += ["", f"== interventions {iv['experiment']} (λ = {iv['config']['weight_decay']:g}, "
-                      f"{iv['settings']['after_peak_epochs']} epochs after the peak)"]
-        lines += ["  " + line for line in format_comparison(iv["comparison"]).splitlines()]
-    if "predict" in report:
-        lines += [""] + format_predict(report["predict"])
+    for shared, _, analysis in report.headdim:
+        lines += ["", f"== per-head dimension (λ = {shared.get('weight_decay')})"]
+        lines += ["  " + line for line in format_headdim(analysis).splitlines()]
+    for exp_id, rows, comparison in report.interventions:
+        lines += ["", f"== interventions {exp_id} (λ = {rows[0]['config']['weight_decay']:g}, "
+                      f"{rows[0]['settings']['after_peak_epochs']} epochs after the peak)"]
+        lines += ["  " + line for line in format_comparison(comparison).splitlines()]
+    if report.predict is not None:
+        lines += [""] + format_predict(report.predict)
     return lines
 
 
@@ -81,60 +82,68 @@ def format_comparison(cmp: dict) -> str:
     return "\n".join(lines)
 
 
-def format_headdim(a: dict) -> str:
-    lines = [f"peak σ_H after grokking against d/H: {a['n_points']} grokked run(s)"
-             + (f", {a['n_skipped']} left out (did not grok or no σ_H after t_grok)" if a["n_skipped"] else "")
-             + (f", {a['n_single_head']} single-head run(s) left out (σ_H of one head is 0)"
-                if a.get("n_single_head") else "")]
+def format_headdim(a: HeaddimAnalysis) -> str:
+    lines = [f"peak σ_H after grokking against d/H: {a.n_points} grokked run(s)"
+             + (f", {a.n_skipped} left out (did not grok or no σ_H after t_grok)" if a.n_skipped else "")
+             + (f", {a.n_single_head} single-head run(s) left out (σ_H of one head is 0)" if a.n_single_head else "")]
     lines.append(f"  {'d/H':>6} {'runs':>5} {'mean':>8} {'median':>8} {'std':>8}  (d, H)")
-    for b in a["bins"]:
-        lines.append(f"  {b['d_per_head']:>6g} {b['n']:>5} {b['mean']:>8.4f} {b['median']:>8.4f} "
-                     f"{'-' if b['std'] is None else format(b['std'], '.4f'):>8}  "
-                     + " ".join(f"({d},{h})" for d, h in b["configs"]))
-    fit = a["fit"]
-    if "error" in fit:
-        lines.append(f"  saturating fit: no fit — {fit['error']}")
+    for b in a.bins:
+        lines.append(f"  {b.d_per_head:>6g} {b.n:>5} {b.mean:>8.4f} {b.median:>8.4f} "
+                     f"{'-' if b.std is None else format(b.std, '.4f'):>8}  "
+                     + " ".join(f"({d},{h})" for d, h in b.configs))
+    fit = a.fit
+    if fit.error is not None:
+        lines.append(f"  saturating fit: no fit — {fit.error}")
     else:
-        ci = fit["ci"]
-        lines.append(f"  saturating fit σ_max = c + a(1 − exp(−b·d/H)): c = {fit['c']:.4g} [{ci['c'][0]:.4g}, "
-                     f"{ci['c'][1]:.4g}], a = {fit['a']:.4g} [{ci['a'][0]:.4g}, {ci['a'][1]:.4g}], "
-                     f"b = {fit['b']:.4g} [{ci['b'][0]:.4g}, {ci['b'][1]:.4g}]; plateau c + a = "
-                     f"{fit['plateau']:.4g} [{ci['plateau'][0]:.4g}, {ci['plateau'][1]:.4g}] "
-                     f"(95% bootstrap CIs, {fit['n_boot_ok']}/{fit['n_boot']} resamples)")
+        ci = fit.ci
+        lines.append(f"  saturating fit σ_max = c + a(1 − exp(−b·d/H)): c = {fit.c:.4g} [{ci['c'][0]:.4g}, "
+                     f"{ci['c'][1]:.4g}], a = {fit.a:.4g} [{ci['a'][0]:.4g}, {ci['a'][1]:.4g}], "
+                     f"b = {fit.b:.4g} [{ci['b'][0]:.4g}, {ci['b'][1]:.4g}]; plateau c + a = "
+                     f"{fit.plateau:.4g} [{ci['plateau'][0]:.4g}, {ci['plateau'][1]:.4g}] "
+                     f"(95% bootstrap CIs, {fit.n_boot_ok}/{fit.n_boot} resamples)")
     return "\n".join(lines)
 
 
-def format_predict(p: dict) -> list[str]:
-    lines = [f"== predictive value at t0 = {p['t0']:g} epochs ({p['t0_source']}); seeds split train/test "
-             f"(test fraction {p['test_frac']:g}, split seed {p['split_seed']})"]
-    ex = ", ".join(f"{n} {why}" for why, n in p["excluded"].items() if n)
-    lines.append(f"  {p['n_cases']} runs usable" + (f" (left out: {ex})" if ex else ""))
-    if "error" in p:
-        lines.append(f"  no analysis: {p['error']}")
+def format_predict(p: PredictiveAnalysis) -> list[str]:
+    lines = [f"== predictive value at t0 = {p.t0:g} epochs ({p.t0_source}); seeds split train/test "
+             f"(test fraction {p.test_frac:g}, split seed {p.split_seed})"]
+    ex = ", ".join(f"{n} {why}" for why, n in p.excluded.items() if n)
+    lines.append(f"  {p.n_cases} runs usable" + (f" (left out: {ex})" if ex else ""))
+    if p.error is not None:
+        lines.append(f"  no analysis: {p.error}")
         return lines
-    lines.append(f"  train seeds {seed_list(p['train_seeds'])} ({p['n_train']} runs), test seeds {seed_list(p['test_seeds'])} "
-                 f"({p['n_test']} runs); baselines: {', '.join(p['baseline_features'])}; "
-                 f"+ attention: {', '.join(p['attention_features'])}")
-    c = p["groks_by_horizon"]
-    if "error" in c:
-        lines.append(f"  groks by the horizon: no result — {c['error']}")
+    lines.append(f"  train seeds {seed_list(p.train_seeds)} ({p.n_train} runs), test seeds {seed_list(p.test_seeds)} "
+                 f"({p.n_test} runs); baselines: {', '.join(p.baseline_features)}; "
+                 f"+ attention: {', '.join(p.attention_features)}")
+    c = p.groks_by_horizon
+    if c.error is not None:
+        lines.append(f"  groks by the horizon: no result — {c.error}")
     else:
-        lines.append(f"  groks by the horizon (held-out AUC, 95% CI; {c['test_positives']} grokked, "
-                     f"{c['test_negatives']} not): baselines {_fmt_ci(c['auc_baseline'], c['auc_baseline_ci'])}, "
-                     f"baselines + s̄/σ_H {_fmt_ci(c['auc_full'], c['auc_full_ci'])}, difference "
-                     f"{c['diff']:+.3f} [{c['diff_ci'][0]:+.3f}, {c['diff_ci'][1]:+.3f}]: s̄/σ_H {c['verdict']}")
-    r = p["log_t_grok"]
-    if "error" in r:
-        lines.append(f"  ln t_grok: no result — {r['error']}")
+        lines.append(f"  groks by the horizon (held-out AUC, 95% CI; {c.test_positives} grokked, "
+                     f"{c.test_negatives} not): baselines {_fmt_ci(c.auc_baseline, c.auc_baseline_ci)}, "
+                     f"baselines + s̄/σ_H {_fmt_ci(c.auc_full, c.auc_full_ci)}, difference "
+                     f"{c.diff:+.3f} [{c.diff_ci[0]:+.3f}, {c.diff_ci[1]:+.3f}]: s̄/σ_H {c.verdict}")
+    r = p.log_t_grok
+    if r.error is not None:
+        lines.append(f"  ln t_grok: no result — {r.error}")
     else:
-        lines.append(f"  ln t_grok (held-out MAE in ln epochs, 95% CI; {r['n_test']} runs): baselines "
-                     f"{_fmt_ci(r['mae_baseline'], r['mae_baseline_ci'])}, baselines + s̄/σ_H "
-                     f"{_fmt_ci(r['mae_full'], r['mae_full_ci'])}, difference {r['diff']:+.3f} "
-                     f"[{r['diff_ci'][0]:+.3f}, {r['diff_ci'][1]:+.3f}]: s̄/σ_H {r['verdict']}")
+        lines.append(f"  ln t_grok (held-out MAE in ln epochs, 95% CI; {r.n_test} runs): baselines "
+                     f"{_fmt_ci(r.mae_baseline, r.mae_baseline_ci)}, baselines + s̄/σ_H "
+                     f"{_fmt_ci(r.mae_full, r.mae_full_ci)}, difference {r.diff:+.3f} "
+                     f"[{r.diff_ci[0]:+.3f}, {r.diff_ci[1]:+.3f}]: s̄/σ_H {r.verdict}")
     return lines
 
 
-def format_report(report: dict) -> str:
+def format_report(report: Report) -> str:
+    """The text ``fastdiag analyze`` prints: the groups' fits and regime tables (their JSON form), then
+    the experiments (typed results)."""
+    data = report.to_dict()
+    lines = _format_groups(data)
+    lines += format_experiments(report)
+    return "\n".join(lines)
+
+
+def _format_groups(report: dict) -> list[str]:
     c = report["counts"]
     lines = [f"store {report['store']}: {c['done']} done, {c['pending']} pending, {c['running']} running "
              f"(unfinished), {c['failed']} failed; {len(report['groups'])} group(s); "
@@ -176,8 +185,7 @@ def format_report(report: dict) -> str:
         lines.append(f"failed runs ({len(report['failed_runs'])}):")
         for f in report["failed_runs"][:10]:
             lines.append(f"  {f['run_id']}: {' '.join(str(f['error']).split())[:200]}")
-    lines += format_experiments(report)
-    return "\n".join(lines)
+    return lines
 
 
 def analysis_options(command):
@@ -226,16 +234,14 @@ def analyze_cmd(store_path, as_json, n_boot, seed, fit_max_lambda, retention_thr
     with open_store(store_path) as store:
         report = store_report(store, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
                               predict=PredictSettings(t0, test_frac, split_seed) if predict else None,
-                              fit_max_lambda=fit_max_lambda).to_dict()
-    if not (report["groups"] or report.get("interventions") or report.get("headdim")):
-        # nothing to analyse (no finished sweep run, intervention or head-dimension set) is an error a script can see
-        c = report["counts"]
-        raise CLIError(f"store {store_path}: no finished runs to analyse ({c['pending']} pending, "
-                       f"{c['running']} running, {c['failed']} failed)")
-    if as_json:
-        click.echo(json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False))
-    else:
-        click.echo(format_report(report))
+                              fit_max_lambda=fit_max_lambda)
+        if not (report.groups or report.interventions or report.headdim):
+            # nothing to analyse (no finished sweep run, intervention or head-dimension set) is an error a script can see
+            c = report.counts
+            raise CLIError(f"store {store_path}: no finished runs to analyse ({c['pending']} pending, "
+                           f"{c['running']} running, {c['failed']} failed)")
+        click.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False, allow_nan=False) if as_json
+                   else format_report(report))
 
 
 COMMANDS = [analyze_cmd]

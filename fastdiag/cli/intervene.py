@@ -258,7 +258,7 @@ def headdim_cmd(widths, heads, ff_mult, workers, n_boot, **kw):
     if kw["out_dir"]:
         out = Path(kw["out_dir"])
         out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "headdim.json", {"weight_decay": kw["weight_decay"], "base": base, **a})
+        _write_json(out / "headdim.json", {"weight_decay": kw["weight_decay"], "base": base, **a.to_dict()})
         from fastdiag.plots.experiments import headdim_figure   # matplotlib, only when drawing
 
         paths = [out / "headdim.json"] + headdim_figure(a, out / "headdim", title_note=f"λ = {kw['weight_decay']:g}")

@@ -9,66 +9,67 @@ import matplotlib as mpl
 import numpy as np
 from matplotlib.ticker import NullFormatter
 
-from fastdiag.analysis.predict import roc_curve, seed_list
+from fastdiag.analysis.headdim import HeaddimAnalysis
+from fastdiag.analysis.predict import PredictiveAnalysis, roc_curve, seed_list
 from fastdiag.plots.style import (ARM_COLOURS, FORMATS, STAGE_COLOURS, STYLE, figure, mathify, no_data,
                                   readable_log_axis, save, why, wrap)
 from fastdiag.plots.sweep import quantiles
 
 
-def predict_figure(pa: dict, stem: Path, formats=FORMATS) -> list[Path]:
+def predict_figure(pa: PredictiveAnalysis, stem: Path, formats=FORMATS) -> list[Path]:
     """`experiments.predictive_analysis` on the held-out seeds: ROC curves of "groks by the horizon"
     (baselines against baselines + s̄/σ_H) and predicted against true ln t_grok, written as
     ``stem``.png/.svg."""
     return save(draw_predict(pa), stem, formats)
 
 
-def draw_predict(pa: dict):
+def draw_predict(pa: PredictiveAnalysis):
     """The predictive-value figure (see ``predict_figure``) as a Figure: each panel's legend below it,
     off the data; titles wrapped to the panel's width; the seed lists as ``fastdiag analyze`` prints them."""
     models = (("baseline", "baselines", "#6c7a89"), ("full", "baselines + $\\bar{s}$, $\\sigma_H$", "#d35f0a"))
     with mpl.rc_context(STYLE):
         fig, axes = figure(9.0, 5.0, ncols=2)
         ax, bx = axes[0, 0], axes[0, 1]
-        cls = pa.get("groks_by_horizon", {})
-        if "test_scores" in cls:
-            y = [c["grokked"] for c in cls["test_scores"]]
+        cls = pa.groks_by_horizon
+        if cls is not None and cls.error is None:
+            y = [c.grokked for c in cls.test_scores]
             for key, label, colour in models:
-                fpr, tpr = roc_curve(y, [c[key] for c in cls["test_scores"]])
-                auc, ci = cls[f"auc_{key}"], cls[f"auc_{key}_ci"]
+                fpr, tpr = roc_curve(y, [getattr(c, key) for c in cls.test_scores])
+                auc, ci = (cls.auc_baseline, cls.auc_baseline_ci) if key == "baseline" else (cls.auc_full, cls.auc_full_ci)
                 ax.plot(fpr, tpr, color=colour, linewidth=1.8,
                         label=f"{label}: AUC {auc:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
             ax.plot([0, 1], [0, 1], ":", color="#999999", linewidth=1)
-            ax.set_title(wrap(f"groks by the horizon ({cls['test_positives']} grokked, {cls['test_negatives']} not); "
-                               f"ΔAUC {cls['diff']:+.3f} [{cls['diff_ci'][0]:+.3f}, {cls['diff_ci'][1]:+.3f}]: "
-                               f"{mathify(cls['verdict'])}", PANEL_TITLE_WIDTH))
+            ax.set_title(wrap(f"groks by the horizon ({cls.test_positives} grokked, {cls.test_negatives} not); "
+                               f"ΔAUC {cls.diff:+.3f} [{cls.diff_ci[0]:+.3f}, {cls.diff_ci[1]:+.3f}]: "
+                               f"{mathify(cls.verdict)}", PANEL_TITLE_WIDTH))
             ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16))
         else:
-            no_data(ax, cls.get("error", pa.get("error", "no data")))
+            no_data(ax, cls.error if cls is not None else pa.error)
         ax.set_xlabel("false-positive rate")
         ax.set_ylabel("true-positive rate")
-        reg = pa.get("log_t_grok", {})
-        if "test_predictions" in reg:
-            truth = np.array([c["log_t_grok"] for c in reg["test_predictions"]])
+        reg = pa.log_t_grok
+        if reg is not None and reg.error is None:
+            truth = np.array([c.log_t_grok for c in reg.test_predictions])
             for key, label, colour in models:
-                pred = np.array([c[key] for c in reg["test_predictions"]])
-                mae, ci = reg[f"mae_{key}"], reg[f"mae_{key}_ci"]
+                pred = np.array([getattr(c, key) for c in reg.test_predictions])
+                mae, ci = (reg.mae_baseline, reg.mae_baseline_ci) if key == "baseline" else (reg.mae_full, reg.mae_full_ci)
                 bx.scatter(truth, pred, s=26, color=colour, alpha=0.75, linewidths=0,
                            label=f"{label}: MAE {mae:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
             lo, hi = float(truth.min()), float(truth.max())
             pad = 0.1 * (hi - lo or 1.0)
             bx.plot([lo - pad, hi + pad], [lo - pad, hi + pad], ":", color="#999999", linewidth=1)
-            bx.set_title(wrap(f"ln $t_{{\\mathrm{{grok}}}}$ ({reg['n_test']} grokked test runs); ΔMAE {reg['diff']:+.3f} "
-                               f"[{reg['diff_ci'][0]:+.3f}, {reg['diff_ci'][1]:+.3f}]: {mathify(reg['verdict'])}",
+            bx.set_title(wrap(f"ln $t_{{\\mathrm{{grok}}}}$ ({reg.n_test} grokked test runs); ΔMAE {reg.diff:+.3f} "
+                               f"[{reg.diff_ci[0]:+.3f}, {reg.diff_ci[1]:+.3f}]: {mathify(reg.verdict)}",
                               PANEL_TITLE_WIDTH))
             bx.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16))
         else:
-            no_data(bx, reg.get("error", pa.get("error", "no data")))
+            no_data(bx, reg.error if reg is not None else pa.error)
         bx.set_xlabel("true ln $t_{\\mathrm{grok}}$")
         bx.set_ylabel("predicted ln $t_{\\mathrm{grok}}$")
-        seeds = (f"; train seeds {seed_list(pa['train_seeds'])}, test seeds {seed_list(pa['test_seeds'])}"
-                 if "train_seeds" in pa else "")
-        fig.suptitle(wrap(f"Predictive value on held-out seeds at $t_0$ = {pa['t0']:g} epochs "
-                          f"({mathify(pa['t0_source'])}){seeds}", 100))
+        seeds = (f"; train seeds {seed_list(pa.train_seeds)}, test seeds {seed_list(pa.test_seeds)}"
+                 if pa.train_seeds is not None else "")
+        fig.suptitle(wrap(f"Predictive value on held-out seeds at $t_0$ = {pa.t0:g} epochs "
+                          f"({mathify(pa.t0_source)}){seeds}", 100))
         return fig
 
 
@@ -76,42 +77,42 @@ def draw_predict(pa: dict):
 PANEL_TITLE_WIDTH = 48
 
 
-def headdim_figure(analysis: dict, stem: Path, title_note: str = "", formats=FORMATS) -> list[Path]:
+def headdim_figure(analysis: HeaddimAnalysis, stem: Path, title_note: str = "", formats=FORMATS) -> list[Path]:
     """Peak σ_H after grokking against d/H (log x): runs as points, mean ± s.d. per d/H, the saturating
     fit σ_max = c + a(1 − e^(−b·d/H)) and its plateau CI (``experiments.headdim_analysis``)."""
 
     with mpl.rc_context(STYLE):
         fig, axes = figure(5.6, 4.3)
         ax = axes[0, 0]
-        pts = analysis["points"]
+        pts = analysis.points
         if pts:
             rng = np.random.default_rng(0)
-            xs = np.array([p["d_per_head"] for p in pts], float)
-            ax.scatter(xs * 10 ** rng.normal(0, 0.01, len(xs)), [p["peak_sigma_h"] for p in pts], s=22,
+            xs = np.array([p.d_per_head for p in pts], float)
+            ax.scatter(xs * 10 ** rng.normal(0, 0.01, len(xs)), [p.peak_sigma_h for p in pts], s=22,
                        color="#3b8bc2", alpha=0.4, linewidths=0, label="runs", zorder=2)
-            bins = analysis["bins"]
-            bx = [b["d_per_head"] for b in bins]
-            ax.errorbar(bx, [b["mean"] for b in bins], yerr=[b["std"] or 0.0 for b in bins], fmt="-o",
+            bins = analysis.bins
+            bx = [b.d_per_head for b in bins]
+            ax.errorbar(bx, [b.mean for b in bins], yerr=[b.std or 0.0 for b in bins], fmt="-o",
                         color="#0072b2", mfc="white", mew=1.8, capsize=4, linewidth=1.6, zorder=3,
-                        label=f"mean ± s.d. ({min(b['n'] for b in bins)}–{max(b['n'] for b in bins)} runs per d/H)")
-            fit = analysis["fit"]
-            if "error" not in fit:
+                        label=f"mean ± s.d. ({min(b.n for b in bins)}–{max(b.n for b in bins)} runs per d/H)")
+            fit = analysis.fit
+            if fit.error is None:
                 grid = np.logspace(math.log10(min(bx) / 1.2), math.log10(max(bx) * 1.2), 200)
-                ax.plot(grid, fit["c"] + fit["a"] * -np.expm1(-fit["b"] * grid), "--", color="#d35f0a",
+                ax.plot(grid, fit.c + fit.a * -np.expm1(-fit.b * grid), "--", color="#d35f0a",
                         linewidth=1.6, label="saturating fit", zorder=4)
-                ys = [p["peak_sigma_h"] for p in pts] + [b["mean"] + (b["std"] or 0.0) for b in bins] \
-                    + [b["mean"] - (b["std"] or 0.0) for b in bins]
+                ys = [p.peak_sigma_h for p in pts] + [b.mean + (b.std or 0.0) for b in bins] \
+                    + [b.mean - (b.std or 0.0) for b in bins]
                 pad = 0.1 * (max(ys) - min(ys) or abs(max(ys)) or 1e-3)
                 view = (min(ys) - pad, max(ys) + pad)       # the data set the axes, not a wild CI
-                lo, hi = fit["ci"]["plateau"]
+                lo, hi = fit.ci["plateau"]
                 clipped = lo < view[0] or hi > view[1]
                 ax.axhspan(max(lo, view[0]), min(hi, view[1]), color="#d35f0a", alpha=0.08, linewidth=0,
                            label="plateau $c + a$: 95% CI" + (" (beyond the axes)" if clipped else ""))
                 ax.set_ylim(*view)
-                title = (f"$\\sigma_{{max}} = c + a(1 - e^{{-b\\,d/H}})$: plateau {fit['plateau']:.3g} "
-                         f"[{fit['ci']['plateau'][0]:.3g}, {fit['ci']['plateau'][1]:.3g}]")
+                title = (f"$\\sigma_{{max}} = c + a(1 - e^{{-b\\,d/H}})$: plateau {fit.plateau:.3g} "
+                         f"[{fit.ci['plateau'][0]:.3g}, {fit.ci['plateau'][1]:.3g}]")
             else:
-                title = wrap(f"no saturating fit: {why(fit)}", 60)
+                title = wrap(f"no saturating fit: {why({'error': fit.error})}", 60)
             ax.set_xscale("log")
             ax.set_xticks(bx, [f"{x:g}" for x in bx])
             ax.xaxis.set_minor_formatter(NullFormatter())
