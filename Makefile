@@ -19,9 +19,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/fastdiag run --out runs/demo
 
-# --durations: where the suite's time goes, printed by every run (CI's log included)
+# -n auto: one pytest-xdist worker per core (most tests are one-thread Python: the interpreted kernels,
+# subprocesses), test by test; --dist loadgroup keeps the tests that share an expensive fixture on one
+# worker (tests/conftest.py). --durations: where the suite's time goes, printed by every run (CI's log included).
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=15
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n auto --dist loadgroup --durations=15
 
 # The benchmarks' own tests, timing off: each checks its timed path against the float64 reference
 # first, so a benchmark that drifted from the library fails here (CI runs it after `make test`).

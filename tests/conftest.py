@@ -1,5 +1,9 @@
+import json
 import os
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 # The fused kernel runs in Triton's interpreter on machines without CUDA; this must be set before
 # anything imports triton.
@@ -8,7 +12,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Two threads at most, and one per process when pytest-xdist runs several workers (`make test`): the
+# workers already fill the cores, and a second thread each would only oversubscribe them.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(1 if _XDIST_WORKERS > 1 else min(2, torch.get_num_threads()))
 
 # A test run started in the background (`cmd &`, nohup) inherits SIGINT ignored, and so would every
 # process the signal tests start; those tests check what a user's Ctrl-C does, so give it back.
@@ -17,6 +24,11 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 
 import pytest  # noqa: E402
+
+try:
+    from xdist.scheduler import LoadScopeScheduling  # noqa: E402
+except ImportError:                  # without pytest-xdist (the dev extra) the suite runs in one process
+    LoadScopeScheduling = None
 
 from fastdiag.grokking.config import RunConfig  # noqa: E402
 from fastdiag.grokking.train import train_run  # noqa: E402
@@ -28,6 +40,82 @@ from fastdiag.grokking.train import train_run  # noqa: E402
 SMALL_GROK = dict(arch="transformer", preset="custom", n_layers=2, n_heads=4, d_model=64, d_ff=256, op="+",
                   p=31, train_frac=0.7, lr=3e-3, batch_size=128, epochs=300, eval_every=10, patience=20,
                   device="cpu")
+
+
+# ---------------------------------------------------------------- one build per expensive fixture
+# `make test` runs the suite on pytest-xdist workers (`-n auto --dist loadgroup`), test by test, except
+# that the tests sharing one of this suite's session-scoped fixtures (a trained run, …) go to one worker
+# as one unit, and so do the tests of a module with a module-scoped fixture: such a fixture is then
+# built once, not once per worker. Only the workers know which fixtures a test uses (the controller
+# collects nothing), so each worker writes its units to a folder the controller named, and the
+# controller's scheduler reads them. (xdist's own loadgroup reads `xdist_group` marks from node ids
+# that pytest 9 no longer lets a plugin change; the marks are honoured here instead.)
+
+
+UNITS_DIR = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """Controller: tell each worker where to write its units."""
+    if UNITS_DIR not in node.config.stash:
+        node.config.stash[UNITS_DIR] = tempfile.mkdtemp(prefix="fastdiag-xdist-units-")
+    node.workerinput["fastdiag_units_dir"] = node.config.stash[UNITS_DIR]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Worker: write {node id: unit} for the tests that must share a worker."""
+    units_dir = getattr(config, "workerinput", {}).get("fastdiag_units_dir")
+    if units_dir is None:
+        return
+    units = {item.nodeid: unit for item in items if (unit := _shared_unit(item)) is not None}
+    path = Path(units_dir) / f"{config.workerinput['workerid']}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(units))
+    path.with_suffix(".tmp").replace(path)             # whole, before this worker reports its collection
+
+
+def _shared_unit(item) -> str | None:
+    for mark in item.iter_markers("xdist_group"):
+        return "group:" + str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    info = getattr(item, "_fixtureinfo", None)
+    for name in info.names_closure if info is not None else ():
+        defs = info.name2fixturedefs.get(name)
+        if not defs or not defs[-1].baseid:        # pytest's and plugins' own fixtures (tmp_path_factory …)
+            continue
+        if defs[-1].scope == "session":
+            return "session:" + name
+        if defs[-1].scope in ("package", "module"):
+            return "module:" + item.nodeid.split("::")[0]
+    return None
+
+
+if LoadScopeScheduling is not None:
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        """xdist's scheduling by scope (a scope is a unit of work sent to one worker), with a test's
+        scope its shared-fixture unit, else the test itself."""
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self._units: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._units is None:           # every worker has collected (and written) by now
+                self._units = {}
+                for path in Path(self.config.stash[UNITS_DIR]).glob("*.json"):
+                    self._units.update(json.loads(path.read_text()))
+            return self._units.get(nodeid, nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup" and UNITS_DIR in config.stash:
+        return SharedFixtureScheduling(config, log)
+    return None
+
+
+def pytest_unconfigure(config):
+    if UNITS_DIR in config.stash:
+        shutil.rmtree(config.stash[UNITS_DIR], ignore_errors=True)
 
 
 @pytest.fixture
