@@ -12,7 +12,12 @@ import torch
 
 from fastdiag import bench
 from fastdiag.cli.app import CLIError, os_error_text
+from fastdiag.grokking.build import TRAINING_BYTES_PER_PARAMETER, parameter_count
+from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.tasks import available_memory
 from fastdiag.store.files import atomic_path, check_writable_file
+from fastdiag.sweep.grid import MAX_GRID_RUNS
+from fastdiag.sweep.plan import available_cores
 
 
 def _status_line(msg: str) -> None:
@@ -35,6 +40,26 @@ def _machine(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def _check_members(members: int | None, workloads: list[str], dev: torch.device) -> None:
+    """Refuse an ensemble size that cannot run before anything is built: the benchmark sweeps K runs
+    per core (a sweep takes at most MAX_GRID_RUNS) and K members' weights, gradients and AdamW state
+    must fit in memory (the GPU's on CUDA)."""
+    if members is None:
+        return
+    runs = members * (1 if dev.type == "cuda" else available_cores())
+    if runs > MAX_GRID_RUNS:
+        raise CLIError(f"--members: {members:,} members make a benchmark sweep of {runs:,} runs; a sweep takes "
+                       f"at most {MAX_GRID_RUNS:,}")
+    memory = (torch.cuda.get_device_properties(dev.index or 0).total_memory if dev.type == "cuda"
+              else available_memory())
+    for workload in workloads:
+        n = parameter_count(RunConfig(device=dev.type, **bench.ENSEMBLE_WORKLOADS[workload])) or 0
+        need = members * n * TRAINING_BYTES_PER_PARAMETER
+        if memory is not None and need > memory:
+            raise CLIError(f"--members: {members:,} members of the {workload} workload's model ({n:,} parameters) "
+                           f"need {need / 2**30:,.1f} GiB to train; {memory / 2**30:.1f} GiB is available")
 
 
 def _known_names(text: str, known, option: str, what: str) -> list[str]:
@@ -104,6 +129,7 @@ def bench_command(device, full, shapes, steps, ensembles, archs, members, worklo
         return
     dev = _device(device)
     sweep_workloads = _known_names(workloads, bench.ENSEMBLE_WORKLOADS, "--workloads", "workload")
+    _check_members(members, sweep_workloads, dev)    # also when unused: an absurd value is a typo
     if not names and not steps and not archs and not (ensembles and sweep_workloads):
         raise click.ClickException("nothing to run: --shapes and --workloads are empty or --no-steps, "
                                    "--no-archs and --no-ensembles are given; name at least one kernel shape, "
