@@ -55,6 +55,40 @@ def median_ms(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def graph_ms(fn, device: torch.device, repeats: int) -> float | None:
+    """Median milliseconds of ``fn()`` replayed from a CUDA graph: the GPU's own time, without the
+    launcher's host work (Python, argument checks, kernel launches). None off CUDA."""
+    if device.type != "cuda":
+        return None
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()                                    # warm-up on a side stream, as the CUDA-graph docs do
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay, device, repeats)
+
+
+def profile_top(fn, device: torch.device, rows: int = 8) -> list[dict]:
+    """The GPU kernels one ``fn()`` call launches, by device time (torch.profiler), and its host time."""
+    if device.type != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    return [{"name": e.key[:60], "count": e.count, "device_us": round(e.device_time_total, 1)} for e in events[:rows]]
+
+
 def _rel(a, b) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
@@ -76,11 +110,15 @@ def stage_kernels(dev: torch.device, dry: bool) -> None:
             probs = random_probs(dims, dtype=dtype, seed=0, device=dev)
             out = torch.empty_like(probs)
             kernel = median_ms(lambda: head_stats_triton(probs), dev, repeats)
+            graphed = graph_ms(lambda: head_stats_triton(probs), dev, repeats)
             copy = median_ms(lambda: out.copy_(probs), dev, repeats)
             read = median_ms(lambda: probs.sum(dtype=torch.float32), dev, repeats)
             emit("kernels", dry, kernel="head_stats", shape=name, dims=dims, dtype=str(dtype), kernel_ms=kernel,
-                 copy_ms=copy, read_only_ms=read, pct_of_copy=100 * copy / kernel, pct_of_read=100 * read / kernel,
-                 note="launcher time (kernel + its float64 partial sums); pct = copy or read time / kernel time")
+                 graph_ms=graphed, copy_ms=copy, read_only_ms=read, pct_of_copy=100 * copy / kernel,
+                 pct_of_copy_graph=graphed and 100 * copy / graphed, pct_of_read=100 * read / kernel,
+                 profile=profile_top(lambda: head_stats_triton(probs), dev),
+                 note="kernel_ms: launcher called from Python (host work included); graph_ms: the same "
+                      "replayed from a CUDA graph (GPU time); pct = copy time / that time")
             del probs, out
     qk_shapes = {"tiny": (1, 2, 32, 16)} if dry else {"gpt2-small": (8, 12, 1024, 64),
                                                       "long-context": (1, 16, 4096, 128)}
@@ -89,6 +127,8 @@ def stage_kernels(dev: torch.device, dry: bool) -> None:
         g = torch.Generator(device=dev).manual_seed(0)
         q, k, v = (torch.randn(b, h, t, d, device=dev, dtype=dtype, generator=g) for _ in range(3))
         stats = median_ms(lambda: qk_stats_triton(q, k, None, True, d ** -0.5), dev, repeats)
+        stats_graph = graph_ms(lambda: qk_stats_triton(q, k, None, True, d ** -0.5), dev, repeats)
+        top = profile_top(lambda: qk_stats_triton(q, k, None, True, d ** -0.5), dev)
         if dev.type == "cuda":
             from torch.nn.attention import SDPBackend, sdpa_kernel
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -96,7 +136,8 @@ def stage_kernels(dev: torch.device, dry: bool) -> None:
         else:
             flash = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), dev, repeats)
         emit("kernels", dry, kernel="qk pass 1 + 2", shape=name, dims=(b, h, t, d), dtype=str(dtype),
-             qk_ms=stats, sdpa_flash_ms=flash, ratio_to_flash=stats / flash)
+             qk_ms=stats, qk_graph_ms=stats_graph, sdpa_flash_ms=flash, ratio_to_flash=stats / flash,
+             profile=top)
         # fp32: pass 1 in Triton, pass 2 on cuBLAS in full fp32 (no Triton tile fits; RESULTS.md, issue 27)
         qf, kf, vf = q.float(), k.float(), v.float()
         fp32 = median_ms(lambda: qk_stats_triton(qf, kf, None, True, d ** -0.5), dev, repeats)
@@ -108,14 +149,16 @@ def stage_kernels(dev: torch.device, dry: bool) -> None:
 
 def stage_accuracy(dev: torch.device, dry: bool) -> None:
     """bf16 and fp32 at model size against float64 (relative errors; targets 1e-5 fp32, 1e-3 bf16)."""
-    dims = (1, 1, 4, 32, 32) if dry else (1, 2, 12, 1024, 1024)
-    for dtype in (torch.float32,) if dry else (torch.float32, torch.bfloat16):
-        probs = random_probs(dims, dtype=dtype, seed=1, device=dev)
-        got = fastdiag.head_stats(probs, backend="triton", causal=False)
-        ref = fastdiag.head_stats(probs.cpu(), backend="reference")
-        emit("accuracy", dry, kernel="head_stats", dims=dims, dtype=str(dtype), gram=_rel(got.gram, ref.gram),
-             entropy=_rel(got.entropy_sum, ref.entropy_sum), sigma_h=_rel(got.entropy_spread(), ref.entropy_spread()),
-             s_bar=_rel(got.sync(), ref.sync()))
+    # T = 1024 and 4096: the Gram's fp32 chains grow with the keys a row tile streams
+    for dims in [(1, 1, 4, 32, 32)] if dry else [(1, 2, 12, 1024, 1024), (1, 1, 16, 4096, 4096)]:
+        for dtype in (torch.float32,) if dry else (torch.float32, torch.bfloat16):
+            probs = random_probs(dims, dtype=dtype, seed=1, device=dev)
+            got = fastdiag.head_stats(probs, backend="triton", causal=False)
+            ref = fastdiag.head_stats(probs.double(), backend="reference")     # float64 on the same device
+            emit("accuracy", dry, kernel="head_stats", dims=dims, dtype=str(dtype), gram=_rel(got.gram, ref.gram),
+                 entropy=_rel(got.entropy_sum, ref.entropy_sum),
+                 sigma_h=_rel(got.entropy_spread(), ref.entropy_spread()), s_bar=_rel(got.sync(), ref.sync()))
+            del probs
     b, h, t, d = (1, 2, 32, 16) if dry else (2, 12, 1024, 64)
     for dtype in (torch.float32,) if dry else (torch.float32, torch.bfloat16):
         g = torch.Generator(device=dev).manual_seed(2)
@@ -180,7 +223,14 @@ def stage_int64(dev: torch.device, dry: bool) -> None:
     """A tensor whose (H − 1) · Tq · Tk passes 2³¹: the last head's Gram entries against the same
     heads copied out alone (a wrapped 32-bit offset reads other memory). Last: it may fault."""
     h, t = (4, 32) if dry else (40, 8192)
-    probs = random_probs((1, 1, h, t, t), dtype=torch.bfloat16 if not dry else torch.float32, seed=3, device=dev)
+    dtype = torch.float32 if dry else torch.bfloat16
+    # made on the device a head at a time (random_probs builds float64 on the host: 21 GB here)
+    probs = torch.empty(1, 1, h, t, t, dtype=dtype, device=dev)
+    g = torch.Generator(device=dev).manual_seed(3)
+    for head in range(h):
+        logits = torch.randn(t, t, device=dev, generator=g) * (0.3 + 2.7 * head / max(1, h - 1))
+        probs[0, 0, head] = logits.softmax(-1).to(dtype)
+    del logits
     full = fastdiag.head_stats(probs, backend="triton")
     pair = fastdiag.head_stats(probs[:, :, [0, h - 1]].contiguous(), backend="triton")
     emit("int64", dry, dims=tuple(probs.shape), elements=probs.numel(), past_2_31=probs.numel() >= 2 ** 31,

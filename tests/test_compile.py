@@ -39,3 +39,32 @@ def test_library_op_passes_opcheck():
     mask = random_query_mask((2, 2, 5), seed=5)
     torch.library.opcheck(head_stats_op, (probs, mask), test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(head_stats_op, (probs, None), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_kernel_lookup_is_traceable_inside_a_compiled_graph():
+    """The Triton dispatcher finds its kernel module inside a fullgraph trace, first import included
+    (a fresh interpreter: `importlib.import_module` is refused by dynamo, which broke
+    `torch.compile(fullgraph=True)` of head_stats on a GPU)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from fastdiag.core.diagnostics import kernel_module_named\n"
+            "assert 'fastdiag.core.kernels.qk_stats_triton' not in sys.modules\n"
+            "fn = torch.compile(lambda x: x + kernel_module_named('qk_stats_triton').LOG2E, fullgraph=True,"
+            " backend='eager')\n"
+            "print(float(fn(torch.zeros(1))[0]))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert abs(float(done.stdout.split()[-1]) - 1.4426950408889634) < 1e-6
+
+
+def test_references_keep_to_the_inputs_device():
+    """The float64 references build every mask on the inputs' device (the causal mask of the Q/K
+    reference was built on the CPU, which failed for CUDA inputs): checked on the meta device."""
+    from fastdiag.core.kernels.qk_stats_ref import visible_keys_ref
+
+    q = torch.empty(2, 4, 8, 16, device="meta")
+    assert visible_keys_ref(None, True, (2, 4, 8, 8), q.device).device.type == "meta"
+    mask = torch.ones(8, 8, dtype=torch.bool, device="meta")
+    assert visible_keys_ref(mask, True, (2, 4, 8, 8)).device.type == "meta"

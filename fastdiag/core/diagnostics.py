@@ -1,7 +1,6 @@
 """`head_stats`: attention probabilities -> `HeadStats`, on the backend that fits the device."""
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
@@ -114,12 +113,25 @@ def run_triton(kernel_module: str, op: str, launcher: str, *args):
     if not triton_available():
         raise ValueError("backend: 'triton' needs triton and a CUDA device, or TRITON_INTERPRET=1 "
                          "set before import to run the kernels in the interpreter")
-    kernel = importlib.import_module(f"fastdiag.core.kernels.{kernel_module}")
+    kernel = kernel_module_named(kernel_module)
     if args[0].is_cuda:
         return getattr(kernel, op)(*args)
     if not kernel.INTERPRETING:
         raise ValueError("backend: 'triton' on a CPU tensor needs TRITON_INTERPRET=1 set before import")
     return getattr(kernel, launcher)(*args)
+
+
+def kernel_module_named(name: str):
+    """``fastdiag.core.kernels.<name>`` by import statements, not `importlib.import_module`: torch.compile
+    traces an import statement (a first call inside a compiled graph imports here), but refuses
+    importlib's internals (fullgraph=True then fails)."""
+    if name == "head_stats_triton":
+        from fastdiag.core.kernels import head_stats_triton as module
+    elif name == "qk_stats_triton":
+        from fastdiag.core.kernels import qk_stats_triton as module
+    else:
+        raise ValueError(f"kernel_module: expected 'head_stats_triton' or 'qk_stats_triton', got {name!r}")
+    return module
 
 
 def _raise_if_invalid(stats: HeadStats) -> None:

@@ -118,8 +118,13 @@ def _head_stats_kernel(
     j = tl.arange(0, BLOCK_R * BLOCK_K)
     key_offset = j % BLOCK_K
 
+    # Gram sums: fp32 (the tensor cores' accumulator) within a row tile, float64 across a program's
+    # tiles. One fp32 chain over every tile of a program lost 1.3e-5 relative at GPT-2-small fp32 on an
+    # H200 (benchmarks/RESULTS.md); a tile's chain is Tk / BLOCK_K dots long.
     gram = tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float32)
     split_gram = tl.zeros((2 * BLOCK_H, BLOCK_H), dtype=tl.float32)   # [hi·hiᵀ; lo·hiᵀ] of the TF32 split
+    gram64 = tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float64)
+    split_gram64 = tl.zeros((2 * BLOCK_H, BLOCK_H), dtype=tl.float64)
     # Register tiles, reduced once after the loop: no cross-thread reduction per iteration. The
     # elementwise work runs on the QUARTERS quarters of the head axis that hold real heads (H = 12:
     # three of four), only the dot sees the padded slab.
@@ -196,6 +201,10 @@ def _head_stats_kernel(
                 e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, c, MASKED, ON_GPU)
             if QUARTERS > 3:
                 e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, c, MASKED, ON_GPU)
+        if GRAM_DOT == "tf32-split":
+            split_gram64, split_gram = split_gram64 + split_gram.to(tl.float64), tl.zeros_like(split_gram)
+        else:
+            gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
         # Each tile's entropy sums go to float64 per-head sums: terms of rows far from uniform over
         # their n keys (masked keys without the causal hint) are not small, and fp32 sums over all
         # of a program's tiles lose σ_H (6.6e-4 instead of 1.4e-4 at near-uniform causal [2,2,8,64,64])
@@ -208,8 +217,8 @@ def _head_stats_kernel(
             s3, e3 = s3 + tl.sum(e3, axis=1).to(tl.float64), tl.zeros((Q, S), dtype=tl.float32)
 
     if GRAM_DOT == "tf32-split":
-        hi_hi, lo_hi = tl.split(tl.permute(tl.reshape(split_gram, (2, BLOCK_H, BLOCK_H)), (1, 2, 0)))
-        gram = hi_hi + lo_hi + tl.trans(lo_hi)
+        hi_hi, lo_hi = tl.split(tl.permute(tl.reshape(split_gram64, (2, BLOCK_H, BLOCK_H)), (1, 2, 0)))
+        gram64 = hi_hi + lo_hi + tl.trans(lo_hi)
     w0 = _worst(m0)
     w1 = _worst(m1)
     w2 = _worst(m2)
@@ -227,7 +236,7 @@ def _head_stats_kernel(
     tl.store(entropy_part_ptr + part * H + 3 * Q + quarter_h, s3, mask=3 * Q + quarter_h < H)
     out_h = tl.arange(0, BLOCK_H)
     gram_ptrs = gram_part_ptr + part * H * H + out_h[:, None] * H + out_h[None, :]
-    tl.store(gram_ptrs, gram, mask=(out_h[:, None] < H) & (out_h[None, :] < H))
+    tl.store(gram_ptrs, gram64, mask=(out_h[:, None] < H) & (out_h[None, :] < H))
     tl.store(worst_part_ptr + part, worst)
 
 
@@ -321,12 +330,13 @@ def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
     row_table, row_reference = row_references(tq, tk, causal, device)
     inputs = (probs, mask, row_table, h, tq, tk, rows, tiles, causal_keys(tq, tk), *probs.stride(), *mask_strides)
     f32 = dict(dtype=torch.float32, device=device)
-    programs = min(tiles, max(1, _resident_programs(device, (*[torch.empty(0, **f32)] * 3, *inputs), constexprs) // n))
-    gram_part = torch.empty(n, programs, h, h, **f32)
+    outputs = [torch.empty(0, dtype=dtype, device=device) for dtype in (torch.float64, torch.float64, torch.float32)]
+    programs = min(tiles, max(1, _resident_programs(device, (*outputs, *inputs), constexprs) // n))
+    gram_part = torch.empty(n, programs, h, h, dtype=torch.float64, device=device)
     entropy_part = torch.empty(n, programs, h, dtype=torch.float64, device=device)
     worst_part = torch.empty(n, programs, **f32)         # per program: > 1 when it saw a bad entry
     _head_stats_kernel[(programs, n)](gram_part, entropy_part, worst_part, *inputs, num_warps=_NUM_WARPS, **constexprs)
-    gram = gram_part.sum(1, dtype=torch.float64).float()
+    gram = gram_part.sum(1).float()
     reference = (valid.to(torch.float64) * row_reference).sum(dim=(1, 2))
     entropy_sum = (entropy_part.sum(1, dtype=torch.float64) + reference[:, None]) * math.log(2)
     invalid = (worst_part > 1).sum(1).to(torch.float32)    # programs that saw a bad entry

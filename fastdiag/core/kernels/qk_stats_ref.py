@@ -22,10 +22,13 @@ def masked_threshold(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min / 2
 
 
-def visible_keys_ref(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple) -> torch.Tensor:
-    """Bool ``[B, H, Tq, Tk]``: which keys each query row of each head may attend to."""
+def visible_keys_ref(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple, device=None) -> torch.Tensor:
+    """Bool ``[B, H, Tq, Tk]`` on ``device`` (default the mask's): which keys each query row of each
+    head may attend to."""
     b, h, tq, tk = shape
-    visible = torch.ones(shape, dtype=torch.bool, device=attn_mask.device if attn_mask is not None else None)
+    if device is None:
+        device = attn_mask.device if attn_mask is not None else None
+    visible = torch.ones(shape, dtype=torch.bool, device=device)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             visible = visible & attn_mask
@@ -47,7 +50,7 @@ def qk_stats_ref(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | Non
     q64 = q.double()
     k64 = k.double().repeat_interleave(h // hk, dim=1)
     scores = (q64 @ k64.transpose(-1, -2)) * scale
-    visible = visible_keys_ref(attn_mask, is_causal, (b, h, tq, tk))
+    visible = visible_keys_ref(attn_mask, is_causal, (b, h, tq, tk), q.device)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         scores = scores + attn_mask.double()
     scores = scores.masked_fill(~visible, float("-inf"))
