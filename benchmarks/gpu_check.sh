@@ -11,6 +11,9 @@
 #   against the SDPA flash forward) · accuracy 60 (bf16/fp32 against float64 at model size) · attach
 #   120 (HF GPT-2-small sdpa and a nanoGPT, every=1 and every=10 against bare, alternated blocks,
 #   medians) · int64 40 (last: it may fault) · clocks after 10.
+# STAGES="name:seconds ..." replaces the stage list after the tests; besides the four above: tune (head_stats
+# tiles timed on the device), probe (the SDPA backend chosen, cuDNN's LSE), ncu (Nsight Compute on
+# one launch of each fused kernel, report in $OUT/ncu.txt).
 # --dry-run: the same stages on CPU, tiny shapes, kernels under TRITON_INTERPRET=1 — CI runs it
 # (tests/test_gpu_check.py) so the script is proven before any GPU sees it.
 set -uo pipefail
@@ -57,11 +60,25 @@ tests_rc=$?
 summary=$(grep -E "passed|failed|skipped|error" "$OUT/tests.txt" | tail -1 | tr -d '"')
 line tests "rc=$tests_rc" "summary=\"${summary:-cut off before a summary (timeout 120 s)}\""
 
-for stage in kernels:100 accuracy:60 attach:120 int64:40; do
+DEFAULT_STAGES="kernels:100 accuracy:60 attach:120 int64:40"
+for stage in ${STAGES:-$DEFAULT_STAGES}; do
   name=${stage%%:*}; limit=${stage##*:}
   echo "== $name (timeout $limit s)"
-  timeout "$limit" $PY benchmarks/gpu_stages.py "$name" $DRY 2> "$OUT/$name.err"
-  rc=$?
+  if [ "$name" = ncu ]; then
+    # Nsight Compute on one launch of each fused kernel: speed of light, memory, occupancy, stalls
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    if [ -z "$DRY" ] && [ -n "$NCU" ]; then
+      timeout "$limit" "$NCU" --clock-control none --kernel-name regex:'_(head|qk)_stats_kernel|_qk_lse_kernel' \
+        --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+        --section WarpStateStats --section LaunchStats $PY benchmarks/gpu_stages.py ncu > "$OUT/ncu.txt" 2> "$OUT/ncu.err"
+    else
+      timeout "$limit" $PY benchmarks/gpu_stages.py ncu $DRY 2> "$OUT/ncu.err"
+    fi
+    rc=$?
+  else
+    timeout "$limit" $PY benchmarks/gpu_stages.py "$name" $DRY 2> "$OUT/$name.err"
+    rc=$?
+  fi
   [ "$rc" = 124 ] && line "$name" "rc=124" "error=\"cut off at $limit s\""
   [ "$rc" != 0 ] && [ "$rc" != 124 ] && line "$name" "rc=$rc" "error=\"$(tail -1 "$OUT/$name.err" | tr -d '"\\')\""
 done

@@ -238,7 +238,84 @@ def stage_int64(dev: torch.device, dry: bool) -> None:
          last_head_entropy_rel=_rel(full.entropy_sum[..., [0, h - 1]], pair.entropy_sum))
 
 
-STAGES = {"kernels": stage_kernels, "accuracy": stage_accuracy, "attach": stage_attach, "int64": stage_int64}
+def stage_tune(dev: torch.device, dry: bool) -> None:
+    """head_stats' tiles on this GPU: CUDA-graph time of the launcher per (slab elements, keys per step,
+    warps), bf16, against the same device copy. The launcher's constants are set for each row and
+    restored after."""
+    from fastdiag.core.kernels import head_stats_triton as hs
+
+    repeats = 1 if dry else 20
+    shapes = {"tiny": (1, 1, 4, 32, 32)} if dry else {"gpt2-small": (1, 8, 12, 1024, 1024),
+                                                      "long-context": (1, 1, 16, 4096, 4096)}
+    configs = [(4096, 64, 4)] if dry else [(4096, 64, 4), (2048, 64, 4), (8192, 64, 4), (4096, 128, 4),
+                                           (8192, 128, 4), (8192, 128, 8), (16384, 128, 8), (8192, 256, 8)]
+    saved = (hs._SLAB_ELEMENTS, hs._MAX_BLOCK_K, hs._NUM_WARPS)
+    dtype = torch.float32 if dry else torch.bfloat16
+    try:
+        for name, dims in shapes.items():
+            probs = random_probs(dims, dtype=dtype, seed=0, device=dev)
+            out = torch.empty_like(probs)
+            copy = median_ms(lambda: out.copy_(probs), dev, repeats)
+            for slab, block_k, warps in configs:
+                hs._SLAB_ELEMENTS, hs._MAX_BLOCK_K, hs._NUM_WARPS = slab, block_k, warps
+                hs._RESIDENT.clear()          # its key leaves out the warps
+                try:
+                    t = graph_ms(lambda: hs.head_stats_triton(probs), dev, repeats) or median_ms(
+                        lambda: hs.head_stats_triton(probs), dev, repeats)
+                    emit("tune", dry, shape=name, slab=slab, block_k=block_k, warps=warps, graph_ms=t,
+                         copy_ms=copy, pct_of_copy=100 * copy / t)
+                except Exception as e:   # a configuration that does not compile or launch: say so, go on
+                    emit("tune", dry, shape=name, slab=slab, block_k=block_k, warps=warps,
+                         failed=f"{type(e).__name__}: {e}"[:200])
+            del probs, out
+    finally:
+        hs._SLAB_ELEMENTS, hs._MAX_BLOCK_K, hs._NUM_WARPS = saved
+        hs._RESIDENT.clear()
+
+
+def stage_probe(dev: torch.device, dry: bool) -> None:
+    """What SDPA backend this GPU picks for plain bf16 calls, and whether cuDNN attention's LSE could
+    stand in for pass 1 (shape, natural log, agreement with `row_lse_triton`)."""
+    from fastdiag.core.kernels.qk_stats_triton import row_lse_triton
+
+    if dev.type != "cuda":
+        emit("probe", dry, skipped="no CUDA device")
+        return
+    from torch.nn.attention import SDPBackend
+
+    for causal in (False, True):
+        g = torch.Generator(device=dev).manual_seed(5)
+        q, k, v = (torch.randn(2, 12, 256, 64, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3))
+        choice = SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=None, enable_gqa=False))
+        fields = dict(causal=causal, choice=choice.name)
+        try:
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
+            out, lse = res[0], res[1]
+            ours = row_lse_triton(q, k, None, causal, 64 ** -0.5)
+            fields.update(lse_shape=tuple(lse.shape), lse_dtype=str(lse.dtype),
+                          out_equal_sdpa=bool(torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal))),
+                          lse_max_abs_diff=(lse.reshape(ours.shape).float() - ours).abs().max().item())
+        except Exception as e:
+            fields.update(failed=f"{type(e).__name__}: {e}"[:300])
+        emit("probe", dry, **fields)
+
+
+def stage_ncu(dev: torch.device, dry: bool) -> None:
+    """One launch of each fused kernel at GPT-2-small bf16, for `ncu` to profile (gpu_check.sh's ncu stage)."""
+    from fastdiag.core.kernels.head_stats_triton import head_stats_triton
+    from fastdiag.core.kernels.qk_stats_triton import qk_stats_triton
+
+    dims = (1, 1, 4, 32, 32) if dry else (1, 8, 12, 1024, 1024)
+    probs = random_probs(dims, dtype=torch.float32 if dry else torch.bfloat16, seed=0, device=dev)
+    head_stats_triton(probs)
+    b, h, t, d = (1, 2, 32, 16) if dry else (8, 12, 1024, 64)
+    q, k = (torch.randn(b, h, t, d, device=dev, dtype=torch.float32 if dry else torch.bfloat16) for _ in range(2))
+    qk_stats_triton(q, k, None, True, d ** -0.5)
+    emit("ncu", dry, launched=["_head_stats_kernel", "_qk_lse_kernel", "_qk_stats_kernel"])
+
+
+STAGES = {"kernels": stage_kernels, "accuracy": stage_accuracy, "attach": stage_attach, "int64": stage_int64,
+          "tune": stage_tune, "probe": stage_probe, "ncu": stage_ncu}
 
 
 def main() -> int:

@@ -4,6 +4,7 @@ F.scaled_dot_product_attention with the backend op's own LSE, one node under tor
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from fastdiag.qk import _attention_with_lse, qk_head_stats, sdpa_with_stats
 from fastdiag.testing import TOLERANCE, rel_err
@@ -54,7 +55,11 @@ def test_sdpa_with_stats_bit_identical_and_uses_the_op_lse(dtype, causal):
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
     _, lse = _attention_with_lse(q, k, v, None, 0.0, causal, None, False)
-    assert lse is not None, "flash / efficient attention should hand over its LSE here"
+    choice = SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=None, enable_gqa=False))
+    if choice in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        assert lse is not None, "flash / efficient attention should hand over its LSE here"
+    else:   # cuDNN attention (torch 2.11 picks it on an H200): F.sdpa runs as is, pass 1 is ours
+        assert lse is None and choice == SDPBackend.CUDNN_ATTENTION
     ref = qk_head_stats(q, k, None, causal, backend="reference")
     assert rel_err(stats.gram, ref.gram) <= 1e-3 and stats.invalid.item() == 0
 
