@@ -6,6 +6,8 @@ import collections
 import contextlib
 import math
 import multiprocessing
+import signal
+import threading
 import time
 from multiprocessing.connection import wait
 from typing import Callable
@@ -23,6 +25,8 @@ HELD_RETRY_S = 5.0     # how often runs another sweep held are looked at again
 # never waits for ever and its claim is not renewed for a run nobody trains. Generous: a loaded or
 # swapping machine delays beats, and killing a slow but healthy run costs its whole work.
 STALL_S = 120.0
+# How long a closing pool waits for a worker to exit before SIGKILL: (normal end, interrupted).
+_CLOSE_WAIT_S = {False: 10.0, True: 2.0}
 
 
 def _stalled(attempts: int) -> dict:
@@ -142,6 +146,7 @@ def run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, thr
             else:                             # retried from its checkpoint, if it saved one
                 queue.appendleft(task)
 
+    interrupted = False
     try:
         while True:
             while pool.idle and (task := next_task()) is not None:
@@ -153,12 +158,39 @@ def run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, thr
     except BaseException:
         # Interrupted (Ctrl-C, SIGTERM, an error storing a run): keep what finished and is waiting in
         # the pipes, then stop the workers (finally). Their runs stay unfinished and unclaimed.
+        interrupted = True
         with contextlib.suppress(Exception):
             for worker, message in pool.events(timeout=0, results_only=True):
                 handle(worker, message)
         raise
     finally:
-        pool.close()
+        pool.close(interrupted)
+
+
+# Signals a sweep's driver answers (Ctrl-C, a scheduler's kill): held back while a worker is spawned.
+_DRIVER_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT and SIGTERM back for the duration (main thread only; elsewhere Python cannot set
+    handlers) and deliver them right after. Spawning a worker is then all or nothing: an interrupt in
+    the middle of ``Process.start`` left a child that was spawned but never sent its start-up data (it
+    printed an EOFError traceback) and that no one knew to stop. The held time is one fork/exec and
+    a pipe write, milliseconds."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum))
+                for signum in _DRIVER_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(caught):     # each once, in the order they came
+            signal.raise_signal(signum)
 
 
 class _Worker:
@@ -169,9 +201,16 @@ class _Worker:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=worker_main, args=(child, threads, slot if cuda else None),
                                    name=f"fastdiag-worker-{slot}")
-        with passive_openmp():
-            self.process.start()
-        child.close()
+        try:
+            with passive_openmp(), _signals_held():
+                self.process.start()
+        except BaseException:      # a held signal delivered on leaving: the started child goes too
+            if self.process.pid is not None:
+                self.process.kill()
+                self.process.join()
+            raise
+        finally:
+            child.close()
         self.task: list[RunConfig] | None = None
         self.stored: set[int] = set()     # members of its ensemble already finished
         self.heard: float | None = None   # when it last sent anything for its task (None: not yet started)
@@ -188,7 +227,13 @@ class _WorkerPool:
     def __init__(self, size: int, threads: int, cuda: bool) -> None:
         self.ctx = multiprocessing.get_context("spawn")
         self.threads, self.cuda = threads, cuda
-        self.workers = [_Worker(self.ctx, slot, threads, cuda) for slot in range(size)]
+        self.workers: list[_Worker] = []
+        try:
+            for slot in range(size):
+                self.workers.append(_Worker(self.ctx, slot, threads, cuda))
+        except BaseException:                 # interrupted while starting: stop those already started
+            self.close(interrupted=True)
+            raise
 
     @property
     def idle(self) -> list[_Worker]:
@@ -246,16 +291,19 @@ class _WorkerPool:
         dead.process.join(timeout=5)
         self.workers[self.workers.index(dead)] = _Worker(self.ctx, dead.slot, self.threads, self.cuda)
 
-    def close(self) -> None:
-        """Idle workers exit; workers still training (an interrupt) are terminated."""
+    def close(self, interrupted: bool = False) -> None:
+        """Idle workers exit; workers still training are terminated. ``interrupted`` (Ctrl-C, SIGTERM):
+        every worker is terminated at once, idle ones too: a worker still starting up (importing
+        torch, many seconds on a loaded machine) reads no goodbye until it has, and the user asked to
+        stop now."""
         for w in self.workers:
             with contextlib.suppress(OSError, ValueError):
-                if w.task is None:
+                if w.task is None and not interrupted:
                     w.conn.send(None)
                 else:
                     w.process.terminate()
         for w in self.workers:
-            w.process.join(timeout=10)
+            w.process.join(timeout=_CLOSE_WAIT_S[interrupted])
             if w.process.is_alive():
                 w.process.kill()
                 w.process.join()
