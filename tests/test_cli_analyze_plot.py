@@ -204,5 +204,6 @@ def test_too_short_runs_are_counted_in_the_table_and_drawn_in_the_regime_diagram
                                   "diverged"]
     row = next(line for line in lines if line.split()[:1] == ["1"])
     assert row.split()[1:9] == ["2", "0", "0", "0", "0", "2", "0", "0"]
+    assert "note: 4 run(s) too short to classify (never fit the training set, stopped before epoch 50)" in "\n".join(lines)
     main(["plot", str(path), "--out", str(tmp_path / "figs"), "--n-boot", "20", "--n-band", "20"])
     assert "too short to classify" in (tmp_path / "figs" / "regime_diagram.svg").read_text()

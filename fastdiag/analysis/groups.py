@@ -12,6 +12,7 @@ import numpy as np
 from fastdiag.analysis.bootstrap import FitError, as_float_array, require_same_length
 from fastdiag.analysis.fits import fit_lambda_c, fit_nu
 from fastdiag.grokking.config import GROKKED, REGIMES
+from fastdiag.grokking.labels import NEVER_FIT_MIN_EPOCHS
 from fastdiag.store import Store
 
 
@@ -141,6 +142,10 @@ def analyze_group(group: Group, n_boot: int = 1500, seed: int = 0, fit_max_lambd
     }
     if n_zero:
         out["notes"].append(f"{n_zero} run(s) at λ = 0 kept out of the λ_c fit (log-λ axis)")
+    n_short = regimes.count("too-short")
+    if n_short:
+        out["notes"].append(f"{n_short} run(s) too short to classify (never fit the training set, stopped before "
+                            f"epoch {NEVER_FIT_MIN_EPOCHS}): train longer (--epochs) to tell collapse from no-fit")
     in_fit = in_fit_range(lambdas, fit_max_lambda)
     if not all(in_fit):
         out["notes"].append(f"{in_fit.count(False)} run(s) with λ > {fit_max_lambda:g} kept out of the "
