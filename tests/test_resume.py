@@ -160,12 +160,14 @@ def store_traces(store):
         conn.close()
 
 
-def test_a_killed_ensemble_sweep_resumes_its_pack_bit_identically(tmp_path):
-    """`fastdiag sweep --ensemble 2` killed with SIGKILL after its pack's first checkpoint: the rerun
-    packs the two runs together again, resumes them from the pack's checkpoint and stores exactly the
-    traces of an uninterrupted sweep; the checkpoint directory is gone at the end."""
+@pytest.mark.parametrize("how", ["--ensemble 2 --workers 1", "--ensemble 1 --workers 2"])
+def test_a_killed_sweep_resumes_bit_identically(tmp_path, how):
+    """`fastdiag sweep` killed with SIGKILL after its first checkpoint — a pack of two trained in the
+    driver, or two runs one by one in two worker processes: the rerun resumes from the checkpoints
+    (a pack's runs packed together again) and stores exactly the traces of an uninterrupted sweep; the
+    checkpoint folder is gone at the end."""
     grid = ["--wd", "0.3,1", "--seeds", "1", *TINY_RUN[:-5], "--device", "cpu", "--epochs", "400",
-            "--ensemble", "2", "--workers", "1", "--threads", "1", "--quiet"]
+            *how.split(), "--threads", "1", "--quiet"]
     whole = fastdiag("sweep", *grid, "--store", str(tmp_path / "whole.sqlite"), "--checkpoint-every", "off")
     _, err = finish(whole)
     assert whole.returncode == 0, err
@@ -176,9 +178,9 @@ def test_a_killed_ensemble_sweep_resumes_its_pack_bit_identically(tmp_path):
     killed = fastdiag("sweep", *grid, "--store", str(store), "--checkpoint-every", "20")
     try:
         deadline = time.time() + 300
-        while not list(folder.glob("pack-*")) and killed.poll() is None and time.time() < deadline:
+        while not list(folder.glob("*.ckpt.pt")) and killed.poll() is None and time.time() < deadline:
             time.sleep(0.02)
-        assert list(folder.glob("pack-*")), f"no pack checkpoint was written: {killed.poll()=}"
+        assert list(folder.glob("*.ckpt.pt")), f"no checkpoint was written: {killed.poll()=}"
         time.sleep(random.Random(seed).uniform(0, 1.5))
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait(timeout=30)
@@ -186,12 +188,47 @@ def test_a_killed_ensemble_sweep_resumes_its_pack_bit_identically(tmp_path):
         if killed.poll() is None:
             os.killpg(killed.pid, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL, f"the sweep ended before the kill (seed {seed})"
-    assert not store_traces(store)
+    assert len(store_traces(store)) < 2 * 200
 
     rerun = fastdiag("sweep", *grid, "--store", str(store), "--checkpoint-every", "20")
     _, err = finish(rerun)
     assert rerun.returncode == 0, err
-    assert "2 resumed from checkpoints" in err, err
+    assert "resumed from checkpoints" in err, err
+    if "--ensemble 2" in how:
+        assert "2 resumed from checkpoints" in err, err
     assert store_traces(store) == store_traces(tmp_path / "whole.sqlite"), f"seed {seed}"
     assert len(store_traces(store)) == 2 * 200
     assert not folder.exists()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_pack_resumes_with_only_its_unfinished_members(tmp_path):
+    """A pack's checkpoint resumes any subset of the members it saved (those finished since are left
+    out), each member exactly as in the uninterrupted pack; a pack with a member it never saved starts
+    from epoch 0 with a warning."""
+    import dataclasses
+
+    from fastdiag.grokking.checkpoint import pack_key
+    from fastdiag.grokking.ensemble_train import train_ensemble
+    base = RunConfig(**{**TINY_CFG.__dict__, "epochs": 24, "eval_every": 2})
+    cfgs = [dataclasses.replace(base, seed=s, weight_decay=w) for s, w in ((0, 1.0), (1, 0.1), (2, 3.0))]
+    whole = train_ensemble(cfgs)
+    key = pack_key(c.run_id() for c in cfgs)
+
+    class Killed(Exception):
+        pass
+
+    def stop_at_18(index, row):
+        if row["epoch"] >= 18:
+            raise Killed
+    path = tmp_path / "pack.ckpt.pt"
+    with pytest.raises(Killed):
+        train_ensemble(cfgs, stop_at_18, checkpoint=Checkpointer(path, key, every_epochs=4))
+    again = Checkpointer(path, key, every_epochs=100)
+    outcomes = train_ensemble(cfgs[1:], checkpoint=again)
+    assert again.resumed_epoch == 16
+    assert [o.trace for o in outcomes] == [o.trace for o in whole[1:]]
+    stranger = dataclasses.replace(base, seed=9)
+    with pytest.warns(RuntimeWarning, match="other members"):
+        train_ensemble([cfgs[0], stranger], checkpoint=(c := Checkpointer(path, key, every_epochs=100)))
+    assert c.resumed_epoch is None
