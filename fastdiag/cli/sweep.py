@@ -13,6 +13,7 @@ from fastdiag.cli.app import CLIError, check_threads, create_store, open_store, 
 from fastdiag.cli.options import QUIET_HELP, THREADS_DEFAULT, run_fields, run_options
 from fastdiag.cli.run import checkpoint_option, parse_checkpoint_every
 from fastdiag.grokking.config import ARCHS, RunConfig
+from fastdiag.store import STATUSES
 from fastdiag.store.files import atomic_path, check_target
 from fastdiag.sweep.grid import build_grid, parse_list, parse_seeds, parse_shard, parse_wd
 from fastdiag.sweep.grid import shard as shard_grid
@@ -236,7 +237,7 @@ def _same_file(a: Path, b: Path) -> bool:
 @click.option("--out", "out", required=True, type=click.Path(), help="Output file of the runs table.")
 @click.option("--trace-out", default=None, type=click.Path(),
               help="Also write the trace rows (run_id, one column per trace field) to this file.")
-@click.option("--status", default=None, type=click.Choice(["pending", "running", "done", "failed"]),
+@click.option("--status", default=None, type=click.Choice(STATUSES),
               help="Only runs with this status (default: all).")
 def export_cmd(store_path, fmt, out, trace_out, status):
     """Export a store's runs table (config and result flattened into columns), optionally its traces."""

@@ -41,10 +41,13 @@ from fastdiag.store.rows import dumps
 
 APPLICATION_ID = 0x46446967          # "FDig"
 SCHEMA_VERSION = 1
+# A run's status: the one home of these names (the schema's CHECK, `export --status`, counts).
 STATUSES = ("pending", "running", "done", "failed")
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 # When merging, a run's better state wins: a finished run is never replaced by an unfinished one.
-_RANK = {"pending": 0, "running": 1, "failed": 2, "done": 3}
+_RANK = {status: rank for rank, status in enumerate(("pending", "running", "failed", "done"))}
+if set(_RANK) != set(STATUSES):        # a new status needs its rank
+    raise RuntimeError(f"_RANK and STATUSES differ: {sorted(set(_RANK) ^ set(STATUSES))}")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -54,7 +57,7 @@ CREATE TABLE IF NOT EXISTS meta (
 CREATE TABLE IF NOT EXISTS runs (
     run_id      TEXT PRIMARY KEY,
     config      TEXT NOT NULL,
-    status      TEXT NOT NULL CHECK (status IN ('pending', 'running', 'done', 'failed')),
+    status      TEXT NOT NULL CHECK (status IN (%s)),
     result      TEXT,
     error       TEXT,
     attempts    INTEGER NOT NULL DEFAULT 0,
@@ -72,7 +75,7 @@ CREATE TABLE IF NOT EXISTS trace (
     row    TEXT NOT NULL,
     PRIMARY KEY (run_id, idx)
 ) WITHOUT ROWID;
-"""
+""" % ", ".join(f"'{status}'" for status in STATUSES)
 # Added to stores of any schema version by the first writer that opens them (readers ignore it).
 _CLAIMS = """
 CREATE TABLE IF NOT EXISTS claims (
@@ -325,10 +328,8 @@ class Store:
                     finished_at: float | None = None, worker: str | None = None) -> None:
         """Write a finished run's result and trace in one transaction (replacing any partial trace)."""
         finished_at = time.time() if finished_at is None else finished_at
-        rows = [(run_id, i, row.get("epoch"), row.get("step"), dumps(row)) for i, row in enumerate(trace)]
         with self.transaction() as conn:
-            conn.execute("DELETE FROM trace WHERE run_id = ?", (run_id,))
-            conn.executemany("INSERT INTO trace (run_id, idx, epoch, step, row) VALUES (?, ?, ?, ?, ?)", rows)
+            _replace_trace(conn, run_id, trace)
             cur = conn.execute(
                 "UPDATE runs SET status = 'done', result = ?, error = NULL, finished_at = ?, "
                 "started_at = COALESCE(?, started_at), worker = COALESCE(?, worker) WHERE run_id = ?",
@@ -424,18 +425,24 @@ class Store:
                 continue
             trace = other.trace(rid) if run["status"] == "done" else []
             with self.transaction() as conn:
-                conn.execute("DELETE FROM trace WHERE run_id = ?", (rid,))
                 conn.execute(
                     f"INSERT OR REPLACE INTO runs ({self._COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (rid, dumps(run["config"]), run["status"],
                      dumps(run["result"]) if run["result"] is not None else None, run["error"],
                      run["attempts"], run["created_at"], run["started_at"], run["finished_at"], run["worker"]))
-                conn.executemany("INSERT INTO trace (run_id, idx, epoch, step, row) VALUES (?, ?, ?, ?, ?)",
-                                 [(rid, i, r.get("epoch"), r.get("step"), dumps(r)) for i, r in enumerate(trace)])
+                _replace_trace(conn, rid, trace)
             stats["added" if here is None else "updated"] += 1
             mine[rid] = run["status"]
         stats["intervention_arms_added"] = merge_tables(self, other)   # experiments keep their own tables
         return stats
+
+
+def _replace_trace(conn, run_id: str, trace: list[dict]) -> None:
+    """A run's trace rows, replacing any it had (inside the caller's transaction): the one place the
+    trace table is written."""
+    conn.execute("DELETE FROM trace WHERE run_id = ?", (run_id,))
+    conn.executemany("INSERT INTO trace (run_id, idx, epoch, step, row) VALUES (?, ?, ?, ?, ?)",
+                     [(run_id, i, row.get("epoch"), row.get("step"), dumps(row)) for i, row in enumerate(trace)])
 
 
 def open_existing(path: str | os.PathLike, check_config: Callable[[dict], None] | None = None,
