@@ -194,7 +194,7 @@ def test_analyze_and_plot_long_horizon_store(tmp_path, capsys):
     assert (tmp_path / "f" / "stages.png").stat().st_size > 5000
 
 
-def _headdim_fake_train(cfg, progress=None):   # train_run's signature
+def _headdim_fake_train(cfg, progress=None, checkpoint=None):   # train_run's signature
     rng = random.Random(f"{cfg.d_model}/{cfg.n_heads}/{cfg.seed}")
     x = cfg.d_model / cfg.n_heads
     peak = 0.04 + 0.07 * (1 - math.exp(-0.15 * x)) + rng.gauss(0, 0.003)
