@@ -232,3 +232,25 @@ def test_a_pack_resumes_with_only_its_unfinished_members(tmp_path):
     with pytest.warns(RuntimeWarning, match="other members"):
         train_ensemble([cfgs[0], stranger], checkpoint=(c := Checkpointer(path, key, every_epochs=100)))
     assert c.resumed_epoch is None
+
+
+def test_leftovers_of_a_save_killed_midway_are_removed_with_the_checkpoint(tmp_path):
+    """kill -9 during a save leaves atomic_path's hidden temporary file: removing the checkpoint (the
+    run ended) removes it too, and a sweep's tidy-up removes those of runs that cannot resume."""
+    from fastdiag.grokking.checkpoint import remove_checkpoint
+    from fastdiag.sweep.checkpoints import SweepCheckpoints
+    path = checkpoint_path(tmp_path, "run")
+    path.write_bytes(b"x")
+    (tmp_path / ".run.ckpt.k1llEd.tmp.pt").write_bytes(b"half")
+    (tmp_path / "result.json").write_text("{}")
+    remove_checkpoint(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+
+    folder = tmp_path / "s.sqlite.checkpoints"
+    folder.mkdir()
+    for name in (".aaaa.ckpt.x1.tmp.pt", "bbbb.ckpt.pt", ".bbbb.ckpt.x2.tmp.pt", ".pack-cc.ckpt.x3.tmp.pt"):
+        (folder / name).write_bytes(b"half")
+    SweepCheckpoints(folder, (300.0, None)).tidy(["bbbb"])          # bbbb may still resume
+    assert sorted(p.name for p in folder.iterdir()) == [".bbbb.ckpt.x2.tmp.pt", "bbbb.ckpt.pt"]
+    SweepCheckpoints(folder, (300.0, None)).tidy([])
+    assert not folder.exists()

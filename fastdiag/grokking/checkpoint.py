@@ -103,7 +103,20 @@ class Checkpointer:
 
 
 def remove_checkpoint(path: str | os.PathLike) -> None:
-    Path(path).unlink(missing_ok=True)
+    """Remove a checkpoint and any temporary file a save killed midway left beside it."""
+    path = Path(path)
+    path.unlink(missing_ok=True)
+    for tmp in path.parent.glob(f".{path.stem}.*.tmp{path.suffix}"):   # atomic_path's naming
+        tmp.unlink(missing_ok=True)
+
+
+def checkpoint_of_temporary(tmp: Path) -> Path | None:
+    """The checkpoint a leftover temporary file (``.<stem>.<random>.tmp<suffix>``) was to replace."""
+    name = tmp.name
+    if not (name.startswith(".") and ".tmp" in name):
+        return None
+    stem, _, rest = name[1:].rpartition(".tmp")
+    return tmp.with_name(stem.rpartition(".")[0] + rest)
 
 
 def pack_key(run_ids: Iterable[str]) -> str:

@@ -80,7 +80,11 @@ class SweepCheckpoints:
         """At the end of a sweep: remove files no unfinished run can resume from, then the directory
         if nothing is left in it."""
         unfinished = set(unfinished)
-        for path in self.directory.glob(f"*{ckpt.CHECKPOINT_SUFFIX}"):
+        paths = set(self.directory.glob(f"*{ckpt.CHECKPOINT_SUFFIX}"))
+        for tmp in self.directory.glob(f".*.tmp{Path(ckpt.CHECKPOINT_SUFFIX).suffix}"):   # a save killed midway
+            if (target := ckpt.checkpoint_of_temporary(tmp)) is not None:
+                paths.add(target)
+        for path in paths:
             if path.name.startswith(PACK_PREFIX):
                 members = ckpt.saved_members(path)
                 stale = members is None or not unfinished & set(members[1])
