@@ -45,9 +45,10 @@ def trace_rows(out_dir):
 
 
 def test_a_killed_fastdiag_run_resumes_bit_identically(tmp_path):
-    """`fastdiag run` killed with SIGKILL at a random moment after its first checkpoint: the rerun
-    resumes from the checkpoint (not from epoch 0) and writes exactly the uninterrupted run's trace
-    and results; the checkpoint is gone once the outputs are written."""
+    """`fastdiag run` killed with SIGKILL twice, each time at a random moment after a new checkpoint
+    (mid-epoch, mid-evaluation, mid-save): the rerun resumes from the last checkpoint (not from epoch
+    0) and writes exactly the uninterrupted run's trace and results; the checkpoint is gone once the
+    outputs are written."""
     epochs = "600"
     whole = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", "off", "--out", str(tmp_path / "whole"))
     out, err = finish(whole)
@@ -56,33 +57,37 @@ def test_a_killed_fastdiag_run_resumes_bit_identically(tmp_path):
     cut = tmp_path / "cut"
     ckpt = checkpoint_path(cut, "run")
     seed = random.randrange(10**6)
-    killed = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", "20", "--out", str(cut))
-    try:
-        deadline = time.time() + 300
-        while not ckpt.exists() and killed.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        assert ckpt.exists(), f"no checkpoint was written: {killed.poll()=}"
-        time.sleep(random.Random(seed).uniform(0, 2.0))      # a random moment: mid-epoch, mid-save, ...
-        os.killpg(killed.pid, signal.SIGKILL)
-        killed.wait(timeout=30)
-    finally:
-        if killed.poll() is None:
+    moments = random.Random(seed)
+    for kill in range(2):
+        before = ckpt.stat().st_mtime_ns if ckpt.exists() else None
+        killed = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", "20", "--out", str(cut))
+        try:
+            deadline = time.time() + 300
+            while killed.poll() is None and time.time() < deadline and \
+                    (not ckpt.exists() or ckpt.stat().st_mtime_ns == before):
+                time.sleep(0.02)
+            assert ckpt.exists() and ckpt.stat().st_mtime_ns != before, f"no new checkpoint: {killed.poll()=}"
+            time.sleep(moments.uniform(0, 1.0))
             os.killpg(killed.pid, signal.SIGKILL)
-    assert killed.returncode == -signal.SIGKILL, f"the run ended before the kill (seed {seed}): make it longer"
-    assert not (cut / "result.json").exists() and ckpt.exists()
+            killed.wait(timeout=30)
+        finally:
+            if killed.poll() is None:
+                os.killpg(killed.pid, signal.SIGKILL)
+        assert killed.returncode == -signal.SIGKILL, f"run {kill} ended before the kill (seed {seed}): make it longer"
+        assert not (cut / "result.json").exists() and ckpt.exists()
 
     rerun = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", "20", "--out", str(cut))
     out, err = finish(rerun)
     assert rerun.returncode == 0, err
     resumed = int(out.split("resumed from the checkpoint at epoch ")[1].split(")")[0])
-    assert 20 <= resumed < int(epochs), out
+    assert 40 <= resumed < int(epochs), out                  # the second run went on from the first's
     assert (cut / "trace.csv").read_bytes() == (tmp_path / "whole" / "trace.csv").read_bytes(), f"seed {seed}"
     assert len(trace_rows(cut)) == int(epochs) // 2
     a, b = (json.loads((d / "result.json").read_text()) for d in (tmp_path / "whole", cut))
     for r in (a, b):
         r.pop("wall_seconds")
     assert a == b
-    assert not ckpt.exists()
+    assert sorted(p.name for p in cut.iterdir()) == ["result.json", "trace.csv", "trajectory.png"]
 
 
 @pytest.mark.usefixtures("one_thread")
