@@ -268,16 +268,38 @@ def _gram_in_kernel_order(probs, programs, split):
 @pytest.mark.parametrize("rows,t,programs,split", [(1024, 1024, 132, False), (1024, 1024, 132, True),
                                                    (1024, 4096, 32, False)])
 def test_gram_precision_at_model_size_in_kernel_order(rows, t, programs, split):
-    """fp32 tensor-core accumulators across all of a program's tiles keep the Gram within 1e-5 at
-    T = 1024 (one program per SM of an H200) and T = 4096 keys (1024 of the 4096 query rows on 32
-    programs: each program adds the 8 tiles × 64 key steps it would add at 4096 rows on 132 SMs;
-    measured 4e-9 bf16 and 1.6e-7 fp32 at T = 1024, 2.5e-8 bf16 at T = 4096, all 4096 rows)."""
+    """A float64 model of fp32 accumulators across all of a program's tiles: within 1e-5 at T = 1024
+    (one program per SM of an H200) and T = 4096 keys (1024 of the 4096 query rows on 32 programs:
+    each program adds the 8 tiles × 64 key steps it would add at 4096 rows on 132 SMs; the model gives
+    4e-9 bf16 and 1.6e-7 fp32 at T = 1024, 2.5e-8 bf16 at T = 4096, all 4096 rows).
+
+    A lower bound only: the H200 itself lost 1.3e-5 (fp32) and 9.3e-6 (bf16) at [1, 2, 12, 1024, 1024]
+    with that order (benchmarks/RESULTS.md, 2026-12-04) — the tensor cores' accumulation is not one
+    fp32 rounding per slab dot. The kernel now sums in float64 across tiles and every
+    GRAM_FLUSH_KEYS keys (`test_gram_flushes_to_float64_mid_tile` checks that path)."""
     h = 4
     probs = random_probs((1, 1, h, rows, t), dtype=torch.float32 if split else torch.bfloat16, seed=t)
     probs = probs.float().reshape(h, rows, t)
     exact = torch.einsum("hrk,grk->hg", probs.double(), probs.double())
     got = _gram_in_kernel_order(probs, programs=programs, split=split)
     assert ((got - exact).abs().max() / exact.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gram_flushes_to_float64_mid_tile(dtype, monkeypatch):
+    """The Gram's fp32 chain is added to the float64 sums every GRAM_FLUSH_KEYS keys of a row tile, not
+    only at the tile's end: with GRAM_FLUSH_KEYS below one key step, every step of a 130-key row
+    flushes, and the sums still equal the float64 reference (a flush that dropped or doubled a chunk
+    would not)."""
+    from fastdiag.core.kernels import head_stats_triton as hs
+
+    monkeypatch.setattr(hs, "GRAM_FLUSH_KEYS", 16)
+    probs = random_probs((1, 2, 6, 40, 130), dtype=dtype, seed=17)
+    mask = random_query_mask((1, 2, 40), seed=17)
+    got = fastdiag.head_stats(probs, mask, backend="triton")
+    want = fastdiag.head_stats(probs, mask, backend="reference")
+    assert rel_err(got.gram, want.gram) <= TOLERANCE[dtype]
+    assert rel_err(got.entropy_sum, want.entropy_sum) <= TOLERANCE[dtype]
 
 
 # ---- the hardware log2's error on σ_H -------------------------------------------------------------

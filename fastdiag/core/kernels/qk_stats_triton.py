@@ -35,13 +35,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .constants import LOG2E
+from .constants import LN2, LOG2E, MASKED_SCORE, MASS_TOLERANCE
 from .qk_stats_ref import qk_stats_ref
 from .qk_stats_torch import CHUNK_BYTES, qk_stats_torch
 from .report import GPUS, KernelReport, ReportCase, device_limits, register, report_case
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# The shared constants (`constants.py`) as the kernels read them
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(LN2)
+_MASKED = tl.constexpr(MASKED_SCORE)
+_ABOVE_MASKED = tl.constexpr(MASKED_SCORE / 10)   # pass 1's starting max: exp2(MASKED - it) is 0
+_MASS_TOLERANCE = tl.constexpr(MASS_TOLERANCE)
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
 
 
@@ -127,10 +133,10 @@ def _scores(q, q_ptr, k_ptr, mask_ptr, batch, kv_head, head, row, real, key0, Hk
         else:
             # finite: × log2 e cannot overflow; NaN-propagating (max.NaN.f32): a plain max.f32 drops a
             # NaN entry, which would then count as masked instead of showing up as NaN
-            mf = tl.maximum(m.to(tl.float32), -1e30, propagate_nan=tl.PropagateNan.ALL)
+            mf = tl.maximum(m.to(tl.float32), _MASKED, propagate_nan=tl.PropagateNan.ALL)
             visible = visible & ((mf > mask_threshold) | (mf != mf))   # NaN stays, to show up as NaN
-            s = s + mf * 1.4426950408889634
-    return tl.where(visible, s, -1e30)
+            s = s + mf * _LOG2E
+    return tl.where(visible, s, _MASKED)
 
 
 @triton.jit
@@ -155,7 +161,7 @@ def _qk_lse_kernel(
     if not Q_IN_LOOP:
         q = _load_q(q_ptr, batch, head, row, real, 0, D, stride_qb, stride_qh, stride_qm, stride_qd, BLOCK_D)
     # above MASKED: a row whose keys are all masked adds exp2(MASKED - m_i) = 0 and keeps sum 0
-    m_i = tl.full((BLOCK_HK, BLOCK_G * BLOCK_M), -1e29, dtype=tl.float32)
+    m_i = tl.full((BLOCK_HK, BLOCK_G * BLOCK_M), _ABOVE_MASKED, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
     key_end = Tk
     if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
@@ -169,14 +175,14 @@ def _qk_lse_kernel(
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, :, None]), 2)
         m_i = m_new
     seen = l_i > 0
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
     tl.store(lse_ptr + batch * stride_lb + head * stride_lh + row * stride_lm, lse, mask=real)
 
 
 @triton.jit
 def _log2_probs(s, lse2, ok):
     """``x = log2 p = s − lse₂``; rows that do not count get x = MASKED, so p = exp2(x) = 0."""
-    return tl.where(ok[:, :, None], s - lse2[:, :, None], -1e30)
+    return tl.where(ok[:, :, None], s - lse2[:, :, None], _MASKED)
 
 
 @triton.jit
@@ -219,7 +225,7 @@ def _qk_stats_kernel(
         q_i = _load_q(q_ptr, batch, head_i, row, real_i, 0, D, stride_qb, stride_qh, stride_qm, stride_qd, BLOCK_D)
     lse_ptrs_i = lse_ptr + batch * stride_lb + head_i * stride_lh + row * stride_lm
     # a row that does not count may have LSE ±inf: 0 keeps its exponent finite, its p is 0 anyway
-    lse2_i = tl.where(ok_i, tl.load(lse_ptrs_i, mask=ok_i, other=0.0) * 1.4426950408889634, 0.0)
+    lse2_i = tl.where(ok_i, tl.load(lse_ptrs_i, mask=ok_i, other=0.0) * _LOG2E, 0.0)
     if not DIAGONAL:
         block_j = tl.load(block_j_ptr + pair).to(tl.int64)
         kv_j, head_j, _row_j, real_j = _head_block(block_j, G, Hk, Tq, row0, BLOCK_HK, BLOCK_G, BLOCK_M)
@@ -231,7 +237,7 @@ def _qk_stats_kernel(
             q_j = _load_q(q_ptr, batch, head_j, row, real_j, 0, D, stride_qb, stride_qh, stride_qm, stride_qd,
                           BLOCK_D)
         lse_ptrs_j = lse_ptr + batch * stride_lb + head_j * stride_lh + row * stride_lm
-        lse2_j = tl.where(ok_j, tl.load(lse_ptrs_j, mask=ok_j, other=0.0) * 1.4426950408889634, 0.0)
+        lse2_j = tl.where(ok_j, tl.load(lse_ptrs_j, mask=ok_j, other=0.0) * _LOG2E, 0.0)
 
     gram = tl.zeros((BLOCK_HK * BLOCK_G, BLOCK_HK * BLOCK_G), dtype=tl.float32)
     plogp = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
@@ -269,9 +275,9 @@ def _qk_stats_kernel(
     tl.store(gram_part_ptr + part * bh * bh + out[:, None] * bh + out[None, :], gram)
     if DIAGONAL:
         # p·x is p log2 p: nats = −ln 2 × the sum
-        entropy = tl.sum(tl.reshape(plogp, (bh, BLOCK_M)), 1) * -0.6931471805599453
+        entropy = tl.sum(tl.reshape(plogp, (bh, BLOCK_M)), 1) * -_LN2
         tl.store(entropy_part_ptr + part * bh + out, entropy)
-        off = ok_i & ((tl.abs(mass - 1.0) <= 1e-3) == 0)     # NaN counts as off
+        off = ok_i & ((tl.abs(mass - 1.0) <= _MASS_TOLERANCE) == 0)     # NaN counts as off
         tl.store(invalid_part_ptr + part, tl.sum(tl.sum(off.to(tl.float32), 1), 0))
 
 
