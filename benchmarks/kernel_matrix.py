@@ -74,8 +74,8 @@ def main() -> None:
     print(f"rows with spills: {len(spills)}; rows over the target's shared memory: {len(over)}")
     shapes = {name: qk_stats_triton.REPORT_SHAPES[name] for name in args.qk_shapes.split(",")}
     dtypes = (torch.bfloat16, torch.float32) if args.quick else qk_stats_triton.REPORT_DTYPES
-    torch_path = qk_stats_triton.torch_pass2_cases(shapes, tuple(archs), dtypes)
-    print(f"Q/K pass 2 on the chunked torch path (no Triton tile fits the target): {'; '.join(torch_path) or 'none'}")
+    torch_path = qk_stats_triton.torch_path_cases(shapes, tuple(archs), dtypes)
+    print(f"Q/K passes on the chunked torch path (no Triton tile fits the target): {'; '.join(torch_path) or 'none'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"triton": triton.__version__, "rows": [r.row() for r in rows]}, f, indent=1, default=str)

@@ -100,7 +100,10 @@ def test_every_generation_compiles_with_its_own_limits():
     assert qk.pass2_configs(12, 12, 64, torch.float32, 227 * 1024) == []
     assert qk.pass2_configs(32, 32, 128, torch.bfloat16, 99 * 1024) == []
     assert qk.pass2_configs(32, 32, 128, torch.bfloat16, 227 * 1024)
-    assert "sm_86 llama-7b bfloat16" in qk.torch_pass2_cases(archs=(86,))
+    assert "sm_86 llama-7b bfloat16 pass 2" in qk.torch_path_cases(archs=(86,))
+    assert "sm_86 gpt2-small float32 passes 1 + 2" in qk.torch_path_cases(archs=(86,))
+    assert not qk.pass1_fits(torch.float32, 99 * 1024) and qk.pass1_fits(torch.float32, 227 * 1024)
+    assert qk.pass1_fits(torch.bfloat16, 99 * 1024) and qk.pass1_fits(torch.float32, None)
     with pytest.raises(ValueError, match="archs"):
         report.kernel_report({}, archs=(75,))
 
@@ -187,3 +190,22 @@ def test_cli_kernel_report_writes_json(tmp_path):
     assert "instr/elem" in result.stdout and "ceiling" in result.stdout
     payload = json.loads(out.read_text())
     assert payload["kind"] == "kernel-report" and len(payload["kernels"]) == 3
+
+
+def test_fp32_qk_on_a_99kb_gpu_runs_the_torch_path_and_matches_the_reference():
+    """float32 Q/K on an sm_86-class GPU (99 KB): neither pass fits, so the launcher hands the whole
+    computation to the chunked PyTorch path — run here for real under the report's sm_86 target (its
+    shared-memory limit is what the launcher reads), no Triton kernel launched."""
+    from fastdiag.core.kernels import qk_stats_triton as qk
+    from fastdiag.core.kernels.qk_stats_ref import qk_stats_ref
+    from fastdiag.testing import TOLERANCE, rel_err
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 33, 16, generator=g), torch.randn(2, 2, 33, 16, generator=g)
+    with report._capture_compiles([qk], report.GPUS[86]) as captured:
+        got = qk.qk_stats_triton(q, k, None, True, 0.25)
+    assert captured == []
+    want = qk_stats_ref(q, k, None, True, 0.25)
+    assert rel_err(got[0], want[0]) <= TOLERANCE[torch.float32]
+    assert rel_err(got[1], want[1]) <= TOLERANCE[torch.float32]
+    assert got[2].item() == want[2].item() and got[3].item() == 0

@@ -324,6 +324,8 @@ class Provenance:
         self.clear()
 
     def clear(self):
+        if getattr(self, "candidate_rows", None) == {} and not (self.labels or self.products or self.candidates):
+            return   # already empty (every unmeasured pass): three fresh weak dicts cost ~25 µs a pass
         self.labels = WeakIdKeyDictionary()    # tensor -> frozenset of (call, argument)
         self.products = WeakIdKeyDictionary()  # tensor -> frozenset of (query labels, key labels)
         self.candidates = WeakIdKeyDictionary()  # tensor -> frozenset of softmax candidates it carries

@@ -476,12 +476,19 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
     device's shared memory fall back to smaller ones; ``tiles`` (a `tile_config`) replaces that
     choice, without fallback (tests force head blocks with it at small shapes)."""
     q4, k4 = _dot_inputs(q4, k4)
+    limits = device_limits(q4.device)
+    shared = limits and limits["shared_bytes"]
     if lse is None:
-        lse = _row_lse(q4, k4, mask4, is_causal, scale)
+        if not pass1_fits(q4.dtype, shared):
+            return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, None, CHUNK_BYTES, check_lse=False)
+        try:
+            lse = _row_lse(q4, k4, mask4, is_causal, scale)
+        except triton.runtime.errors.OutOfResources as e:
+            _warn_torch_pass2(q4, e)
+            return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, None, CHUNK_BYTES, check_lse=False)
     if tiles is not None:
         return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles)
-    limits = device_limits(q4.device)
-    for cfg in pass2_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, limits and limits["shared_bytes"]):
+    for cfg in pass2_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared):
         try:
             return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg)
         except triton.runtime.errors.OutOfResources as e:
@@ -498,9 +505,21 @@ def _warn_torch_pass2(q4, error) -> None:
     key = (q4.device, q4.dtype, q4.shape[1], q4.shape[3])
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(f"qk_head_stats: a pass-2 tile exceeded this GPU's shared memory ({error}); trying "
+        warnings.warn(f"qk_head_stats: a Triton tile exceeded this GPU's shared memory ({error}); trying "
                       "smaller tiles, then the chunked PyTorch path (same sums, slower)", RuntimeWarning,
                       stacklevel=3)
+
+
+# float32 pass 1 (TF32×3 scores) needs the 227 KB of sm_90 / sm_100: compiled for sm_86 (99 KB) it
+# spills 180 B (GPT-2-small) to 11 KB (Llama-7B, additive mask) and takes 80–192 KB at 128 × 64 tiles,
+# and still spills at 64 × 32 for head dim 128 (triton 3.6, benchmarks/RESULTS.md).
+PASS1_FP32_SHARED = 227 * 1024
+
+
+def pass1_fits(dtype: torch.dtype, shared_limit: int | None) -> bool:
+    """Whether pass 1 runs in Triton on a target with ``shared_limit`` bytes per block (None: no limit
+    applies). Where not, the whole Q/K computation runs on `qk_stats_torch` (cuBLAS, full float32)."""
+    return shared_limit is None or dtype != torch.float32 or shared_limit >= PASS1_FP32_SHARED
 
 
 def row_lse_triton(q4, k4, mask4, is_causal: bool, scale: float) -> torch.Tensor:
@@ -583,18 +602,26 @@ def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dty
     cases = []
     if pass2_configs(h, hk, d, dtype, shared_limit):
         cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, _scores_per_iteration))
-    if not rows:
+    if not rows and pass1_fits(dtype, shared_limit):
         cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, _scores_per_iteration))
     return cases
 
 
-def torch_pass2_cases(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,),
-                      dtypes=REPORT_DTYPES) -> list[str]:
-    """``"sm_86 llama-7b bfloat16"`` for each target, shape and dtype whose pass 2 no Triton tile fits:
-    it runs on `qk_stats_torch` there (exact, slower), so the report has no row for it."""
-    return [f"sm_{arch} {shape} {str(dtype).replace('torch.', '')}"
-            for arch in archs for shape, (h, hk, d, _t) in shapes.items() for dtype in dtypes
-            if not pass2_configs(h, hk, d, dtype, GPUS[arch]["shared_bytes"])]
+def torch_path_cases(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,),
+                     dtypes=REPORT_DTYPES) -> list[str]:
+    """``"sm_86 llama-7b bfloat16 pass 2"`` for each target, shape, dtype and pass that no Triton tile
+    fits: it runs on `qk_stats_torch` there (exact, slower), so the report has no row for it."""
+    out = []
+    for arch in archs:
+        limit = GPUS[arch]["shared_bytes"]
+        for shape, (h, hk, d, _t) in shapes.items():
+            for dtype in dtypes:
+                name = f"sm_{arch} {shape} {str(dtype).replace('torch.', '')}"
+                if not pass1_fits(dtype, limit):
+                    out.append(f"{name} passes 1 + 2")
+                elif not pass2_configs(h, hk, d, dtype, limit):
+                    out.append(f"{name} pass 2")
+    return out
 
 
 def _report_cases(shapes: dict) -> list[ReportCase]:
