@@ -80,13 +80,20 @@ def _shared_unit(item) -> str | None:
     info = getattr(item, "_fixtureinfo", None)
     for name in info.names_closure if info is not None else ():
         defs = info.name2fixturedefs.get(name)
-        if not defs or not defs[-1].baseid:        # pytest's and plugins' own fixtures (tmp_path_factory …)
+        if not defs or not _suite_fixture(defs[-1], item.config.rootpath):
             continue
         if defs[-1].scope == "session":
             return "session:" + name
         if defs[-1].scope in ("package", "module"):
             return "module:" + item.nodeid.split("::")[0]
     return None
+
+
+def _suite_fixture(fixturedef, rootpath: Path) -> bool:
+    """A fixture of this suite (its conftests and modules), not one of pytest's or a plugin's
+    (tmp_path_factory, …), which are cheap and live in the installed packages."""
+    source = Path(fixturedef.func.__code__.co_filename).resolve()
+    return rootpath.resolve() in source.parents and "site-packages" not in source.parts
 
 
 if LoadScopeScheduling is not None:
