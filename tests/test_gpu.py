@@ -102,3 +102,19 @@ def test_attach_in_training_precision_matches_the_float64_reference(autocast):
         if isinstance(want, float) and key.startswith(("s_bar", "sigma_h", "sync/", "spread/")):
             got = records["auto"][key]
             assert abs(got - want) <= tol * max(abs(want), 1e-3), (key, got, want)
+
+
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_torch_backend_on_cuda_keeps_float32_accuracy(precision):
+    """head_stats(backend="torch") on a CUDA tensor: one chunk's Gram is a cuBLAS product over ~10^6
+    columns, computed in float64 (an fp32 chain lost 2e-5..6e-5), and a TF32 setting does not reach it."""
+    probs = random_probs((1, 2, 12, 512, 512), dtype=torch.float32, seed=4, device="cuda")
+    want = fastdiag.head_stats(probs.double(), backend="reference")
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        got = fastdiag.head_stats(probs, backend="torch")
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    for a, b in ((got.gram, want.gram), (got.entropy_sum, want.entropy_sum)):
+        assert ((a.double() - b).abs().max() / b.abs().max()).item() <= 1e-5

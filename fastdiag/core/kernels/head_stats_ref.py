@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from .constants import exact_fp32_matmul
+
 
 def _valid_rows(probs: torch.Tensor, query_mask: torch.Tensor | None) -> torch.Tensor:
     n, b, _, tq, _ = probs.shape
@@ -52,7 +54,8 @@ def head_stats_ref(probs: torch.Tensor, query_mask: torch.Tensor | None = None,
 
 # Elements per chunk: a chunk and its two work buffers stay in the core's L2/L3 cache (CPU). On a GPU
 # (the torch backend there is a fallback) one chunk is the whole problem.
-_CHUNK_ELEMENTS = {"cpu": 1 << 18}
+# CUDA: chunks bound the float64 copy its Gram is computed from (`_gram`), 128 MB
+_CHUNK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 24}
 # log(n p) is taken as log1p(n p − 1) (the faster of torch's two logs here, exact at n p ≈ 1).
 # n p − 1 rounds to −1 for n p < 2⁻²⁵; the floor keeps log1p finite there, and moves such a term
 # p·log(n p) by at most 2⁻²⁴/(e·n), the size of the rounding of n p − 1 itself.
@@ -76,6 +79,11 @@ _LINEAR = _fast_fp32_gram()
 
 def _gram(heads: torch.Tensor) -> torch.Tensor:
     """``heads [P, H, M]`` contiguous -> Gram ``[P, H, H]`` in the input dtype."""
+    if heads.is_cuda:
+        # float64: cuBLAS sums a chunk's ~10^6 columns in one fp32 chain (2e-5..6e-5 relative lost at
+        # 66K columns on an H200); the result is summed in float64 by the caller anyway
+        h64 = heads.double()
+        return torch.bmm(h64, h64.transpose(1, 2))
     # inductor cannot lower the oneDNN op: compiled graphs take bmm
     if (heads.shape[0] == 1 and heads.dtype == torch.float32 and heads.device.type == "cpu" and _LINEAR is not None
             and not torch.compiler.is_compiling()):
@@ -185,6 +193,13 @@ class _Chunk:
 
 
 def head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None, causal: bool = False):
+    """`_head_stats_torch` with float32 products computed in float32 whatever the user's matmul
+    precision setting (TF32 or bf16 inside would cost three digits; `exact_fp32_matmul`)."""
+    with exact_fp32_matmul():
+        return _head_stats_torch(probs, query_mask, causal)
+
+
+def _head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = None, causal: bool = False):
     """Fast path: one chunked pass over P (cache-sized chunks: Gram, range check, entropy), float64
     final sums. ``causal``: keys after the causal diagonal are zero and are not read. Without the hint
     a chunk's keys after its last row's diagonal are skipped too when they are all exactly zero (one
