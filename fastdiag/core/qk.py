@@ -256,6 +256,12 @@ def _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scal
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale)[:2]
             return out, lse
+        if plain and choice == SDPBackend.CUDNN_ATTENTION:
+            # torch 2.11 picks cuDNN on an H200; its output equals F.sdpa's bit for bit and its fp32 LSE
+            # [B, H, Tq, 1] is within 1e-6 of pass 1's (benchmarks/RESULTS.md, 2026-12-04)
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                query, key, value, None, True, dropout_p, is_causal, False, scale=scale)[:2]
+            return out, lse.reshape(query.shape[:-1])
         if plain and choice == SDPBackend.EFFICIENT_ATTENTION:
             out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, None, True, dropout_p, is_causal, scale=scale)[:2]
