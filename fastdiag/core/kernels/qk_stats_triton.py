@@ -340,18 +340,20 @@ def _tile_config_and_shared(h: int, hk: int, d: int, budget: int = _SCORE_BUDGET
     return cfg, cfg_shared
 
 
-def lse_tile_config(h: int, hk: int, d: int) -> dict:
+def lse_tile_config(h: int, hk: int, d: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Pass 1's blocks: one key head (its query group folded into M) and 128 query rows per program,
     as a flash forward does. Pass 1 needs nothing across heads, and this layout takes fewer
     instructions per score than pass 2's head blocks at every report shape (``kernel_report``)."""
     block_g = triton.next_power_of_2(h // hk)
     block_d = max(16, triton.next_power_of_2(d))
-    block_dc = min(block_d, 2 * _DOT_COLUMNS)
+    # float32 (TF32×3) dots of 128 columns spilled 444–556 B at head dim 128 on sm_100; 64 do not
+    block_dc = min(block_d, _DOT_COLUMNS if dtype == torch.float32 else 2 * _DOT_COLUMNS)
     return dict(BLOCK_HK=1, BLOCK_G=block_g, BLOCK_M=max(1, 128 // block_g), BLOCK_N=64, BLOCK_D=block_d,
                 BLOCK_DC=block_dc, Q_IN_LOOP=block_dc < block_d, num_warps=NUM_WARPS, num_stages=2)
 
 
-def pass2_configs(h: int, hk: int, d: int, dtype: torch.dtype, shared_limit: int | None) -> list[dict]:
+def pass2_configs(h: int, hk: int, d: int, dtype: torch.dtype, shared_limit: int | None,
+                  additive_mask: bool = False) -> list[dict]:
     """Pass 2's tiles to try, preferred first, on a target with ``shared_limit`` bytes of shared memory
     per block (None: no limit applies — CPU, the interpreter). Empty: no tile fits, and pass 2 runs
     on `qk_stats_torch` (cuBLAS in full float32; the Triton LSE of pass 1 still saves a pass).
@@ -359,15 +361,20 @@ def pass2_configs(h: int, hk: int, d: int, dtype: torch.dtype, shared_limit: int
     float32 inputs never fit a GPU: the TF32×3 dots hold three copies of every operand, 256–640 KB at
     the smallest tiles at GPT-2-small and Llama-7B (compiled for sm_90, benchmarks/RESULTS.md), where
     the largest GPU allows 227 KB. 16-bit tiles are chosen by the estimate `_shared_bytes` (checked
-    against the compiled metadata); a launch that still exceeds the device tries the next."""
+    against the compiled metadata); a launch that still exceeds the device tries the next.
+    ``additive_mask``: the mask tile's registers come on top, so the key tile starts at 16 (at 32,
+    GPT-2-small spilled 8 B on sm_90 and the 4k context 7.9 KB on sm_80, triton 3.9)."""
     element_bytes = torch.empty((), dtype=dtype).element_size()
+    tiles = ((_SCORE_BUDGET, 32), (_SCORE_BUDGET // 2, 32), (_SCORE_BUDGET // 4, 16), (_SCORE_BUDGET // 8, 16))
+    if additive_mask:
+        tiles = ((_SCORE_BUDGET // 2, 16), (_SCORE_BUDGET // 4, 16), (_SCORE_BUDGET // 8, 16))
     if shared_limit is None:
-        return [tile_config(h, hk, d, element_bytes=element_bytes)]
+        budget, block_n = tiles[0]
+        return [tile_config(h, hk, d, budget, block_n, element_bytes=element_bytes)]
     if dtype == torch.float32:
         return []
     fits = []
-    for budget, block_n in ((_SCORE_BUDGET, 32), (_SCORE_BUDGET // 2, 32), (_SCORE_BUDGET // 4, 16),
-                            (_SCORE_BUDGET // 8, 16)):
+    for budget, block_n in tiles:
         c, shared = _tile_config_and_shared(h, hk, d, budget, block_n, element_bytes, shared_limit)
         if shared <= shared_limit and c not in fits:
             fits.append(c)
@@ -415,7 +422,7 @@ def _shared_args(q4, k4, mask4, is_causal, scale, cfg):
 
 def _row_lse(q4, k4, mask4, is_causal, scale):
     b, h, tq, d = q4.shape
-    cfg = lse_tile_config(h, k4.shape[1], d)
+    cfg = lse_tile_config(h, k4.shape[1], d, q4.dtype)
     grid, mask, args, constexprs = _shared_args(q4, k4, mask4, is_causal, scale, cfg)
     lse = torch.empty(b, h, tq, dtype=torch.float32, device=q4.device)
     _qk_lse_kernel[grid](lse, q4, k4, mask, *args, *lse.stride(), **constexprs)
@@ -488,7 +495,8 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
             return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, None, CHUNK_BYTES, check_lse=False)
     if tiles is not None:
         return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles)
-    for cfg in pass2_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared):
+    additive = mask4 is not None and mask4.dtype != torch.bool
+    for cfg in pass2_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared, additive):
         try:
             return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg)
         except triton.runtime.errors.OutOfResources as e:
@@ -600,7 +608,7 @@ def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dty
         qk_stats_triton(q, k, mask, causal, d ** -0.5, rows_ok=rows_ok, lse=lse)
 
     cases = []
-    if pass2_configs(h, hk, d, dtype, shared_limit):
+    if pass2_configs(h, hk, d, dtype, shared_limit, mask_kind == "additive"):
         cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, _scores_per_iteration))
     if not rows and pass1_fits(dtype, shared_limit):
         cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, _scores_per_iteration))
