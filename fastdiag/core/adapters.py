@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fastdiag.core.qk import CHUNK_BYTES, qk_head_stats, unpack_query_heads, visible
+from fastdiag.core.qk import CHUNK_BYTES, additive_mask, qk_head_stats, unpack_query_heads, visible
 from fastdiag.core.stats import HeadStats
 
 
@@ -122,10 +122,9 @@ def as_bhqk(mask: torch.Tensor, lead: tuple, h: int, tq: int, tk: int) -> torch.
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A bool "True = masked out" mask (torch.nn convention) as an additive float mask."""
-    if mask is None or mask.dtype != torch.bool:
-        return None if mask is None else mask.to(dtype)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+    """A torch.nn mask (bool: True = masked out) as an additive float mask in ``dtype``."""
+    mask = additive_mask(mask, dtype, true_attends=False)
+    return None if mask is None else mask.to(dtype)
 
 
 # ---- torch.nn.MultiheadAttention ----------------------------------------------------------------

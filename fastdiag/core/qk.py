@@ -225,12 +225,15 @@ def unpack_query_heads(query: torch.Tensor, attn_mask: torch.Tensor | None, lse:
     return query, attn_mask, lse
 
 
-def _sdpa_float_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A bool mask as F.scaled_dot_product_attention hands it to its fused ops: 0 / -inf in q's dtype."""
-    if attn_mask is None or attn_mask.dtype != torch.bool:
-        return attn_mask
-    return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(
-        ~attn_mask, float("-inf"))
+def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype, true_attends: bool) -> torch.Tensor | None:
+    """A bool mask as an additive one in ``dtype``, 0 where a key may be attended and -inf where not
+    (as F.scaled_dot_product_attention hands a bool mask to its fused ops). ``true_attends``: True
+    marks keys that may be attended (SDPA's convention); False: keys masked out (torch.nn's
+    ``key_padding_mask`` / MultiheadAttention's). Other masks pass through as they are."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    blocked = ~mask if true_attends else mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(blocked, float("-inf"))
 
 
 def _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -246,7 +249,7 @@ def _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scal
             # What F.sdpa runs on CPU (bit-identical output and gradients, tests/test_qk_stats.py).
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal,
-                attn_mask=_sdpa_float_mask(attn_mask, query.dtype), scale=scale)
+                attn_mask=additive_mask(attn_mask, query.dtype, true_attends=True), scale=scale)
             return out, lse
         # CUDA: only the plainest calls, where F.sdpa pads nothing and converts no mask
         # (tests/test_gpu.py checks the output is bit-identical on a GPU).
