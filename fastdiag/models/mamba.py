@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .baseline import require_positive_ints
 from .norm import LayerNorm
 
 
@@ -35,10 +36,7 @@ class MambaConfig:
     d_conv: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "n_layers", "d_model", "expand", "d_state", "d_conv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"mamba: {name} must be a positive integer, got {value!r}")
+        require_positive_ints(self, "mamba")
 
 
 def mamba_ssm_missing() -> str | None:
