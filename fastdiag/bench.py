@@ -116,10 +116,6 @@ def bench_kernel(shape_name: str, dims: tuple, dtype: torch.dtype, device: torch
 
 # ---- kernel report: compiled for the GPU here, no GPU needed ------------------------------------
 
-REPORT_GPU = _report.GPU
-format_kernel_report = _report.format_report
-
-
 def kernel_report(shape_names: list[str], progress: Callable[[str], None] = print) -> list:
     """`fastdiag.core.kernels.report` of every registered Triton kernel at these benchmark shapes."""
     return _report.kernel_report({name: KERNEL_SHAPES[name] for name in shape_names}, progress=progress)

@@ -11,6 +11,7 @@ import click
 import torch
 
 from fastdiag import bench
+from fastdiag.core.kernels import report
 from fastdiag.cli.app import CLIError, os_error_text
 from fastdiag.grokking.build import TRAINING_BYTES_PER_PARAMETER, parameter_count
 from fastdiag.grokking.config import RunConfig
@@ -184,10 +185,10 @@ def _kernel_report(names: list[str], json_path: str | None, progress) -> None:
     _status_line("")
     click.echo(f"fastdiag bench --kernel-report — compiled for sm_90 here, no GPU used, "
                f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
-    click.echo(bench.format_kernel_report(rows))
+    click.echo(report.format_report(rows))
     if json_path:
         payload = {"kind": "kernel-report", "date": datetime.now(timezone.utc).isoformat(),
-                   "gpu_model": bench.REPORT_GPU, "kernels": [r.row() for r in rows]}
+                   "gpu_model": report.GPU, "kernels": [r.row() for r in rows]}
         with atomic_path(json_path) as tmp, open(tmp, "w") as f:
             json.dump(payload, f, indent=2, default=str)
         click.echo(f"wrote {json_path}")
