@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 
-from fastdiag.core.kernels.head_stats_ref import head_stats_ref, head_stats_torch
+from fastdiag.core.kernels.head_stats_ref import head_stats_ref
+from fastdiag.core.kernels.head_stats_torch import head_stats_torch
 from fastdiag.testing import TOLERANCE, random_probs, random_query_mask, rel_err
 
-ref_module = sys.modules["fastdiag.core.kernels.head_stats_ref"]
+torch_path_module = sys.modules["fastdiag.core.kernels.head_stats_torch"]
 SHAPES = [(1, 2, 3, 37, 37), (2, 1, 5, 29, 61), (1, 3, 4, 50, 7), (3, 4, 8, 3, 3), (1, 1, 2, 1, 1)]
 
 
@@ -26,7 +27,7 @@ def _assert_close(got, ref, tol):
 @pytest.mark.parametrize("budget", [400, 3000, 1 << 18])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_chunked_pass_matches_reference(monkeypatch, budget, dtype):
-    monkeypatch.setitem(ref_module._CHUNK_ELEMENTS, "cpu", budget)
+    monkeypatch.setitem(torch_path_module._CHUNK_ELEMENTS, "cpu", budget)
     for seed, (shape, causal, masked) in enumerate(itertools.product(SHAPES, [True, False], [True, False])):
         n, b, h, tq, tk = shape
         mask = random_query_mask((n, b, tq), seed=seed) if masked else None
@@ -42,7 +43,7 @@ def test_causal_hint_changes_nothing(monkeypatch, budget):
     """Without the hint the keys after the diagonal are read once, found zero and skipped: the same
     chunks are computed, so the results are bit for bit those with the hint (padded rows here hold
     zeros after the diagonal too; with garbage there the check fails and only the rounding differs)."""
-    monkeypatch.setitem(ref_module._CHUNK_ELEMENTS, "cpu", budget)
+    monkeypatch.setitem(torch_path_module._CHUNK_ELEMENTS, "cpu", budget)
     for seed, shape in enumerate([(1, 2, 3, 64, 64), (2, 1, 4, 20, 45), (1, 1, 3, 45, 20)]):
         mask = random_query_mask((shape[0], shape[1], shape[3]), seed=seed)
         probs = random_probs(shape, seed=seed)
@@ -52,8 +53,8 @@ def test_causal_hint_changes_nothing(monkeypatch, budget):
 
 
 def test_gram_without_onednn(monkeypatch):
-    monkeypatch.setattr(ref_module, "_LINEAR", None)
-    monkeypatch.setitem(ref_module._CHUNK_ELEMENTS, "cpu", 2000)
+    monkeypatch.setattr(torch_path_module, "_LINEAR", None)
+    monkeypatch.setitem(torch_path_module._CHUNK_ELEMENTS, "cpu", 2000)
     probs = random_probs((1, 2, 4, 40, 40), seed=3)
     _assert_close(head_stats_torch(probs), head_stats_ref(probs), 1e-5)
 

@@ -6,6 +6,7 @@
 - `report`: every Triton kernel compiled for sm_90 and read with the CUDA tools, no GPU needed
   (`fastdiag bench --kernel-report`).
 """
-from .head_stats_ref import head_stats_ref, head_stats_torch
+from .head_stats_ref import head_stats_ref
+from .head_stats_torch import head_stats_torch
 
 __all__ = ["head_stats_ref", "head_stats_torch"]

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .head_stats_ref import causal_keys, head_stats_torch
+from .head_stats_ref import causal_keys
+from .head_stats_torch import head_stats_torch
 from .report import ReportCase, register
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
