@@ -16,6 +16,7 @@ from scipy import optimize, special
 
 from fastdiag.analysis.bootstrap import (FitError, as_bool_array, as_float_array, check_n_boot, percentile_ci,
                                          require_enough_resamples, require_same_length, make_rng)
+from fastdiag.grokking.config import N_BOOT
 
 
 # Starting point for the logistic fit (docs/experiments.md, "Setup"): (log10 λ_c, k).
@@ -124,7 +125,7 @@ def _drop_or_refuse_zero_lambdas(lambdas: np.ndarray, drop_zero: bool, name: str
 def fit_lambda_c(
     lambdas: Sequence[float],
     grokked: Sequence[bool],
-    n_boot: int = 1500,
+    n_boot: int = N_BOOT,
     seed: int = 0,
     *,
     drop_zero: bool = False,
@@ -202,7 +203,7 @@ def fit_nu(
     lambdas: Sequence[float],
     t_grok: Sequence[float | None],
     lambda_c: float,
-    n_boot: int = 1500,
+    n_boot: int = N_BOOT,
     seed: int = 0,
     joint: bool = False,
     grokked: Sequence[bool] | None = None,

@@ -11,7 +11,7 @@ import numpy as np
 
 from fastdiag.analysis.bootstrap import FitError, as_float_array, require_same_length
 from fastdiag.analysis.fits import fit_lambda_c, fit_nu
-from fastdiag.grokking.config import GROKKED, REGIMES
+from fastdiag.grokking.config import GROKKED, N_BOOT, REGIMES
 from fastdiag.grokking.labels import NEVER_FIT_MIN_EPOCHS
 from fastdiag.store import Store
 
@@ -128,7 +128,7 @@ def in_fit_range(lambdas, fit_max_lambda: float | None) -> list[bool]:
     return [fit_max_lambda is None or lam <= fit_max_lambda for lam in lambdas]
 
 
-def analyze_group(group: Group, n_boot: int = 1500, seed: int = 0, fit_max_lambda: float | None = None) -> dict:
+def analyze_group(group: Group, n_boot: int = N_BOOT, seed: int = 0, fit_max_lambda: float | None = None) -> dict:
     """λ_c, ν (fixed and joint), regime table and median t_grok of one group, as a JSON-able dict.
     A fit that cannot be made is ``{"error": reason}``, never a number. Runs with λ above
     ``fit_max_lambda`` (e.g. the collapse regime, which the logistic would count as "not grokked")

@@ -13,7 +13,7 @@ from fastdiag.analysis.bootstrap import (FitError, as_float_array, check_n_boot,
                                          require_enough_resamples, require_same_length, make_rng)
 from fastdiag.analysis.results import JSONResult, optional
 from fastdiag.analysis.trajectories import phase2_peak_sigma_h
-from fastdiag.grokking.config import GROKKED
+from fastdiag.grokking.config import GROKKED, N_BOOT
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def _fit_saturating_once(x: np.ndarray, y: np.ndarray) -> tuple[float, float, fl
     return tuple(float(p) for p in best)
 
 
-def fit_saturating(x: Sequence[float], y: Sequence[float], n_boot: int = 1500, seed: int = 0) -> SaturatingFit:
+def fit_saturating(x: Sequence[float], y: Sequence[float], n_boot: int = N_BOOT, seed: int = 0) -> SaturatingFit:
     """σ_max = c + a(1 − exp(−b·x)), b > 0, by least squares; CIs by bootstrap over points.
 
     Used for peak σ_H against per-head dimension d/H.  If the data never bend toward
@@ -180,7 +180,7 @@ def headdim_sets(runs: Iterable[dict], heads_width: Callable[[dict], tuple[int, 
 
 
 def headdim_analysis(runs: Sequence[dict], traces: dict[str, list[dict]],
-                     heads_width: Callable[[dict], tuple[int, int] | None], n_boot: int = 1500,
+                     heads_width: Callable[[dict], tuple[int, int] | None], n_boot: int = N_BOOT,
                      seed: int = 0) -> HeaddimAnalysis:
     """Phase-2 peak σ_H (``phase2_peak_sigma_h``) against d/H over grokked runs; per-d/H summaries and
     the saturating fit σ_max = c + a(1 − exp(−b·d/H)) with bootstrap CIs (``{"error": why}`` if it

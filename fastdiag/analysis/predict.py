@@ -14,7 +14,7 @@ from fastdiag.analysis.bootstrap import (as_bool_array, as_float_array, check_n_
                                          require_same_length, make_rng)
 from fastdiag.analysis.results import JSONResult, optional
 from fastdiag.analysis.trajectories import finite
-from fastdiag.grokking.config import GROKKED
+from fastdiag.grokking.config import GROKKED, N_BOOT
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _stratified_indices(rng: np.random.Generator, labels: np.ndarray) -> np.ndar
 def bootstrap_auc(
     y_true: Sequence[bool],
     score: Sequence[float],
-    n_boot: int = 1500,
+    n_boot: int = N_BOOT,
     seed: int = 0,
     baseline_score: Sequence[float] | None = None,
 ) -> AUCResult:
@@ -129,7 +129,7 @@ def bootstrap_auc(
 def bootstrap_mae(
     y_true: Sequence[float],
     y_pred: Sequence[float],
-    n_boot: int = 1500,
+    n_boot: int = N_BOOT,
     seed: int = 0,
     baseline_pred: Sequence[float] | None = None,
 ) -> MAEResult:
@@ -433,7 +433,7 @@ def _log_t_grok(train: list[dict], test: list[dict], alpha: float, n_boot: int, 
 
 
 def predictive_analysis(runs: Sequence[dict], traces: dict[str, list[dict]], t0: float | None = None,
-                        test_frac: float = 0.5, split_seed: int = 0, n_boot: int = 1500, seed: int = 0,
+                        test_frac: float = 0.5, split_seed: int = 0, n_boot: int = N_BOOT, seed: int = 0,
                         alpha: float = 1.0) -> PredictiveAnalysis:
     """Held-out test of the attention readouts' predictive value (see the module docstring).
 

@@ -12,6 +12,7 @@ from fastdiag.analysis.headdim import HeaddimAnalysis, headdim_analysis, headdim
 from fastdiag.analysis.paired import compare_arms
 from fastdiag.analysis.predict import PredictiveAnalysis, predictive_analysis
 from fastdiag.analysis.trajectories import retention_by_lambda, stage_table
+from fastdiag.grokking.config import N_BOOT
 from fastdiag.store import Store
 from fastdiag.store import interventions as tables
 
@@ -63,7 +64,7 @@ class Report:
         return out
 
 
-def build_report(store: Store, heads_width: Callable[[dict], tuple[int, int] | None], *, n_boot: int = 1500,
+def build_report(store: Store, heads_width: Callable[[dict], tuple[int, int] | None], *, n_boot: int = N_BOOT,
                  seed: int = 0, retention_threshold: float = 0.9, fit_max_lambda: float | None = None,
                  predict: PredictSettings | None = None) -> Report:
     """Everything ``store`` holds data for, analysed. ``heads_width(config)`` gives a run's (d_model,

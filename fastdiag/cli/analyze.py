@@ -10,7 +10,7 @@ from fastdiag.analysis.predict import PredictiveAnalysis, seed_list
 from fastdiag.analysis.report import PredictSettings, Report, build_report
 from fastdiag.cli.app import CLIError, open_store
 from fastdiag.grokking.build import heads_width
-from fastdiag.grokking.config import REGIMES, fmt_or_dash
+from fastdiag.grokking.config import N_BOOT, REGIMES, fmt_or_dash
 
 # The regime table's column headings: the regime's name, shortened where it is long (every regime in
 # REGIMES has one, so a new regime cannot be left out of the table).
@@ -22,7 +22,7 @@ def _width(regime: str) -> int:
     return max(5, len(REGIME_COLUMNS[regime]))
 
 
-def store_report(store, n_boot: int = 1500, seed: int = 0, retention_threshold: float = 0.9,
+def store_report(store, n_boot: int = N_BOOT, seed: int = 0, retention_threshold: float = 0.9,
                  predict: PredictSettings | None = None, fit_max_lambda: float | None = None) -> Report:
     """The report of an open store, with the model zoo's head counts for the per-head-dimension sets."""
     return build_report(store, heads_width, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
@@ -219,7 +219,7 @@ def check_analysis_options(fit_max_lambda: float | None, t0: float | None, test_
 @click.command("analyze")
 @click.argument("store_path", metavar="STORE", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--n-boot", type=int, default=1500, show_default=True, help="Bootstrap resamples per fit.")
+@click.option("--n-boot", type=int, default=N_BOOT, show_default=True, help="Bootstrap resamples per fit.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstrap.")
 @click.option("--retention-threshold", type=float, default=0.9, show_default=True,
               help="Runs trained to the horizon: a grokked run is retained if its final test accuracy is ≥ this.")

@@ -17,7 +17,7 @@ from fastdiag.cli.app import CLIError, check_threads, create_store, option_error
 from fastdiag.cli.options import PARAM_FLAGS, QUIET_HELP, THREADS_HELP, dataclass_options, run_fields, run_options
 from fastdiag.grokking import interventions as iv
 from fastdiag.grokking.build import build_model, check_buildable, heads_width
-from fastdiag.grokking.config import ARMS, RunConfig
+from fastdiag.grokking.config import ARMS, N_BOOT, RunConfig
 from fastdiag.store import dumps
 from fastdiag.store.files import atomic_path
 from fastdiag.store import interventions as tables
@@ -222,7 +222,7 @@ HEADDIM_PATIENCE_EPOCHS = 2000
 @click.option("--heads", "heads", default="2,4,8", show_default=True, help="Comma list of head counts H.")
 @click.option("--ff-mult", type=int, default=4, show_default=True, help="Feed-forward width d_ff = FF_MULT × d.")
 @click.option("--workers", type=int, default=None, help="Local worker processes (default: what the cores hold).")
-@click.option("--n-boot", type=int, default=1500, show_default=True, help="Bootstrap resamples of the fit.")
+@click.option("--n-boot", type=int, default=N_BOOT, show_default=True, help="Bootstrap resamples of the fit.")
 def headdim_cmd(widths, heads, ff_mult, workers, n_boot, **kw):
     """Per-head dimension: train every (d, H, seed) at fixed λ (transformer, custom preset) into a store
     (finished runs are skipped), then fit peak σ_H after grokking against d/H with the saturating curve

@@ -6,13 +6,14 @@ import click
 from fastdiag.analysis.report import PredictSettings
 from fastdiag.cli.analyze import analysis_options, check_analysis_options, store_report
 from fastdiag.cli.app import CLIError, open_store
+from fastdiag.grokking.config import N_BOOT
 
 
 @click.command("plot")
 @click.argument("store_path", metavar="STORE", type=click.Path())
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Directory for the figures (created if missing).")
-@click.option("--n-boot", type=int, default=1500, show_default=True, help="Bootstrap resamples of the fits.")
+@click.option("--n-boot", type=int, default=N_BOOT, show_default=True, help="Bootstrap resamples of the fits.")
 @click.option("--n-band", type=int, default=300, show_default=True,
               help="Bootstrap resamples of the P(grok) confidence band.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstraps.")

@@ -17,6 +17,8 @@ FLOAT32_MAX = 3.4028234663852886e38   # the parameters' dtype: optimiser steps m
 # Test (train) accuracy at which a run counts as grokked (memorised): the paper's summaries do not
 # state its threshold; 0.99 is the field's usual one. Runs may set their own (RunConfig.grok_threshold).
 GROK_THRESHOLD = 0.99
+# bootstrap resamples of every fit (analyze, plot, headdim): the percentile CIs' default
+N_BOOT = 1500
 ARCHS = ("transformer", "mlp", "lstm", "mamba")
 OPS = ("+", "-", "*", "/")
 
