@@ -118,6 +118,27 @@ def test_merge_is_idempotent_and_prefers_done(tmp_path):
             out.merge_from(out)
 
 
+def test_merge_tells_a_packed_copy_from_a_single_one(tmp_path):
+    """The same configuration finished in two stores — packed in an ensemble in one, alone in the
+    other, with another outcome — is different evidence, not "unchanged"; a copy equal up to its wall
+    time is unchanged."""
+    (a,) = _cfgs(1)
+    rid = a.run_id()
+    single = {"regime": "memorization", "t_grok_epoch": None, "wall_seconds": 10.0}
+    packed = {"regime": "grok", "t_grok_epoch": 100, "wall_seconds": 3.0, "ensemble_size": 4}
+    with Store(tmp_path / "one.sqlite") as s1, Store(tmp_path / "pack.sqlite") as s2, \
+            Store(tmp_path / "again.sqlite") as s3, Store(tmp_path / "out.sqlite") as out:
+        for st, result in ((s1, single), (s2, packed), (s3, dict(single, wall_seconds=99.0))):
+            st.add_runs([a])
+            st.record_done(rid, result, [{"epoch": 1, "step": 1}])
+        assert out.merge_from(s1)["added"] == 1
+        stats = out.merge_from(s2)
+        assert stats["differ"] == 1 and stats["unchanged"] == 0
+        assert out.get(rid)["result"]["regime"] == "memorization"            # the first copy kept
+        assert out.merge_from(s3) == {"added": 0, "updated": 0, "unchanged": 1, "differ": 0,
+                                      "intervention_arms_added": 0}
+
+
 def test_merge_copies_intervention_arms_once(tmp_path):
     from fastdiag.store.interventions import ensure_tables
 

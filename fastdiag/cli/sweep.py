@@ -133,7 +133,7 @@ def merge_cmd(out, inputs):
     for path in inputs:                       # check every input before touching OUT
         sources.append(open_store(path))
     target = create_store(out)
-    total = {"added": 0, "updated": 0, "unchanged": 0, "intervention_arms_added": 0}
+    total = {"added": 0, "updated": 0, "unchanged": 0, "differ": 0, "intervention_arms_added": 0}
     try:
         for src in sources:
             stats = target.merge_from(src)
@@ -144,8 +144,10 @@ def merge_cmd(out, inputs):
         target.close()
         for src in sources:
             src.close()
+    differ = (f"{total['differ']} finished in both with different results (the first store's copy kept: a "
+              "packed and a single run of one configuration are different evidence), " if total["differ"] else "")
     click.echo(f"merge: {len(sources)} store(s) into {out}: {total['added']} runs added, "
-               f"{total['updated']} updated, {total['unchanged']} unchanged, "
+               f"{total['updated']} updated, {total['unchanged']} unchanged, {differ}"
                f"{total['intervention_arms_added']} intervention arms added; now "
                + ", ".join(f"{k} {v}" for k, v in counts.items()))
 

@@ -412,16 +412,23 @@ class Store:
     # ------------------------------------------------------------------ merging
     def merge_from(self, other: "Store") -> dict[str, int]:
         """Copy runs from ``other``: a run absent here is added; a run present here is replaced only by
-        a better state (done > failed > running > pending). Idempotent; never duplicates."""
+        a better state (done > failed > running > pending). Idempotent; never duplicates.
+
+        A run finished in both stores with different results (trained packed in an ensemble in one and
+        alone in the other, on another device, or simply not reproducible) is not "unchanged": it is
+        counted in ``differ``, and this store keeps its own copy."""
         if other.path.resolve() == self.path.resolve():
             raise StoreError(f"merge: {other.path} is the output store itself")
         mine = self.status_of()
-        stats = {"added": 0, "updated": 0, "unchanged": 0}
+        stats = {"added": 0, "updated": 0, "unchanged": 0, "differ": 0}
         for run in other.runs():
             rid = run["run_id"]
             here = mine.get(rid)
             if here is not None and _RANK[run["status"]] <= _RANK[here]:
-                stats["unchanged"] += 1
+                same = True
+                if here == "done" and run["status"] == "done":
+                    same = _evidence(self.get(rid)["result"]) == _evidence(run["result"])
+                stats["unchanged" if same else "differ"] += 1
                 continue
             trace = other.trace(rid) if run["status"] == "done" else []
             with self.transaction() as conn:
@@ -435,6 +442,16 @@ class Store:
             mine[rid] = run["status"]
         stats["intervention_arms_added"] = merge_tables(self, other)   # experiments keep their own tables
         return stats
+
+
+def _evidence(result: dict | None) -> dict | None:
+    """What a finished run shows, for comparing two copies of it: its result less the wall time. How it
+    was trained (``ensemble_size`` when packed) stays part of it."""
+    if not isinstance(result, dict):
+        return result
+    evidence = {k: v for k, v in result.items() if k != "wall_seconds"}
+    evidence.setdefault("ensemble_size", 1)
+    return evidence
 
 
 def _replace_trace(conn, run_id: str, trace: list[dict]) -> None:
