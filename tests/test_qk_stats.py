@@ -388,3 +388,20 @@ def test_torch_path_products_are_float32_whatever_the_matmul_setting():
             assert torch.get_float32_matmul_precision() == setting
     finally:
         torch.set_float32_matmul_precision(saved)
+
+
+def test_a_shared_mask_is_not_copied_per_batch_entry():
+    """A [Tq, Tk] mask shared by a 5-D q [2, 4, H, T, D] stays one [Tq, Tk] matrix (it was copied for
+    every batch entry: 277 MiB against 17 MiB at T = 1024 in the fault review), and the statistics
+    are those of the float64 reference."""
+    from fastdiag.core.qk import _as_batched_heads
+
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(2, 4, 3, 12, 8, generator=gen)
+    mask = torch.rand(12, 12, generator=gen) > 0.3
+    mask[:, 0] = True
+    _, _, mask4, _, _ = _as_batched_heads(q, q, mask, None, None)
+    assert mask4.shape == (1, 1, 12, 12) and mask4.numel() == 144
+    assert mask4.untyped_storage().nbytes() == mask.untyped_storage().nbytes()   # a view, no copy
+    ref = qk_head_stats(q.reshape(8, 3, 12, 8), q.reshape(8, 3, 12, 8), mask, backend="reference")
+    _assert_close(qk_head_stats(q, q, mask, backend="torch"), ref, TOLERANCE[torch.float32])
