@@ -97,3 +97,28 @@ class _NanoBlock(torch.nn.Module):
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
         return x + self.mlp(self.ln2(x))
+
+
+# What a reader of the attach snippets (README, docs/attach.md) has before the snippet: a tiny model, its
+# optimiser, and a loader whose loop runs a training step per batch. Both snippet tests run it first.
+ATTACH_SNIPPET_PREAMBLE = """
+import os, tempfile
+import torch
+import fastdiag
+from torch.utils.tensorboard import SummaryWriter
+os.chdir(tempfile.mkdtemp())
+torch.manual_seed(0)
+model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+class Loader:
+    '''The reader's loop body is "..." in the snippet: this loader runs a training step per batch.'''
+    def __iter__(self):
+        for _ in range(12):
+            optimizer.zero_grad()
+            model(torch.randn(2, 5, 16)).pow(2).mean().backward()
+            optimizer.step()
+            yield None
+
+loader = Loader()
+"""

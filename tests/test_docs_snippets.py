@@ -18,37 +18,16 @@ import pytest
 import torch
 
 from fastdiag.cli import main
+from fastdiag.testing import ATTACH_SNIPPET_PREAMBLE
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 # ------------------------------------------------------------------------------ python blocks
 
-# The attach snippets' loop, a tiny model and its optimiser (what the reader has before the snippet).
-_ATTACH = """
-    import os, tempfile
-    import torch
-    import fastdiag
-    from torch.utils.tensorboard import SummaryWriter
-    os.chdir(tempfile.mkdtemp())
-    torch.manual_seed(0)
-    model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    class Loader:
-        '''The reader's loop body is "..." in the snippet: this loader runs a training step per batch.'''
-        def __iter__(self):
-            for _ in range(12):
-                optimizer.zero_grad()
-                model(torch.randn(2, 5, 16)).pow(2).mean().backward()
-                optimizer.step()
-                yield None
-
-    loader = Loader()
-"""
 
 PREAMBLES = {
-    "monitor = fastdiag.attach(": _ATTACH,
+    "monitor = fastdiag.attach(": ATTACH_SNIPPET_PREAMBLE,
     "from fastdiag.integrations.hf import": """
         import os, tempfile
         import torch

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from fastdiag.testing import ATTACH_SNIPPET_PREAMBLE
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # What a reader already has when they paste each snippet, keyed by a line the snippet starts with.
@@ -32,27 +34,7 @@ PREAMBLES = {
         q, k, v = (torch.randn(1, 4, 6, 8) for _ in range(3))               # [B, H, T, D]
         attn_mask, dropout_p, is_causal, scale = None, 0.0, True, None
     """,
-    "monitor = fastdiag.attach(": """
-        import os, tempfile
-        import torch
-        import fastdiag
-        from torch.utils.tensorboard import SummaryWriter
-        os.chdir(tempfile.mkdtemp())
-        torch.manual_seed(0)
-        model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        class Loader:
-            '''The reader's loop body is "..." in the snippet: this loader runs a training step per batch.'''
-            def __iter__(self):
-                for _ in range(12):
-                    optimizer.zero_grad()
-                    model(torch.randn(2, 5, 16)).pow(2).mean().backward()
-                    optimizer.step()
-                    yield None
-
-        loader = Loader()
-    """,
+    "monitor = fastdiag.attach(": ATTACH_SNIPPET_PREAMBLE,
 }
 
 # After the snippet: what it promised is there.
