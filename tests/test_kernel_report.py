@@ -88,7 +88,8 @@ def test_every_generation_compiles_with_its_own_limits():
     for arch in (80, 86):
         with report._capture_compiles([qk], report.GPUS[arch]):
             seen[arch] = report.device_limits(None)
-    assert seen == {80: {"shared_bytes": 163 * 1024, "sms": 108}, 86: {"shared_bytes": 99 * 1024, "sms": 72}}
+    assert seen == {80: {"shared_bytes": 163 * 1024, "sms": 108, "arch": 80},
+                    86: {"shared_bytes": 99 * 1024, "sms": 72, "arch": 86}}
     assert report.device_limits(None) is None
     configs = qk.pass2_configs(12, 12, 64, torch.bfloat16, 99 * 1024)
     estimates = [qk._tile_config_and_shared(12, 12, 64, b, n, 2, 99 * 1024)[1]

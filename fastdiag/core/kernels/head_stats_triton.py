@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 from .head_stats_ref import causal_keys
 from .head_stats_torch import head_stats_torch
-from .report import ReportCase, register
+from .report import ReportCase, device_limits, register
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _TINY = tl.constexpr(2.0 ** -126)   # the smallest normal fp32
@@ -262,11 +262,13 @@ _SLAB_ELEMENTS = 4096
 _MAX_BLOCK_K = 64
 
 
-def _block_sizes(h: int, rows: int, tk: int, element_bytes: int) -> tuple[int, int, int]:
+def _block_sizes(h: int, rows: int, tk: int, element_bytes: int, arch: int | None = None) -> tuple[int, int, int]:
     block_h = max(16, triton.next_power_of_2(h))               # tl.dot needs >= 16
     slab = _SLAB_ELEMENTS // block_h
     if element_bytes == 4:
         slab //= 2   # fp32: the TF32 split's stacked [hi; lo] operand doubles the dot's registers
+    elif arch == 120:
+        slab //= 2   # sm_120 spilled 8 B at the 4k context (168 registers); half the slab: 118, none
     if tk < 64:
         slab //= 2   # short rows: many rows per slab, each column carries its row's data
     block_k = min(_MAX_BLOCK_K, max(1, triton.next_power_of_2(tk)), slab)
@@ -326,7 +328,8 @@ def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
     ``causal``: keys after the causal diagonal are zero and are not read."""
     n, b, h, tq, tk = probs.shape
     rows = b * tq
-    block_h, block_r, block_k = _block_sizes(h, rows, tk, probs.element_size())
+    limits = device_limits(probs.device)
+    block_h, block_r, block_k = _block_sizes(h, rows, tk, probs.element_size(), limits and limits["arch"])
     tiles = triton.cdiv(rows, block_r)
     device = probs.device
     constexprs = dict(

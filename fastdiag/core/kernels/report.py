@@ -139,18 +139,18 @@ _CAPTURE_TARGET: list[dict] = []     # the GPU a launch is being captured for (r
 
 def device_limits(device) -> dict | None:
     """What a launcher sizes its tiles by: ``{"shared_bytes": opt-in shared memory per block,
-    "sms": SM count}`` of the running CUDA device (``torch.cuda.get_device_properties``), of the report's
+    "sms": SM count, "arch": compute capability as 90 for sm_90}`` of the running CUDA device (``torch.cuda.get_device_properties``), of the report's
     target while the report captures a launch, None elsewhere (CPU, interpreter: no limit applies)."""
     if _CAPTURE_TARGET:
         gpu = _CAPTURE_TARGET[-1]
-        return {"shared_bytes": gpu["shared_bytes"], "sms": gpu["sms"]}
+        return {"shared_bytes": gpu["shared_bytes"], "sms": gpu["sms"], "arch": gpu["arch"]}
     if getattr(device, "type", None) != "cuda":
         return None
     import torch
 
     props = torch.cuda.get_device_properties(device)
     shared = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
-    return {"shared_bytes": int(shared), "sms": props.multi_processor_count}
+    return {"shared_bytes": int(shared), "sms": props.multi_processor_count, "arch": 10 * props.major + props.minor}
 
 
 @contextlib.contextmanager
