@@ -294,7 +294,7 @@ _DOT_COLUMNS = 64
 # Shared memory per block where no device says (CPU, interpreter): sm_90's 227 KB. On a GPU the
 # launcher reads the device's own opt-in limit (`report.device_limits`): 163 KB on an A100, 99 KB on
 # sm_86 / sm_89 / sm_120.
-SHARED_LIMIT = 227 * 1024
+SHARED_LIMIT = GPUS[90]["shared_bytes"]
 
 
 def _shared_bytes(cfg: dict, num_stages: int, element_bytes: int, blocks_held: int) -> int:
@@ -521,7 +521,7 @@ def _warn_torch_pass2(q4, error) -> None:
 # float32 pass 1 (TF32×3 scores) needs the 227 KB of sm_90 / sm_100: compiled for sm_86 (99 KB) it
 # spills 180 B (GPT-2-small) to 11 KB (Llama-7B, additive mask) and takes 80–192 KB at 128 × 64 tiles,
 # and still spills at 64 × 32 for head dim 128 (triton 3.6, benchmarks/RESULTS.md).
-PASS1_FP32_SHARED = 227 * 1024
+PASS1_FP32_SHARED = GPUS[90]["shared_bytes"]
 
 
 def pass1_fits(dtype: torch.dtype, shared_limit: int | None) -> bool:
