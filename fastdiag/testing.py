@@ -4,6 +4,10 @@ multi-process tests."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import torch
 
@@ -122,3 +126,20 @@ class Loader:
 
 loader = Loader()
 """
+
+
+def snippet_key(block: str, preambles: dict) -> str:
+    """The key of ``preambles`` a documentation code block starts with (StopIteration: a snippet with
+    no preamble yet)."""
+    first = block.lstrip().splitlines()[0]
+    return next(k for k in preambles if first.startswith(k))
+
+
+def run_snippet(block: str, preambles: dict, checks: dict, directory: Path) -> subprocess.CompletedProcess:
+    """A documentation code block run as a reader would paste it: its preamble first, then the block,
+    then what it promises (``checks``), as one script in a fresh interpreter."""
+    key = snippet_key(block, preambles)
+    script = Path(directory) / "snippet.py"
+    script.write_text(textwrap.dedent(preambles[key]) + "\n" + block + "\n" + textwrap.dedent(checks.get(key, "")),
+                      encoding="utf-8")
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 from fastdiag.cli import main
-from fastdiag.testing import ATTACH_SNIPPET_PREAMBLE
+from fastdiag.testing import ATTACH_SNIPPET_PREAMBLE, run_snippet, snippet_key
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -102,24 +99,15 @@ def python_blocks(path: Path) -> list[str]:
 DOC_BLOCKS = [(path.name, block) for path in DOCS for block in python_blocks(path)]
 
 
-def _key(block: str) -> str:
-    first = block.lstrip().splitlines()[0]
-    return next(k for k in PREAMBLES if first.startswith(k))
-
-
 def test_every_docs_python_block_has_a_preamble():
     assert len(DOC_BLOCKS) >= 3
     for _, block in DOC_BLOCKS:
-        _key(block)          # StopIteration names a new snippet without fixtures
+        snippet_key(block, PREAMBLES)          # StopIteration names a new snippet without fixtures
 
 
 @pytest.mark.parametrize("name,block", DOC_BLOCKS, ids=lambda v: v if v.endswith(".md") else v.lstrip()[:40])
 def test_docs_python_block_runs_as_printed(name, block, tmp_path):
-    key = _key(block)
-    code = textwrap.dedent(PREAMBLES[key]) + "\n" + block + "\n" + textwrap.dedent(CHECKS.get(key, ""))
-    script = tmp_path / "snippet.py"
-    script.write_text(code, encoding="utf-8")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    out = run_snippet(block, PREAMBLES, CHECKS, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
 
 

@@ -4,14 +4,11 @@ probabilities, Q/K/V, a model and its loop); the snippet's own lines are not edi
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from fastdiag.testing import ATTACH_SNIPPET_PREAMBLE
+from fastdiag.testing import ATTACH_SNIPPET_PREAMBLE, run_snippet, snippet_key
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,24 +55,15 @@ def python_blocks(path: Path) -> list[str]:
 README_BLOCKS = python_blocks(ROOT / "README.md")
 
 
-def _key(block: str) -> str:
-    first = block.lstrip().splitlines()[0]
-    return next(k for k in PREAMBLES if first.startswith(k))
-
-
 def test_every_readme_python_block_has_a_preamble():
     assert len(README_BLOCKS) >= 3
     for block in README_BLOCKS:
-        _key(block)          # StopIteration names a new snippet without fixtures
+        snippet_key(block, PREAMBLES)          # StopIteration names a new snippet without fixtures
 
 
 @pytest.mark.parametrize("block", README_BLOCKS, ids=lambda b: b.lstrip().splitlines()[0][:40])
 def test_readme_python_block_runs_as_printed(block, tmp_path):
-    key = _key(block)
-    code = textwrap.dedent(PREAMBLES[key]) + "\n" + block + "\n" + textwrap.dedent(CHECKS.get(key, ""))
-    script = tmp_path / "snippet.py"
-    script.write_text(code, encoding="utf-8")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    out = run_snippet(block, PREAMBLES, CHECKS, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
 
 

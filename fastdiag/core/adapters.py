@@ -320,11 +320,14 @@ class Provenance:
     know the labels of their queries and of their keys. Nothing is known under torch.compile."""
 
     def __init__(self):
-        self.clear()
+        self._reset()
 
     def clear(self):
-        if getattr(self, "candidate_rows", None) == {} and not (self.labels or self.products or self.candidates):
-            return   # already empty (every unmeasured pass): three fresh weak dicts cost ~25 µs a pass
+        # an unmeasured pass leaves them empty: three fresh weak dicts twice a pass cost ~25 µs each time
+        if self.labels or self.products or self.candidates or self.candidate_rows:
+            self._reset()
+
+    def _reset(self):
         self.labels = WeakIdKeyDictionary()    # tensor -> frozenset of (call, argument)
         self.products = WeakIdKeyDictionary()  # tensor -> frozenset of (query labels, key labels)
         self.candidates = WeakIdKeyDictionary()  # tensor -> frozenset of softmax candidates it carries

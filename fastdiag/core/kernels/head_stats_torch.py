@@ -10,9 +10,9 @@ import torch
 from .constants import exact_fp32_matmul
 from .head_stats_ref import row_validity, causal_keys
 
-# Elements per chunk: a chunk and its two work buffers stay in the core's L2/L3 cache (CPU). On a GPU
-# (the torch backend there is a fallback) one chunk is the whole problem.
-# CUDA: chunks bound the float64 copy its Gram is computed from (`_gram`), 128 MB
+# Elements per chunk: on the CPU a chunk and its two work buffers stay in the core's L2/L3 cache; on
+# CUDA (the torch backend there is a fallback) a chunk bounds the float64 copy its Gram is computed
+# from (`_gram`) to 128 MB; elsewhere one chunk is the whole problem.
 _CHUNK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 24}
 # log(n p) is taken as log1p(n p − 1) (the faster of torch's two logs here, exact at n p ≈ 1).
 # n p − 1 rounds to −1 for n p < 2⁻²⁵; the floor keeps log1p finite there, and moves such a term

@@ -364,7 +364,7 @@ def pass2_configs(h: int, hk: int, d: int, dtype: torch.dtype, shared_limit: int
     against the compiled metadata); a launch that still exceeds the device tries the next.
     ``additive_mask``: the mask tile's registers come on top, so the key tile starts at 16 (at 32,
     GPT-2-small spilled 8 B on sm_90 and the 4k context 7.9 KB on sm_80, triton 3.9)."""
-    element_bytes = torch.empty((), dtype=dtype).element_size()
+    element_bytes = dtype.itemsize
     tiles = ((_SCORE_BUDGET, 32), (_SCORE_BUDGET // 2, 32), (_SCORE_BUDGET // 4, 16), (_SCORE_BUDGET // 8, 16))
     if additive_mask:
         tiles = ((_SCORE_BUDGET // 2, 16), (_SCORE_BUDGET // 4, 16), (_SCORE_BUDGET // 8, 16))
@@ -491,7 +491,7 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
         try:
             lse = _row_lse(q4, k4, mask4, is_causal, scale)
         except triton.runtime.errors.OutOfResources as e:
-            _warn_torch_pass2(q4, e)
+            _warn_torch_path(q4, e)
             return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, None, CHUNK_BYTES, check_lse=False)
     if tiles is not None:
         return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles)
@@ -500,7 +500,7 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
         try:
             return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg)
         except triton.runtime.errors.OutOfResources as e:
-            _warn_torch_pass2(q4, e)
+            _warn_torch_path(q4, e)
     # no tile fits this device: the same sums in PyTorch, the LSE checked against the scores
     return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, CHUNK_BYTES, check_lse=True)
 
@@ -508,7 +508,7 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
 _WARNED: set = set()
 
 
-def _warn_torch_pass2(q4, error) -> None:
+def _warn_torch_path(q4, error) -> None:
     """Once per shape: a tile the estimate let through did not fit the device after all."""
     key = (q4.device, q4.dtype, q4.shape[1], q4.shape[3])
     if key not in _WARNED:
