@@ -289,6 +289,7 @@ def export(stores: list[str], out: Path) -> list[Path]:
             have = {(float(r["lambda"]), int(r["seed"]), int(r["epochs"])) for r in csv.DictReader(f)}
     new = [r for r in sorted(load_runs(stores), key=lambda r: (r["lambda"], r["seed"]))
            if (r["lambda"], r["seed"], r["config"]["epochs"]) not in have]
+    _check_exportable(new, {(lam, seed) for lam, seed, _ in have})
     for path, columns, rows in (
             (runs_path, RUN_COLUMNS, [_run_row(r) for r in new]),
             (traces_path, TRACE_COLUMNS, [{"lambda": r["lambda"], "seed": r["seed"]} | {k: x.get(k) for k in TRACE_COLUMNS[2:]}
@@ -301,6 +302,28 @@ def export(stores: list[str], out: Path) -> list[Path]:
             for row in rows:
                 writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
     return [runs_path, traces_path]
+
+
+# What runs.csv leaves out, so every exported run must have it at the canonical default (RunConfig's).
+CANONICAL_FIELDS = ("arch", "preset", "n_layers", "n_heads", "d_model", "d_ff", "op", "p", "lr", "batch_size",
+                    "train_frac", "diag_every", "patience")
+
+
+def _check_exportable(runs: list[dict], have: set[tuple]) -> None:
+    """Refuse what runs.csv / traces.csv could not tell apart: a run off the canonical model (the fields
+    runs.csv leaves out must be RunConfig's defaults), and a second run of one (λ, seed) (traces.csv keys
+    its rows by λ and seed)."""
+    default = RunConfig().to_dict()
+    seen = set(have)
+    for r in runs:
+        off = {k: r["config"].get(k) for k in CANONICAL_FIELDS if r["config"].get(k) != default[k]}
+        if off:
+            raise ValueError(f"λ = {r['lambda']:g} seed {r['seed']} ({r['store']}): not the canonical setup, {off}; "
+                             "runs.csv has no column for it")
+        if (r["lambda"], r["seed"]) in seen:
+            raise ValueError(f"λ = {r['lambda']:g} seed {r['seed']} ({r['store']}): a second run of this λ and seed "
+                             f"(horizon {r['config']['epochs']}); traces.csv could not tell their rows apart")
+        seen.add((r["lambda"], r["seed"]))
 
 
 def _run_row(run: dict) -> dict:
@@ -354,6 +377,8 @@ def _fmt(x, digits: int = 3) -> str:
         return "—"
     if float(x).is_integer() and abs(x) >= 10:
         return f"{int(x):,}"
+    if float(2 * x).is_integer() and abs(x) >= 10:      # a median of an even count of epochs: x.5
+        return f"{x:,.1f}"
     return f"{x:.{digits}g}"
 
 
@@ -379,10 +404,11 @@ def _mann_whitney(ours: list[float], theirs: list[float]) -> str:
 
 
 def _printed_groups(data: dict) -> dict[float, dict]:
-    """Per λ, the values printed from the lost stores (printed.json): t_grok, t_mem, regimes as stored."""
+    """Per λ, the values printed from the lost stores (printed.json): t_grok, t_mem, regimes as stored,
+    and the configurations they were run with."""
     return {float(g["lambda"]): {"t_grok": list(g["t_grok_epoch_values"]), "t_mem": list(g["t_mem_epoch_values"]),
                                  "regimes": dict(g["regimes_as_stored"]), "current": None, "seeds": g["seeds"],
-                                 "note": g["config"]}
+                                 "note": g["config"], "configs": g.get("configs", []), "source": "printed"}
             for g in data["printed"]["groups"]}
 
 
@@ -404,7 +430,37 @@ def _exported_groups(data: dict) -> dict[float, dict]:
         g["current"][current] = g["current"].get(current, 0) + 1
     for g in out.values():
         g["note"] = "; ".join(sorted(g.pop("notes")))
+        g["source"] = "exported"
     return dict(sorted(out.items()))
+
+
+def _same_configuration(exported: dict, printed: dict) -> bool:
+    """Whether the exported runs of a λ redo the printed group's setup: each one has one of its
+    (horizon, evaluation interval, stop at grok) — a subset of its seeds is still the same setup."""
+    allowed = {(c["epochs"], c["eval_every"], bool(c["stop_at_grok"])) for c in printed["configs"]}
+    return all((r["epochs"], r["eval_every"], bool(r["stop_at_grok"])) in allowed for r in exported["runs"])
+
+
+def table_groups(data: dict) -> dict[float, dict]:
+    """Per λ, the group the table reads: the exported runs (runs.csv, labels and phase values re-derived
+    from traces.csv) wherever they redo the printed group's configuration or no printed group exists,
+    else the printed (transcribed) values. A group that replaced a printed one keeps it under
+    ``"printed"`` (for comparison); a printed group that stays keeps an exported group of another
+    configuration under ``"exported"`` (shown beside it, as the 60-epoch λ = 10 and 0.001 runs)."""
+    printed, exported = _printed_groups(data), _exported_groups(data)
+    out: dict[float, dict] = {}
+    for lam in sorted(set(printed) | set(exported)):
+        p, e = printed.get(lam), exported.get(lam)
+        if e is not None and (p is None or _same_configuration(e, p)):
+            out[lam] = e | {"printed": p}
+        else:
+            out[lam] = p | {"exported": e}
+    return out
+
+
+def _source_lambdas(groups: dict[float, dict], source: str) -> str:
+    lams = [lam for lam, g in groups.items() if g["source"] == source]
+    return ", ".join(f"{lam:g}" for lam in sorted(lams, reverse=True)) or "none"
 
 
 def _regimes_text(g: dict) -> str:
@@ -448,27 +504,56 @@ def gpu_plan_lines() -> list[str]:
     return lines
 
 
+def _seeds_text(seeds: list[int]) -> str:
+    """0–8 for a contiguous run of seeds, else a comma list."""
+    s = sorted(seeds)
+    if len(s) > 2 and s == list(range(s[0], s[-1] + 1)):
+        return f"{s[0]}–{s[-1]}"
+    return ", ".join(str(x) for x in s)
+
+
+def _origin(g: dict) -> str:
+    """How a group's values can be checked: re-derived from committed traces, or transcribed."""
+    if g["source"] == "exported":
+        return f"re-derived from traces, seeds {_seeds_text(g['seeds'])}"
+    return "transcribed (printed.json)"
+
+
+def _printed_before(g: dict, key: str) -> str:
+    """The transcribed values an exported group replaced, for comparison ('' when it replaced none)."""
+    p = g.get("printed")
+    if g["source"] != "exported" or not p or not p[key]:
+        return ""
+    return f"; printed before (lost stores): {_median_text(p[key])}"
+
+
 def report(data: dict) -> list[str]:
-    """The README's paper table (the block between BLOCK_BEGIN and BLOCK_END), from ``data`` alone."""
-    groups, published, init = _printed_groups(data), data["published"], data["init"]
+    """The README's paper table (the block between BLOCK_BEGIN and BLOCK_END), from ``data`` alone:
+    each λ from its exported runs where they redo the printed configuration, else from printed.json
+    (`table_groups`)."""
+    groups, published, init = table_groups(data), data["published"], data["init"]
     printed = data["printed"]
     rows: list[list[str]] = []
     theirs = {w: [r["t_grok_epoch"] for r in published["runs"] if r["weight_decay"] == w] for w in (1.0, 0.1)}
     for lam, paper_text in ((1.0, "≈ 130 (summaries; n = 50, no spread given)"), (0.1, "≈ 1,000 (summaries)")):
         g = groups[lam]
         pub = theirs[lam]
+        ours = (f"{_origin(g)}: {_median_text(g['t_grok'])}; values {' '.join(_fmt(v) for v in sorted(g['t_grok']))}"
+                + (f"; regimes {_regimes_text(g)}" if g["source"] == "exported" else "")
+                + _printed_before(g, "t_grok"))
         rows.append([f"t_grok at λ = {lam:g} (epochs)",
                      f"{paper_text}; published runs: n = {len(pub)}, median {_fmt(float(np.median(pub)))}, "
-                     f"range {_fmt(min(pub))}–{_fmt(max(pub))}",
-                     f"{_median_text(g['t_grok'])}; values {' '.join(_fmt(v) for v in sorted(g['t_grok']))}",
+                     f"range {_fmt(min(pub))}–{_fmt(max(pub))}", ours,
                      f"ours {'later' if np.median(g['t_grok']) > np.median(pub) else 'not later'}: "
                      f"{_mann_whitney(g['t_grok'], pub)} against the published runs"])
     g1 = groups[1.0]
-    rows.append(["t_mem at λ = 1 (epochs)", "not stated", f"{_median_text(g1['t_mem'])}", "—"])
+    rows.append(["t_mem at λ = 1 (epochs)", "not stated",
+                 f"{_origin(g1)}: {_median_text(g1['t_mem'])}{_printed_before(g1, 't_mem')}", "—"])
     g05 = groups[0.05]
     rows.append(["t_grok at λ = 0.05 (epochs)", f"not quoted; the law gives {_fmt(round(power_law_ratio(0.05, 1.0, PAPER['lambda_c'], PAPER['nu']) * PAPER['t_grok_lambda1']))} "
                  f"(ratio × {PAPER['t_grok_lambda1']})",
-                 f"{_median_text(g05['t_grok'])}; values {' '.join(_fmt(v) for v in g05['t_grok'])}", "see the ratio row"])
+                 f"{_origin(g05)}: {_median_text(g05['t_grok'])}; values {' '.join(_fmt(v) for v in g05['t_grok'])}"
+                 + _printed_before(g05, "t_grok"), "see the ratio row"])
     rows.append(_ratio_row(0.1, groups, published))
     rows.append(_ratio_row(0.05, groups, published))
     s0 = [r["s_bar"] for r in init["per_seed"]]
@@ -476,31 +561,30 @@ def report(data: dict) -> list[str]:
     rows.append(["s̄ at initialisation (step 0)", f"≈ {INIT_S_BAR_PAPER} (start of Phase 1, Fig. 2; its epoch is not stated)",
                  f"{_median_text(s0)}, range {min(s0):.3f}–{max(s0):.3f}; σ_H {_median_text(h0, 2)}",
                  f"ours {'higher' if min(s0) > INIT_S_BAR_PAPER else 'not higher'} at step 0 (all {len(s0)} seeds)"])
-    rows += _phase_rows(printed["lambda1_phase_values"], groups[1.0]["t_grok"])
-    exported = _exported_groups(data)
+    rows += _phase_rows(lambda1_phase(g1, printed), g1["t_grok"])
     for lam, what in ((10.0, "collapse: s̄ = 1.0, training set never fit"), (0.001, "memorisation: no grokking below λ_c")):
         g = groups[lam]
-        ours = f"printed: n = {len(g['seeds'])} ({g['note']}); {_regimes_text(g)}"
-        if lam in exported:
-            e = exported[lam]
+        e = g if g["source"] == "exported" else g.get("exported")
+        p = g.get("printed") if g["source"] == "exported" else g
+        parts = []
+        if p is not None and g["source"] == "printed":
+            parts.append(f"printed: n = {len(p['seeds'])} ({p['note']}); {_regimes_text(p)}")
+        if e is not None:
             tails = [final_s_bar(r["trace"]) for r in e["runs"]]
             best_train = [max(x["train_acc"] for x in r["trace"]) for r in e["runs"]]
-            ours += (f". Committed: n = {len(e['seeds'])} (seeds {', '.join(str(s) for s in e['seeds'])}; {e['note']}); "
-                     f"{_regimes_text(e)}; s̄ at the end {', '.join(f'{v:.4f}' for v in tails)}, "
-                     f"highest train accuracy {', '.join(f'{v:.3f}' for v in best_train)}"
-                     + (f", t_mem {', '.join(_fmt(v) for v in e['t_mem'])}" if e["t_mem"] else ""))
-        rows.append([f"λ = {lam:g}: regimes", what, ours, "—"])
+            parts.append(f"Committed: n = {len(e['seeds'])} (seeds {', '.join(str(s) for s in e['seeds'])}; {e['note']}); "
+                         f"{_regimes_text(e)}; s̄ at the end {', '.join(f'{v:.4f}' for v in tails)}, "
+                         f"highest train accuracy {', '.join(f'{v:.3f}' for v in best_train)}"
+                         + (f", t_mem {', '.join(_fmt(v) for v in e['t_mem'])}" if e["t_mem"] else ""))
+        if p is not None and g["source"] == "exported":
+            parts.append(f"printed before (lost stores): n = {len(p['seeds'])} ({p['note']}); {_regimes_text(p)}")
+        rows.append([f"λ = {lam:g}: regimes", what, ". ".join(parts), "—"])
     lc_line, nu_line = _published_fits(published)
     rows.append(["λ_c (fit code re-run on the paper's published bins)", lc_line[0], lc_line[1], lc_line[2]])
     rows.append(["ν (OLS on the paper's published runs)", nu_line[0], nu_line[1], nu_line[2]])
     lines = [BLOCK_BEGIN, "", "| quantity | paper | ours | comparison |", "|---|---|---|---|"]
     lines += [f"| {' | '.join(r)} |" for r in rows]
-    lines += ["", "Sources: t_grok, t_mem and regimes of our runs from `data/paper/printed.json` "
-              f"({printed['provenance']['short']}); step 0 from `data/paper/init.json`; "
-              "the paper's published runs and bins from `data/paper/published.json` "
-              f"({published['source']['repository']} at {published['source']['commit'][:7]}, "
-              f"`{published['source']['file']}`). Intervals of a median are order-statistic intervals "
-              "[x₍ₖ₎, x₍ₙ₊₁₋ₖ₎] with their exact binomial coverage.", "",
+    lines += ["", _sources_line(groups, printed, published), "",
               "GPU time of the two sweeps below (`grid_plan`, 32-member ensembles, every run taking the law's "
               f"t_grok, e.g. {predicted_t_grok(0.0162):,.0f} epochs at λ = 0.0162), per assumed sustained "
               "fp32 matmul rate and launch floor per ensemble step:", "",
@@ -510,44 +594,176 @@ def report(data: dict) -> list[str]:
     return lines
 
 
+def _sources_line(groups: dict[float, dict], printed: dict, published: dict) -> str:
+    """Which λ are re-derived from the committed traces and which are still transcribed."""
+    beside = [lam for lam, g in groups.items() if g["source"] == "printed" and g.get("exported")]
+    text = ((f"Sources: our runs at λ = {_source_lambdas(groups, 'exported')} re-derived"
+             if any(g["source"] == "exported" for g in groups.values()) else "Sources: no λ of ours re-derived")
+            + " from their exported runs and traces, `data/paper/runs.csv` and `traces.csv` (`paper_repro.py export`: "
+            "t_grok, t_mem, phase values, labels as stored and under the current rules)")
+    if beside:
+        text += (", as are the committed runs of another configuration shown beside the printed ones at λ = "
+                 + ", ".join(f"{lam:g} ({groups[lam]['exported']['note']})" for lam in sorted(beside, reverse=True)))
+    text += (f"; at λ = {_source_lambdas(groups, 'printed')} transcribed from `data/paper/printed.json` "
+             f"({printed['provenance']['short']})")
+    if groups[1.0]["source"] == "exported":
+        text += ("; the λ = 1 values printed from the lost stores are shown as \"printed before\" for comparison"
+                 + (", and the λ = 1 rows after grokking (runs trained past grokking) are still transcribed from "
+                    "printed.json" if lambda1_long_source(groups[1.0]) == "printed" else ""))
+    return (text + "; step 0 from `data/paper/init.json`; the paper's published runs and bins from "
+            f"`data/paper/published.json` ({published['source']['repository']} at {published['source']['commit'][:7]}, "
+            f"`{published['source']['file']}`). Intervals of a median are order-statistic intervals "
+            "[x₍ₖ₎, x₍ₙ₊₁₋ₖ₎] with their exact binomial coverage.")
+
+
+def _dips(trace: list[dict], t_grok: int, threshold: float) -> list[dict]:
+    """Stretches of consecutive evaluations after t_grok with test accuracy below ``threshold``: first
+    and last epoch, lowest train / test accuracy, and the epochs until the next evaluation back at or
+    above it (None when the run ends inside the dip)."""
+    rows = [r for r in trace if r["epoch"] > t_grok and r.get("test_acc") is not None]
+    out, cur = [], None
+    for r in rows:
+        if r["test_acc"] < threshold:
+            if cur is None:
+                cur = {"start": r["epoch"], "end": r["epoch"], "train": r["train_acc"], "test": r["test_acc"],
+                       "recovered_after": None}
+                out.append(cur)
+            cur["end"], cur["train"], cur["test"] = r["epoch"], min(cur["train"], r["train_acc"]), min(cur["test"], r["test_acc"])
+        elif cur is not None:
+            cur["recovered_after"] = r["epoch"] - cur["start"]
+            cur = None
+    return out
+
+
+def _dips_text(dips: list[dict], threshold: float, shown: int = 3) -> str:
+    if not dips:
+        return f"no evaluation below {threshold:g} after grokking"
+    deepest = sorted(sorted(dips, key=lambda d: d["test"])[:shown], key=lambda d: d["start"])
+    parts = [(f"{d['start']:,}" if d["start"] == d["end"] else f"{d['start']:,}–{d['end']:,}")
+             + f" (train/test {d['train']:.2f}/{d['test']:.2f})" for d in deepest]
+    rec = [d["recovered_after"] for d in dips if d["recovered_after"] is not None]
+    text = (f"{len(dips)} dip(s) below {threshold:g}" + (f", the {len(deepest)} deepest" if len(dips) > len(deepest) else "")
+            + f": epochs {', '.join(parts)}")
+    if rec:
+        text += f"; {len(rec)} recovered within " + (f"{min(rec):,}" if min(rec) == max(rec) else f"{min(rec):,}–{max(rec):,}") + " epochs"
+    return text + ("" if len(rec) == len(dips) else "; the last one lasts to the end")
+
+
+def lambda1_long_source(g: dict) -> str:
+    """Where the λ = 1 values after grokking come from: exported runs trained past grokking, else printed."""
+    if g["source"] == "exported" and any(not r["stop_at_grok"] and r["t_grok_epoch"] is not None for r in g["runs"]):
+        return "exported"
+    return "printed"
+
+
+def lambda1_phase(g: dict, printed: dict) -> dict:
+    """The λ = 1 phase values in one shape for `_phase_rows`: from the exported runs' traces where the
+    group is exported (order-statistic intervals over runs; per run trained past grokking its landmarks,
+    dips and labels), else — and for the runs past grokking when none was exported — the printed values."""
+    old = printed["lambda1_phase_values"]
+    long_epochs = max((c["epochs"] for grp in printed["groups"] if float(grp["lambda"]) == 1.0
+                       for c in grp.get("configs", []) if not c["stop_at_grok"]), default=None)
+    out = {"source": g["source"], "long_source": lambda1_long_source(g), "long_runs": [], "printed": old}
+    if g["source"] == "exported":
+        runs = [r for r in g["runs"] if r["trace"]]
+        phases = [(r, phase_values(r["trace"], r["t_mem_epoch"], r["t_grok_epoch"])) for r in runs]
+        first = min(p["init_epoch"] for _, p in phases)
+        out["s_bar_first_evaluation"] = {"epoch": first, "values": [p["s_bar_init"] for _, p in phases
+                                                                     if p["init_epoch"] == first]}
+        out["s_bar_at_t_mem"] = {"values": [p["s_bar_mem"] for _, p in phases if p["s_bar_mem"] is not None]}
+        out["s_bar_at_t_grok"] = {"values": [p["s_bar_grok"] for _, p in phases if p["s_bar_grok"] is not None]}
+    else:
+        for key in ("s_bar_first_evaluation", "s_bar_at_t_mem", "s_bar_at_t_grok"):
+            out[key] = old[key]
+    if out["long_source"] == "exported":
+        for r, p in phases:
+            if r["stop_at_grok"] or r["t_grok_epoch"] is None:
+                continue
+            dips = _dips(r["trace"], r["t_grok_epoch"], r["grok_threshold"])
+            out["long_runs"].append({
+                "seed": r["seed"], "epochs": r["epochs"],
+                **{k: p[k] for k in ("s_bar_top_after_grok", "s_bar_top_epoch", "s_bar_min_after_top",
+                                     "s_bar_min_after_top_epoch", "sigma_h_peak_after_grok", "sigma_h_peak_epoch")},
+                "final_train_acc": r["final_train_acc"], "final_test_acc": r["final_test_acc"],
+                "dips_after_grok": _dips_text(dips, r["grok_threshold"]), "regime": r["regime"],
+                "current": regime_label(r["trace"], r["grok_threshold"], diverged=r["regime"] == "diverged")})
+    else:
+        out["long_runs"] = [x | {"epochs": long_epochs} for x in old["long_runs"]]
+    return out
+
+
 def _phase_rows(phase: dict, t_grok_lambda1: list[float]) -> list[list[str]]:
     """The two-phase landmarks at λ = 1 against the paper's Fig. 2 (median of 50 runs: s̄ ≈ 0.93 at
     epoch 1, a dip to ≈ 0.88 near epoch 5, 0.97–0.99 over epochs ~130–250, a trough ≈ 0.92 near
     1,100–1,300 — the summaries' 0.88 is that early dip — σ_H ≈ 0.04–0.08 before grokking and a
-    peak ≈ 0.09–0.10 near 1,300), from the printed values (printed.json)."""
+    peak ≈ 0.09–0.10 near 1,300), from `lambda1_phase`: exported traces or printed values."""
     def med(key):
         v = phase[key]
+        if "values" in v:
+            return _median_text(v["values"])
         return f"{v['median']:.3f} (bootstrap CI [{v['bootstrap_ci95'][0]:.3f}, {v['bootstrap_ci95'][1]:.3f}], n = {v['n']})"
+
+    def before(key):
+        if phase["source"] != "exported":
+            return ""
+        v = phase["printed"][key]
+        return f" (printed before: {v['median']:.3f}, n = {v['n']})"
     long = phase["long_runs"]
+    long_origin = ("re-derived from traces" if phase["long_source"] == "exported"
+                   else "transcribed from the lost stores" if phase["source"] == "exported" else "")
+    long_n = f"n = {len(long)}" + (f", {long_origin}" if long_origin else "")
+    horizons = sorted({r["epochs"] for r in long if r.get("epochs")})
     tops = "; ".join(f"seed {r['seed']} {r['s_bar_top_after_grok']:.3f} at {r['s_bar_top_epoch']:,}" for r in long)
     falls = "; ".join(f"seed {r['seed']} " + (f"{r['s_bar_min_after_top']:.3f} at {r['s_bar_min_after_top_epoch']:,}"
                                               if r["s_bar_min_after_top"] is not None else "none")
                       for r in long)
     peaks = "; ".join(f"seed {r['seed']} {r['sigma_h_peak_after_grok']:.3f} at {r['sigma_h_peak_epoch']:,}" for r in long)
-    dips = "; ".join(f"seed {r['seed']}: {r['dips_after_grok']}; ends at train/test {r['final_train_acc']:g}/"
-                     f"{r['final_test_acc']:g}" for r in long)
-    t_grok = int(np.median(t_grok_lambda1))
+    dips = "; ".join(f"seed {r['seed']}: {r['dips_after_grok']}; ends at train/test {r['final_train_acc']:.3g}/"
+                     f"{r['final_test_acc']:.3g}" for r in long)
+    t_grok = float(np.median(t_grok_lambda1))
     after = [r["s_bar_top_epoch"] - t_grok for r in long]
     lows = [r["s_bar_min_after_top"] for r in long if r["s_bar_min_after_top"] is not None]
     sig = [r["sigma_h_peak_after_grok"] for r in long]
+    if lows:
+        trough = (f"{len(lows)} of {len(long)} runs fall at all, to {', '.join(f'{v:.3f}' for v in lows)}: "
+                  + ("shallower than ≈ 0.92" if min(lows) > 0.93 else "as deep as the paper's ≈ 0.92"))
+    else:
+        trough = f"none of {len(long)} runs falls after its highest s̄ within its horizon"
+    if phase["long_source"] == "exported":
+        stored = _count_text(r["regime"] for r in long)
+        current = _count_text(r["current"] for r in long)
+        anti = sum(r["current"] == "anti-grok" for r in long)
+        instab = (("spikes that recover, not the paper's decay" if anti == 0 else
+                   f"{anti} of {len(long)} runs fall for good, as the paper's decay")
+                  + f": labels as stored {stored}; current rules {current} (anti-grok: ≥ {ANTI_GROK_PERSIST:.0%} "
+                  f"of the evaluations to the end below {ANTI_GROK_BELOW})")
+    else:
+        instab = ("spikes that recover, not the paper's decay: stored `anti-grok` by the old one-evaluation rule; "
+                  f"the sustained rule (≥ {ANTI_GROK_PERSIST:.0%} of the evaluations to the end below {ANTI_GROK_BELOW}) "
+                  "does not fire on dips of ≤ 6 evaluations followed by ≥ 40 above 0.5")
+    first = phase["s_bar_first_evaluation"]
     return [
         ["s̄ early dip and Phase-1 rise at λ = 1", "dip ≈ 0.88 near epoch 5; 0.97–0.99 over epochs ~130–250 (Fig. 2)",
-         f"epoch {phase['s_bar_first_evaluation']['epoch']}: {med('s_bar_first_evaluation')}; at t_mem {med('s_bar_at_t_mem')}; "
-         f"at t_grok {med('s_bar_at_t_grok')}; highest after grokking (n = {len(long)}): {tops}",
-         f"level close, timing not: our highest s̄ comes {min(after):,}–{max(after):,} epochs after the median t_grok "
-         f"({t_grok}), the paper's within ~100"],
+         f"epoch {first['epoch']}: {med('s_bar_first_evaluation')}{before('s_bar_first_evaluation')}; "
+         f"at t_mem {med('s_bar_at_t_mem')}{before('s_bar_at_t_mem')}; "
+         f"at t_grok {med('s_bar_at_t_grok')}{before('s_bar_at_t_grok')}; highest after grokking ({long_n}): {tops}",
+         f"level close, timing not: our highest s̄ comes {_fmt(min(after))}–{_fmt(max(after))} epochs after the median "
+         f"t_grok ({_fmt(t_grok)}), the paper's within ~100"],
         ["s̄ Phase-2 trough at λ = 1", "median ≈ 0.92 near epochs 1,100–1,300 (Fig. 2; the summaries' 0.88 is the "
          "early dip), back to ≈ 0.96 by 5,000",
-         f"lowest after the highest (n = {len(long)}, 1,600 epochs): {falls}",
-         f"{len(lows)} of {len(long)} runs fall at all, to {', '.join(f'{v:.3f}' for v in lows)}: shallower than ≈ 0.92"],
+         f"lowest after the highest ({long_n}, {', '.join(f'{h:,}' for h in horizons)} epochs): {falls}", trough],
         ["σ_H after grokking at λ = 1", "≈ 0.04–0.08 before grokking, peak ≈ 0.09–0.10 near 1,300 (Fig. 2)",
-         f"highest after grokking (n = {len(long)}): {peaks}",
+         f"highest after grokking ({long_n}): {peaks}",
          f"the paper's peak is {PAPER['sigma_h_peak'][0] / max(sig):.1f}–{PAPER['sigma_h_peak'][1] / min(sig):.1f}× ours"],
         ["instabilities after grokking at λ = 1", "spikes and a late decay in the 20,000-epoch run of Fig. 3 "
-         "(five stages, anti-grokking last); Fig. 2's IQR stays at 1 to 5,000", dips,
-         "spikes that recover, not the paper's decay: stored `anti-grok` by the old one-evaluation rule; "
-         f"the sustained rule (≥ {ANTI_GROK_PERSIST:.0%} of the evaluations to the end below {ANTI_GROK_BELOW}) "
-         "does not fire on dips of ≤ 6 evaluations followed by ≥ 40 above 0.5"]]
+         "(five stages, anti-grokking last); Fig. 2's IQR stays at 1 to 5,000", dips, instab]]
+
+
+def _count_text(labels) -> str:
+    counts: dict[str, int] = {}
+    for x in labels:
+        counts[x] = counts.get(x, 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
 def _published_fits(published: dict) -> tuple[list[str], list[str]]:

@@ -3,7 +3,9 @@ import importlib.util
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
+from scipy import stats as sps
 
 from fastdiag.analysis.trajectories import phase_values
 from fastdiag.grokking.config import RunConfig
@@ -91,3 +93,151 @@ def test_export_writes_runs_and_traces_that_regenerate_relabels(tmp_path):
     groups = paper_repro._exported_groups(data)
     assert groups[1.0]["current"] == {"grok": 1} and groups[1.0]["regimes"] == {"anti-grok": 1}
     assert groups[10.0]["current"] == {"collapse": 1}
+
+
+# ------------------------------------------------------------------ exported groups in place of printed ones
+def _write_data(folder: Path, runs: list[dict], traces: dict[tuple, list[dict]], lambda1_printed=(170, 175, 180, 185)):
+    """A synthetic data folder: runs.csv / traces.csv written as `export` writes them, printed.json
+    (the committed one with fresh λ = 1 values), init.json and published.json copied."""
+    import csv
+    import json
+    folder.mkdir()
+    with (folder / "runs.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=paper_repro.RUN_COLUMNS, lineterminator="\n")
+        w.writeheader()
+        for r in runs:
+            w.writerow({k: ("" if r.get(k) is None else r[k]) for k in paper_repro.RUN_COLUMNS})
+    with (folder / "traces.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=paper_repro.TRACE_COLUMNS, lineterminator="\n")
+        w.writeheader()
+        for (lam, seed), rows in traces.items():
+            for x in rows:
+                w.writerow({"lambda": lam, "seed": seed} | {k: x.get(k, "") for k in paper_repro.TRACE_COLUMNS[2:]})
+    printed = json.loads((paper_repro.DATA / "printed.json").read_text())
+    one = next(g for g in printed["groups"] if g["lambda"] == 1.0)
+    one["t_grok_epoch_values"] = list(lambda1_printed)
+    one["t_mem_epoch_values"] = [35] * len(lambda1_printed)
+    (folder / "printed.json").write_text(json.dumps(printed))
+    for name in ("init.json", "published.json"):
+        (folder / name).write_text((paper_repro.DATA / name).read_text())
+
+
+def _csv_run(lam, seed, epochs, eval_every, stop, t_grok, t_mem=25, regime="grok", test_end=1.0):
+    return {"lambda": lam, "seed": seed, "epochs": epochs, "eval_every": eval_every, "stop_at_grok": int(stop),
+            "grok_threshold": 0.99, "t_mem_epoch": t_mem, "t_grok_epoch": t_grok, "regime": regime,
+            "regime_current_rules": regime, "final_train_acc": 1.0, "final_test_acc": test_end, "final_s_bar": 0.9,
+            "wall_seconds": 100.0, "store": "synthetic.sqlite"}
+
+
+def _grok_trace(t_grok, every, s_offset, end=None, dip_at=None):
+    """Train accuracy 1 from epoch 25, test accuracy ≥ 0.99 from t_grok; s̄ = 0.8 + s_offset + epoch/10⁴
+    (so each run's s̄ at t_mem and t_grok is known); one evaluation at ``dip_at`` falls to 0.40/0.45."""
+    rows = []
+    for e in range(every, (end or t_grok) + 1, every):
+        test = 0.995 if e >= t_grok else 0.2
+        train = 1.0 if e >= 25 else 0.3
+        if e == dip_at:
+            train, test = 0.45, 0.40
+        rows.append({"epoch": e, "train_acc": train, "test_acc": test, "s_bar": 0.8 + s_offset + e / 1e4,
+                     "sigma_h": 0.01 + e / 1e5})
+    return rows
+
+
+@pytest.fixture
+def fast_report(monkeypatch):
+    """The fits of the paper's data and the GPU plan are not what these tests check: constants."""
+    monkeypatch.setattr(paper_repro, "_published_fits", lambda published: (["a", "b", "c"], ["d", "e", "f"]))
+    monkeypatch.setattr(paper_repro, "gpu_plan_lines", lambda: ["| 1 | 1 | 1 |"])
+
+
+def test_exported_lambda1_replaces_the_printed_values_which_stay_for_comparison(tmp_path, fast_report):
+    t_grok = {0: 140, 1: 145, 2: 165}
+    runs = [_csv_run(1.0, s, 1000, 5, True, t) for s, t in t_grok.items()]
+    runs.append(_csv_run(1.0, 3, 1600, 10, False, 120, regime="anti-grok"))      # trained past grokking, one dip
+    runs.append(_csv_run(10.0, 0, 60, 5, True, None, t_mem=None, regime="collapse"))   # not the printed 150 epochs
+    traces = {(1.0, s): _grok_trace(t, 5, 0.01 * s) for s, t in t_grok.items()}
+    traces[(1.0, 3)] = _grok_trace(120, 10, 0.03, end=1600, dip_at=200)
+    traces[(10.0, 0)] = [{"epoch": e, "train_acc": 0.05, "test_acc": 0.02, "s_bar": 1.0, "sigma_h": 0.0}
+                         for e in range(5, 65, 5)]
+    _write_data(tmp_path / "d", runs, traces)
+    data = paper_repro.load_data(tmp_path / "d")
+    groups = paper_repro.table_groups(data)
+    assert groups[1.0]["source"] == "exported" and groups[1.0]["printed"]["t_grok"] == [170, 175, 180, 185]
+    assert sorted(groups[1.0]["t_grok"]) == [120, 140, 145, 165] and groups[1.0]["seeds"] == [0, 1, 2, 3]
+    assert groups[10.0]["source"] == "printed" and groups[10.0]["exported"]["seeds"] == [0]
+    assert {lam: g["source"] for lam, g in groups.items() if lam not in (1.0, 10.0)} == {
+        0.001: "printed", 0.05: "printed", 0.1: "printed"}
+
+    block = "\n".join(paper_repro.regenerate(tmp_path / "d"))
+    row = next(line for line in block.splitlines() if line.startswith("| t_grok at λ = 1 "))
+    assert "re-derived from traces, seeds 0–3: n = 4, median 142.5" in row
+    assert "values 120 140 145 165" in row
+    assert "regimes as stored: anti-grok 1, grok 3; current rules: grok 4" in row     # re-labelled from the trace
+    assert "printed before (lost stores): n = 4, median 177.5" in row
+    published = [r["t_grok_epoch"] for r in data["published"]["runs"] if r["weight_decay"] == 1.0]
+    mw = sps.mannwhitneyu([140, 145, 165, 120], published, alternative="two-sided", method="asymptotic")
+    assert f"U = {mw.statistic:g}, two-sided p = {mw.pvalue:.2g}" in row
+    t_mem = next(line for line in block.splitlines() if line.startswith("| t_mem at λ = 1 "))
+    assert "n = 4, median 25" in t_mem and "printed before (lost stores): n = 4, median 35" in t_mem
+    # phase values from the traces: s̄ at t_grok of seeds 0–3 = 0.8 + 0.01·seed + t_grok/10⁴
+    phase = next(line for line in block.splitlines() if line.startswith("| s̄ early dip"))
+    at_grok = sorted(0.8 + 0.01 * s + t / 1e4 for s, t in (*t_grok.items(), (3, 120)))
+    assert f"at t_grok n = 4, median {float(np.median(at_grok)):.3g}" in phase
+    assert "highest after grokking (n = 1, re-derived from traces): seed 3 0.990 at 1,600" in phase
+    instab = next(line for line in block.splitlines() if line.startswith("| instabilities"))
+    assert "seed 3: 1 dip(s) below 0.99: epochs 200 (train/test 0.45/0.40); 1 recovered within 10 epochs" in instab
+    assert "labels as stored anti-grok 1; current rules grok 1" in instab
+    sources = next(line for line in block.splitlines() if line.startswith("Sources:"))
+    assert sources.startswith("Sources: our runs at λ = 1 re-derived")
+    assert "at λ = 10, 0.1, 0.05, 0.001 transcribed" in sources and "rows after grokking" not in sources
+    regimes10 = next(line for line in block.splitlines() if line.startswith("| λ = 10: regimes"))
+    assert "printed: n = 3" in regimes10 and "Committed: n = 1 (seeds 0; 60-epoch horizon" in regimes10
+
+
+def test_exported_group_of_another_configuration_leaves_the_printed_one(tmp_path, fast_report):
+    """λ = 1 runs evaluated every 10 over 1,000 epochs are not a redo of the printed setup (every 5;
+    1,600 epochs past grokking): the printed values stay in the table."""
+    runs = [_csv_run(1.0, s, 1000, 10, True, 150) for s in range(3)]
+    _write_data(tmp_path / "d", runs, {(1.0, s): _grok_trace(150, 10, 0.0) for s in range(3)})
+    groups = paper_repro.table_groups(paper_repro.load_data(tmp_path / "d"))
+    assert groups[1.0]["source"] == "printed" and groups[1.0]["exported"]["seeds"] == [0, 1, 2]
+    block = "\n".join(paper_repro.regenerate(tmp_path / "d"))
+    assert "transcribed (printed.json): n = 4, median 177.5" in block
+    assert "Sources: no λ of ours re-derived" in block
+
+
+def test_lambda1_rows_after_grokking_stay_printed_without_an_exported_long_run(tmp_path, fast_report):
+    runs = [_csv_run(1.0, s, 1000, 5, True, 150 + 5 * s) for s in range(3)]
+    _write_data(tmp_path / "d", runs, {(1.0, s): _grok_trace(150 + 5 * s, 5, 0.0) for s in range(3)})
+    block = "\n".join(paper_repro.regenerate(tmp_path / "d"))
+    phase = next(line for line in block.splitlines() if line.startswith("| s̄ early dip"))
+    assert "re-derived" not in phase.split("highest after grokking")[1]
+    assert "highest after grokking (n = 2, transcribed from the lost stores): seed 9 0.984 at 730" in phase
+    assert "(printed before: 0.885, n = 11)" in phase                      # s̄ at t_grok, printed
+    assert "the λ = 1 rows after grokking (runs trained past grokking) are still transcribed" in block
+    trough = next(line for line in block.splitlines() if line.startswith("| s̄ Phase-2"))
+    assert "1,600 epochs" in trough
+
+
+def test_export_refuses_runs_it_could_not_tell_apart(tmp_path):
+    """runs.csv has no column for the model or task, traces.csv keys its rows by (λ, seed)."""
+    cfgs = [RunConfig(weight_decay=1.0, seed=0, epochs=50, eval_every=10, lr=3e-3)]
+    trace = [{"epoch": e, "train_acc": 0.5, "test_acc": 0.1, "s_bar": 0.9, "sigma_h": 0.01} for e in range(10, 60, 10)]
+    with Store(tmp_path / "odd.sqlite") as st:
+        st.add_runs(cfgs)
+        with Lease(st) as lease:
+            lease.claim([c.run_id() for c in cfgs])
+        st.record_done(cfgs[0].run_id(), {"regime": "no-fit", "t_grok_epoch": None, "t_mem_epoch": None}, trace)
+    with pytest.raises(ValueError, match="not the canonical setup.*'lr': 0.003"):
+        paper_repro.export([str(tmp_path / "odd.sqlite")], tmp_path / "out")
+    assert not (tmp_path / "out" / "runs.csv").exists()
+    two = [RunConfig(weight_decay=1.0, seed=0, epochs=50, eval_every=10),
+           RunConfig(weight_decay=1.0, seed=0, epochs=40, eval_every=10)]
+    with Store(tmp_path / "two.sqlite") as st:
+        st.add_runs(two)
+        with Lease(st) as lease:
+            lease.claim([c.run_id() for c in two])
+        for c in two:
+            st.record_done(c.run_id(), {"regime": "no-fit", "t_grok_epoch": None, "t_mem_epoch": None}, trace)
+    with pytest.raises(ValueError, match="a second run of this λ and seed"):
+        paper_repro.export([str(tmp_path / "two.sqlite")], tmp_path / "out")
