@@ -33,6 +33,30 @@ def test_stacked_forward_equals_each_member(arch):
         assert all(torch.equal(v, dict(m.named_parameters())[n]) for n, v in ensemble.member_state_dict(k).items())
 
 
+def test_a_monitor_measures_each_member_of_an_ensemble_as_its_single_model():
+    """`fastdiag.attach` on a vectorised transformer (the ensemble trainer's path): one record per
+    measured step, every layer with the members leading, each value a list over the members."""
+    import fastdiag
+
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(build("transformer", vocab_size=32, preset="custom", n_layers=2, n_heads=4, d_model=32, d_ff=64))
+    idx = torch.randint(0, 32, (3, 10, 3))
+    singles = [fastdiag.attach(m, every=1) for m in models]
+    for k, m in enumerate(models):
+        m(idx[k])
+    with fastdiag.attach(stack_models("transformer", models), every=1) as monitor:
+        monitor.model(idx)
+        assert list(monitor.merged_stats()) == ["blocks.0.attn", "blocks.1.attn"]
+        row = monitor.latest()
+    for k, single in enumerate(singles):
+        want = single.latest()
+        for key in ("s_bar", "sigma_h", "sync/blocks.1.attn", "spread/blocks.0.attn"):
+            assert row[key][k] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+        single.detach()
+
+
 def test_ensemble_adamw_matches_torch_adamw_per_member():
     torch.manual_seed(0)
     singles = [torch.randn(5, 4, requires_grad=True) for _ in range(3)]

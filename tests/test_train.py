@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
+import fastdiag
 import fastdiag.core.stats
-from fastdiag.core import zoo_handoff
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.config import REGIMES
 from fastdiag.grokking.train import train_run
@@ -151,26 +151,29 @@ def test_auto_device_picks_cuda_when_available():
     assert resolve_device("cpu").type == "cpu"
 
 
-def test_recording_sets_record_for_one_pass_and_restores_it_when_the_pass_raises():
+def test_the_trainers_monitor_records_due_passes_only_and_merges_them():
+    """The trainer's path (`fastdiag.attach` on the zoo's attention): ``record`` is set for a due pass
+    only and put back, also when the pass raises; `Monitor.merged_stats` sums the measured passes
+    until a reset; `Monitor.set_step` moves the step count (a resumed run)."""
     attn = CausalSelfAttention(16, 4)
     x = torch.randn(2, 5, 16)
-    with zoo_handoff.recording([attn]):
-        attn(x)
+    monitor = fastdiag.attach(torch.nn.Sequential(attn), every=2)
+    monitor.model(x)                              # step 0: measured
     assert attn.record is False and attn.stats is not None
-    attn.stats = None
-    with zoo_handoff.recording([attn], on=False):
-        attn(x)
-    assert attn.stats is None
+    first = monitor.merged_stats()["0"]
+    monitor.model(x)                              # step 1: not measured
+    assert torch.equal(monitor.merged_stats()["0"].gram, first.gram)
     try:
-        with zoo_handoff.recording([attn]):
-            attn(torch.randn(2, 5, 7))          # wrong width: the pass raises
+        monitor.model(torch.randn(2, 5, 7))       # step 2 due, wrong width: the pass raises
     except RuntimeError:
         pass
     assert attn.record is False
-    pending: dict = {}
-    with zoo_handoff.recording([attn]):
-        attn(x)
-    first = attn.stats
-    zoo_handoff.accumulate(pending, {"a": first})
-    zoo_handoff.accumulate(pending, {"a": first})
-    assert torch.allclose(pending["a"].gram, 2 * first.gram)
+    monitor.model(x)                              # step 2 again: measured
+    merged = monitor.merged_stats(reset=True)
+    assert torch.allclose(merged["0"].gram, 2 * first.gram) and monitor.merged_stats() == {}
+    monitor.set_step(5)
+    monitor.model(x)                              # step 5: not measured
+    assert monitor.merged_stats() == {}
+    monitor.model(x)                              # step 6: measured
+    assert list(monitor.merged_stats()) == ["0"] and monitor.step == 7
+    monitor.detach()

@@ -325,7 +325,7 @@ class Monitor:
                 padding = lambda n, t, dev: self._with_padding(None, n, t, dev, name)  # noqa: E731
                 self._add(name, adapters.own_statistics(adapters.mha_head_stats, mod, args, kwargs,
                                                         self.backend, self.chunk_bytes, padding, dtype), "mha")
-            if fast_path and not self._suspended:
+            if (fast_path or kind == "zoo" and self._only_monitor_mode()) and not self._suspended:
                 self._suspend_mode(name)
 
         def post(mod, args, output):
@@ -336,7 +336,10 @@ class Monitor:
             if self._suspended and self._suspended[-1] == name:
                 self._resume_mode()
             if kind == "zoo" and selected:
-                if mod.stats is not None:
+                if isinstance(mod.stats, dict):  # a module holding several layers (an ensemble): layer -> stats
+                    for layer, stats in mod.stats.items():
+                        self._add(f"{name}.{layer}" if name else layer, stats, "zoo")
+                elif mod.stats is not None:
                     self._add(name, mod.stats, "zoo")
                 mod.record = record_at_attach
 
@@ -361,15 +364,24 @@ class Monitor:
             self._handles.append(module.register_forward_hook(_EagerHook(end), always_call=True))
 
     def _suspend_mode(self, name: str) -> None:
-        """Leave the mode out of fast-path module ``name`` (eval): with a mode active torch takes its
-        slow path, whose outputs differ (nested-tensor padding 0 vs 2.3, 1e-6 elsewhere). Its
-        MultiheadAttention is measured by its adapter, which needs no mode."""
+        """Leave the mode out of module ``name``: a fast-path module in eval (with a mode active torch
+        takes its slow path, whose outputs differ: nested-tensor padding 0 vs 2.3, 1e-6 elsewhere; its
+        MultiheadAttention is measured by its adapter, which needs no mode), or a zoo module, which
+        measures itself (nothing the mode sees inside it is measured: it would only cost time)."""
         if torch.compiler.is_compiling() or not self._mode_entered:
             return
         stack = torch.overrides._get_current_function_mode_stack()
         if stack and stack[-1] is self._mode:
             self._mode.__exit__(None, None, None)
             self._suspended.append(name)
+
+    def _only_monitor_mode(self) -> bool:
+        """No other monitor's mode is active: with nested monitors each suspends its own mode in a zoo
+        module and resumes it in hook order, which would swap the modes on torch's stack."""
+        if torch.compiler.is_compiling():
+            return False
+        return not any(isinstance(m, adapters.AttentionMode) and m is not self._mode
+                       for m in torch.overrides._get_current_function_mode_stack())
 
     def _resume_mode(self) -> None:
         self._suspended.pop()
@@ -729,6 +741,13 @@ class Monitor:
     def end_step(self) -> None:
         self._end(self._training)
 
+    def set_step(self, step: int) -> None:
+        """Continue counting training steps from ``step`` (a loop resumed from a checkpoint taken at
+        that step): the next training pass has this index and is measured when ``step % every == 0``."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step: expected a non-negative integer, got {step!r}")
+        self.step, self._due = step, step % self.every == 0
+
     # ---- results (these sync with the host) ---------------------------------------------------
 
     def latest(self, mode: str | None = None) -> dict | None:
@@ -749,6 +768,15 @@ class Monitor:
     def latest_summary(self) -> Summary | None:
         """The last record's `Summary` (device tensors, no sync)."""
         return self._records.latest_summary
+
+    def merged_stats(self, mode: str = "train", *, reset: bool = False) -> dict[str, HeadStats]:
+        """Each layer's `HeadStats` summed with ``+`` over the records of ``mode`` ("train" or "eval")
+        since the last ``reset=True`` call (device tensors, no sync): the statistics of all those
+        passes' rows together, e.g. an epoch's or an evaluation interval's. {} when none;
+        ``reset=True`` starts the next sum."""
+        if mode not in ("train", "eval"):
+            raise ValueError(f"mode: expected 'train' or 'eval', got {mode!r}")
+        return self._records.merged(mode, reset)
 
     @property
     def num_records(self) -> int:

@@ -1,5 +1,8 @@
 """What a `Monitor` measured: one record per measured step, kept on the device until it is read
-(``latest``, ``history``: one host sync for everything not read yet) or sent to a logger."""
+(``latest``, ``history``: one host sync for everything not read yet) or sent to a logger.
+
+Statistics with leading problem dimensions (a vectorised ensemble's members, `fastdiag.models.ensemble`)
+give each value as a flat list over them, in the host dicts as in what a logger receives."""
 from __future__ import annotations
 
 import warnings
@@ -15,7 +18,7 @@ class _Record:
     step: int
     mode: str                      # "train" or "eval"
     keys: list[str]                # "s_bar", "sigma_h", "sync/<layer>", "spread/<layer>"
-    values: torch.Tensor | None    # float64 [len(keys)] on the device until converted
+    values: torch.Tensor | None    # float64 [len(keys), *leading dims] on the device until converted
     host: dict | None = None
     logged: bool = field(default=False)
 
@@ -45,6 +48,7 @@ class Records:
         self._unlogged = 0
         self.latest_stats: dict[str, HeadStats] | None = None
         self.latest_summary: Summary | None = None
+        self._merged: dict[str, dict[str, HeadStats]] = {}   # mode -> layer -> sum since the last reset
 
     def add(self, step: int, mode: str, stats: dict[str, HeadStats]) -> None:
         if self.all_reduce:
@@ -52,11 +56,18 @@ class Records:
         summary = summarize(stats)
         values = summary.tensors()
         self.latest_stats, self.latest_summary = stats, summary
+        merged = self._merged.setdefault(mode, {})
+        for name, s in stats.items():
+            merged[name] = s if name not in merged else merged[name] + s
         self._records.append(_Record(step, mode, list(values),
-                                     torch.stack(list(values.values())).double().reshape(-1)))
+                                     torch.stack(list(values.values())).double()))
         self._unlogged += 1
         if self.log is not None and self._unlogged >= self.flush_every:
             self.flush()
+
+    def merged(self, mode: str, reset: bool = False) -> dict[str, HeadStats]:
+        """Each layer's statistics summed over the records of ``mode`` since the last reset."""
+        return self._merged.pop(mode, {}) if reset else dict(self._merged.get(mode, {}))
 
     def __len__(self) -> int:
         return len(self._records)
@@ -65,13 +76,16 @@ class Records:
         todo = [r for r in self._records if r.host is None]
         if not todo:
             return
-        flat = torch.cat([r.values for r in todo]).tolist()  # the one host sync
+        flat = torch.cat([r.values.reshape(-1) for r in todo]).tolist()  # the one host sync
         offset = 0
         for r in todo:
-            n = len(r.keys)
-            r.host = {"step": r.step, "mode": r.mode, **dict(zip(r.keys, flat[offset:offset + n]))}
+            n, size = len(r.keys), r.values[0].numel()
+            values = flat[offset:offset + n * size]
+            if r.values.dim() > 1:
+                values = [values[i * size:(i + 1) * size] for i in range(n)]
+            r.host = {"step": r.step, "mode": r.mode, **dict(zip(r.keys, values))}
             r.values = None
-            offset += n
+            offset += n * size
 
     def latest(self, mode: str | None = None) -> dict | None:
         for r in reversed(self._records):

@@ -5,8 +5,6 @@ monitor holding it detaches."""
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
-from typing import Iterable
 
 import torch
 
@@ -41,26 +39,3 @@ def release(modules, holder: int) -> None:
         for attr, value in entry["saved"].items():
             setattr(module, attr, value)
         del _SETTINGS[module]
-
-
-@contextmanager
-def recording(modules: Iterable[torch.nn.Module], on: bool = True):
-    """One forward pass with ``record`` set on fastdiag's own attention modules (or on an ensemble
-    model, which records all its layers); each ``record`` is put back afterwards, also when the pass
-    raises. ``on=False`` leaves them alone, so a call site needs no branch."""
-    modules = list(modules) if on else []
-    before = [m.record for m in modules]
-    for m in modules:
-        m.record = True
-    try:
-        yield
-    finally:
-        for m, value in zip(modules, before):
-            m.record = value
-
-
-def accumulate(pending: dict, stats: dict) -> None:
-    """Add one recorded pass's statistics (layer → `HeadStats`) to ``pending`` (the passes since the
-    last evaluation): sums, so merged passes give the statistics of their union of rows."""
-    for name, value in stats.items():
-        pending[name] = value if name not in pending else pending[name] + value

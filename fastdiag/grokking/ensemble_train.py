@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from collections import Counter
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from fastdiag.core import zoo_handoff
+from fastdiag.core.monitor import attach
 from fastdiag.grokking import checkpoint as ckpt
 from fastdiag.grokking.build import build_model, parameter_count, resolve_device
 from fastdiag.grokking.config import RunConfig
@@ -122,6 +123,10 @@ class _Members:
         self.data = [torch.stack([getattr(t, name) for t in tasks]) for name in ("train_x", "train_y", "test_x", "test_y")]
         self.opt = EnsembleAdamW(list(self.model.parameters()), cfgs[0].lr, [c.weight_decay for c in cfgs])
         self.loss_sum = torch.zeros(len(cfgs), device=device)
+        # measures every diag_every-th step's attention, the members leading (`fastdiag.attach`)
+        self.monitor = attach(self.model, every=cfgs[0].diag_every) if self.layer_names else None
+        if self.monitor is not None:
+            weakref.finalize(self, self.monitor.detach)   # the model is free once the pack is done
 
     def keep(self, index: torch.Tensor) -> None:
         """Drop every member not in ``index`` (slots) from every stacked tensor."""
@@ -132,20 +137,15 @@ class _Members:
         self.loss_sum = self.loss_sum.index_select(0, index)
 
 
-def _train_epoch(m: _Members, perm: torch.Tensor, shared: RunConfig, step: int, pending: dict) -> int:
+def _train_epoch(m: _Members, perm: torch.Tensor, shared: RunConfig, step: int) -> int:
     """One epoch of every member over its own shuffle ``perm`` ``[K, n_train]``; returns the step count
-    after it. Head statistics of the recorded steps are summed into ``pending``."""
+    after it. The monitor measures the steps that are due."""
     train_x, train_y = m.data[0], m.data[1]
     m.model.train()
     members = torch.arange(perm.shape[0], device=perm.device)[:, None]
     for start in range(0, perm.shape[1], shared.batch_size):
         idx = perm[:, start:start + shared.batch_size]
-        record = bool(m.layer_names) and step % shared.diag_every == 0
-        with zoo_handoff.recording([m.model], record):
-            logits = m.model(train_x[members, idx])                      # [K, b, vocab]
-        if record:
-            zoo_handoff.accumulate(pending, m.model.stats)
-            m.model.stats = {}
+        logits = m.model(train_x[members, idx])                          # [K, b, vocab]
         per_member = F.cross_entropy(logits.flatten(0, 1), train_y[members, idx].flatten(),
                                      reduction="none").view(perm.shape[0], -1).mean(1)
         m.opt.zero_grad()
@@ -156,11 +156,12 @@ def _train_epoch(m: _Members, perm: torch.Tensor, shared: RunConfig, step: int, 
     return step
 
 
-def _evaluation_rows(m: _Members, pending: dict, chunk: int) -> list[dict[str, float]]:
-    """Every active member's evaluation values (one host transfer for all), in slot order."""
+def _evaluation_rows(m: _Members, chunk: int) -> list[dict[str, float]]:
+    """Every active member's evaluation values (one host transfer for all), in slot order; the head
+    statistics merged over the measured steps since the last evaluation."""
     metrics = _evaluate(m.model, *m.data, chunk)
     metrics["loss_sum"] = m.loss_sum
-    metrics.update(summary_values(pending, m.layer_names))
+    metrics.update(summary_values(m.monitor.merged_stats(reset=True) if m.monitor else {}, m.layer_names))
     names = list(metrics)
     k = m.loss_sum.shape[0]
     host = torch.stack([metrics[name].detach().to(torch.float64).reshape(k) for name in names], 1).tolist()
@@ -222,12 +223,13 @@ def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], No
     outcomes: dict[int, RunOutcome] = {}
     chunk = eval_chunk(device)
     step = epoch = 0
-    pending: dict = {}
     ids = [c.run_id() for c in cfgs]
     if checkpoint is not None:
         state = checkpoint.load()
         if state is not None and set(ids) <= set(state["member_ids"]):
             epoch, step = _restore_pack(m, state, ids, shuffles, trackers, device)
+            if m.monitor is not None:
+                m.monitor.set_step(step)
             started -= float(state["elapsed"])
             checkpoint.last_epoch = checkpoint.resumed_epoch = epoch
         elif state is not None:
@@ -236,11 +238,10 @@ def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], No
     while active:
         epoch += 1
         perm = torch.stack([torch.randperm(n_train, generator=shuffles[i]) for i in active]).to(device)
-        step = _train_epoch(m, perm, shared, step, pending)
+        step = _train_epoch(m, perm, shared, step)
         if epoch % shared.eval_every and epoch != shared.epochs:
             continue
-        rows = _evaluation_rows(m, pending, chunk)
-        pending = {}
+        rows = _evaluation_rows(m, chunk)
         keep = []
         for slot, pos in enumerate(active):
             row = trackers[pos].record(epoch, step, rows[slot])

@@ -3,23 +3,24 @@
 ``train_run(cfg)`` trains the model of a ``RunConfig`` on its modular-arithmetic task with AdamW
 (betas 0.9/0.98, weight decay λ on all parameters), minibatches reshuffled every epoch, and returns a
 ``RunOutcome``: the config, a JSON-able ``result`` dict and a ``trace`` (one JSON-able row per
-evaluation). Diagnostics come from the training step's own forward pass: every ``diag_every``
-optimizer steps the attention modules record their head statistics (``record = True`` for that
-forward only); the statistics of all diagnostic steps since the previous evaluation are merged with
-``+`` and summarised at evaluation time, which is the only moment anything is read to the host.
+evaluation). Diagnostics come from the training step's own forward pass, measured by
+``fastdiag.attach(model, every=diag_every)`` as in any other training loop; the statistics of all
+measured steps since the previous evaluation are merged with ``+`` (`Monitor.merged_stats`) and
+summarised at evaluation time, which is the only moment anything is read to the host.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from fastdiag.core import zoo_handoff
+from fastdiag.core.monitor import Monitor, attach
 from fastdiag.grokking import checkpoint as ckpt
 from fastdiag.grokking.build import build_model, resolve_device
 from fastdiag.grokking.config import RunConfig
@@ -40,6 +41,9 @@ class Trainer:
 
     ``branch(**changes)`` deep-copies the whole state (model, optimizer, shuffle generator,
     bookkeeping) so an experiment can continue several arms from one checkpoint.
+
+    ``monitor``: the `Monitor` measuring the model's attention (None for a model without any); its
+    steps are the trainer's optimizer steps.
     """
 
     def __init__(self, cfg: RunConfig, progress: Callable[[dict], None] | None = None) -> None:
@@ -59,20 +63,23 @@ class Trainer:
         self.epoch = 0
         self.step = 0
         self.loss_sum = torch.zeros((), device=device)  # minibatch losses since the last evaluation
-        self.pending: dict = {}                          # layer -> merged HeadStats since the last evaluation
+        self.monitor = self._attach()
 
     @property
     def done(self) -> bool:
         return self.tracker.stopped or self.epoch >= self.cfg.epochs
 
+    def _attach(self) -> Monitor | None:
+        """A monitor on the model measuring every ``diag_every``-th step from this trainer's step on."""
+        if not self.attn:
+            return None
+        monitor = attach(self.model, every=self.cfg.diag_every)
+        monitor.set_step(self.step)
+        weakref.finalize(self, monitor.detach)   # the model is free once the trainer is
+        return monitor
+
     def _train_step(self, idx: torch.Tensor) -> None:
-        record = bool(self.attn) and self.step % self.cfg.diag_every == 0
-        with zoo_handoff.recording(self.attn.values(), record):
-            logits = self.model(self.task.train_x[idx])
-        if record:
-            zoo_handoff.accumulate(self.pending, {name: m.stats for name, m in self.attn.items()})
-            for m in self.attn.values():
-                m.stats = None
+        logits = self.model(self.task.train_x[idx])     # measured by the monitor when due
         loss = F.cross_entropy(logits, self.task.train_y[idx])
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -105,10 +112,10 @@ class Trainer:
             weight_norm = torch.stack([p.detach().float().norm() for p in model.parameters()]).norm()
             values = {"train_loss": train_loss, "train_acc": train_acc, "test_loss": test_loss,
                       "test_acc": test_acc, "weight_norm": weight_norm, "loss_sum": self.loss_sum,
-                      **summary_values(self.pending, list(self.attn))}
+                      **summary_values(self.monitor.merged_stats(reset=True) if self.monitor else {},
+                                       list(self.attn))}
             host = torch.stack([v.detach().to(torch.float64).reshape(()) for v in values.values()]).tolist()
         self.loss_sum.zero_()
-        self.pending = {}
         return dict(zip(values, host))
 
     def outcome(self) -> RunOutcome:
@@ -121,8 +128,7 @@ class Trainer:
     def state(self) -> dict:
         """Everything the rest of the run depends on, taken right after an evaluation (nothing pending):
         what a checkpoint saves (`fastdiag.grokking.checkpoint`)."""
-        if self.pending or self.epoch % self.cfg.eval_every and self.epoch != self.cfg.epochs:
-            raise RuntimeError("Trainer.state: only right after an evaluation (head statistics are pending)")
+        self._check_nothing_pending("Trainer.state")
         return {"epoch": self.epoch, "step": self.step, "model": self.model.state_dict(),
                 "optimizer": self.opt.state_dict(), "shuffle": self.shuffle.get_state(),
                 "rng": ckpt.rng_state(self.device), "tracker": ckpt.tracker_state(self.tracker),
@@ -137,21 +143,35 @@ class Trainer:
         ckpt.set_rng_state(state["rng"], self.device)
         ckpt.restore_tracker(self.tracker, state["tracker"])
         self.loss_sum.zero_()
-        self.pending = {}
+        if self.monitor is not None:
+            self.monitor.merged_stats(reset=True)
+            self.monitor.set_step(self.step)
         self.started = time.perf_counter() - float(state["elapsed"])   # wall_seconds: all attempts
 
+    def _check_nothing_pending(self, what: str) -> None:
+        measured = self.monitor is not None and self.monitor.merged_stats()   # since the last evaluation
+        if measured or self.epoch % self.cfg.eval_every and self.epoch != self.cfg.epochs:
+            raise RuntimeError(f"{what}: only right after an evaluation (head statistics are pending)")
+
     def branch(self, **changes) -> "Trainer":
-        """An independent copy continuing from this exact state; ``changes`` edit the config
-        (e.g. a later horizon ``epochs=`` or ``stop_at_grok=False``)."""
+        """An independent copy continuing from this exact state, taken right after an evaluation;
+        ``changes`` edit the config (e.g. a later horizon ``epochs=`` or ``stop_at_grok=False``).
+        The copy gets its own monitor: the model is copied without this trainer's hooks."""
+        self._check_nothing_pending("Trainer.branch")
         progress, self.progress = self.progress, None
+        monitor, self.monitor = self.monitor, None
+        if monitor is not None:
+            monitor.detach()
         try:
             twin = copy.deepcopy(self)
         finally:
             self.progress = progress
+            self.monitor = self._attach()
         twin.progress = progress
         if changes:
             twin.cfg = dataclasses.replace(self.cfg, **changes).validate()
             twin.tracker.cfg = twin.cfg
+        twin.monitor = twin._attach()
         return twin
 
 

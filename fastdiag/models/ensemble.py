@@ -77,6 +77,10 @@ class _Stacked(nn.Module):
 
 
 class EnsembleTransformer(_Stacked):
+    # measures itself like the zoo's attention (`fastdiag.attach` sets ``record``), all its layers at
+    # once: ``stats`` maps each layer's name to its HeadStats, the members leading
+    records_head_stats = True
+
     def __init__(self, models: list[Transformer]) -> None:
         super().__init__(models)
         cfg = models[0].config
