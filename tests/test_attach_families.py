@@ -16,39 +16,11 @@ from tests.test_attach import assert_stats_close, detach_everything  # noqa: F40
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_attach_matrix import build, inputs  # noqa: E402
+from tests.test_attach_matrix import attached_unchanged, build, inputs, sharpen  # noqa: E402
 
 BATCH = inputs("bert", padded=True)          # 2 x 10 tokens, right padding 2 and left padding 3
 REAL = BATCH["attention_mask"].bool()
 T = transformers
-
-
-def _sharp(model):
-    """Weights at std 0.5, so attention is sharp and a missing term or row would show."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.5)
-    return model.train()
-
-
-def _attached(model, run):
-    """``run(model)`` with attach (every=1): (monitor, fastdiag warnings); outputs and gradients must
-    be unchanged."""
-    want = run(model)
-    want.square().mean().backward()
-    want_grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with fastdiag.attach(model, every=1) as monitor:
-            got = run(model)
-            got.square().mean().backward()
-    assert torch.equal(got, want)
-    assert all((g is None and p.grad is None) or torch.equal(p.grad, g)
-               for p, g in zip(model.parameters(), want_grads))
-    return monitor, [str(w.message) for w in caught if "fastdiag" in str(w.message)]
 
 
 def _hs(probs, rows=None):
@@ -61,9 +33,9 @@ def test_perceiver_cross_attention_of_equal_lengths_keeps_every_latent_row():
     config = T.PerceiverConfig(num_latents=10, d_latents=32, d_model=16, num_blocks=1, num_self_attends_per_block=1,
                                num_self_attention_heads=4, num_cross_attention_heads=4,
                                attention_probs_dropout_prob=0.0)
-    model = _sharp(T.PerceiverModel(config))
+    model = sharpen(T.PerceiverModel(config), seed=0)
     x = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(1))
-    monitor, problems = _attached(model, lambda m: m(inputs=x, attention_mask=BATCH["attention_mask"]).last_hidden_state)
+    monitor, problems = attached_unchanged(model, lambda m: m(inputs=x, attention_mask=BATCH["attention_mask"]).last_hidden_state)
     assert not problems
     with torch.no_grad():
         out = model(inputs=x, attention_mask=BATCH["attention_mask"], output_attentions=True)
@@ -78,9 +50,9 @@ def test_bigbird_block_sparse_is_named_not_recorded():
     config = T.BigBirdConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                              vocab_size=64, attention_type="block_sparse", block_size=2, num_random_blocks=1,
                              max_position_embeddings=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = _sharp(T.BigBirdModel(config))
+    model = sharpen(T.BigBirdModel(config), seed=0)
     ids = torch.randint(2, 60, (2, 32), generator=torch.Generator().manual_seed(0))
-    monitor, problems = _attached(model, lambda m: m(input_ids=ids).last_hidden_state)
+    monitor, problems = attached_unchanged(model, lambda m: m(input_ids=ids).last_hidden_state)
     assert len(problems) == 1 and "'encoder.layer.0.attention.self'" in problems[0] and "attention ops" in problems[0]
     assert monitor.latest() is None and list(monitor.coverage()["missing"]) == ["encoder.layer.0.attention.self"]
 
@@ -90,9 +62,9 @@ def test_prophetnet_ngram_streams_are_named_and_its_other_attention_is_measured(
                                 num_decoder_layers=1, num_encoder_attention_heads=4, num_decoder_attention_heads=4,
                                 vocab_size=64, ngram=2, num_buckets=8, relative_max_distance=16, dropout=0.0,
                                 attention_dropout=0.0, activation_dropout=0.0)
-    model = _sharp(T.ProphetNetModel(config))
+    model = sharpen(T.ProphetNetModel(config), seed=0)
     decoder_ids = BATCH["input_ids"][:, :7]
-    monitor, problems = _attached(model, lambda m: m(**BATCH, decoder_input_ids=decoder_ids).last_hidden_state)
+    monitor, problems = attached_unchanged(model, lambda m: m(**BATCH, decoder_input_ids=decoder_ids).last_hidden_state)
     assert len(problems) == 1 and "'decoder.layers.0.self_attn'" in problems[0] and "5-D scores" in problems[0]
     stats = monitor.latest_stats()
     assert list(stats) == ["encoder.layers.0.self_attn", "decoder.layers.0.cross_attn"]
@@ -122,7 +94,7 @@ def test_windowed_layouts_are_named_not_read_as_heads(family):
     """Longformer's [B, T, H, window] scores (LED's encoder the same) are no [B, H, Tq, Tk] map: no
     layer record, the module named; nothing about them is averaged into s̄."""
     model, run = {"led": _led, "longformer": _longformer}[family]()
-    monitor, problems = _attached(_sharp(model), run)
+    monitor, problems = attached_unchanged(sharpen(model, seed=0), run)
     windowed = [n for n in monitor.coverage()["missing"] if "self_attn.longformer_self_attn" in n or
                 n.endswith("attention.self")]
     assert windowed and all(any(f"'{n}'" in p for p in problems) for n in windowed)

@@ -115,19 +115,27 @@ INIT_STD = {"t5 (relative position bias)": 0.25}  # T5 does not scale its scores
 SINKS = {"gpt_oss (attention sinks, window 4)"}
 
 
+def sharpen(model, std: float = 0.5, seed: int | None = None):
+    """``model`` in training mode with sharp attention: its weight matrices drawn at ``std`` (at the
+    default init attention is near-uniform and σ_H ≈ 1e-5, which would hide a wrong term behind
+    float32 rounding); ``seed``: torch's seed first."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std)
+    return model.train()
+
+
 def build(arch: str, impl: str, seed: int = 0):
-    """The model with sharp attention: weights drawn at std 0.5 (at the default init attention is
-    near-uniform and σ_H ≈ 1e-5, which would hide a wrong term behind float32 rounding), less where
-    the scores would grow so large that float32 rounding of the scores alone moves σ_l by 1e-5."""
+    """The model, `sharpen`ed: std 0.5, less where the scores would grow so large that float32
+    rounding of the scores alone moves σ_l by 1e-5."""
     make_config, cls_name, _ = ARCHS[arch]
     config = make_config()
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name)._from_config(config, attn_implementation=impl)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, INIT_STD.get(arch, 0.5))
-    return model.train()
+    return sharpen(model, INIT_STD.get(arch, 0.5))
 
 
 def inputs(arch: str, padded: bool) -> dict:
@@ -148,6 +156,32 @@ def inputs(arch: str, padded: bool) -> dict:
 
 def _output(out) -> torch.Tensor:
     return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def attach_changes(model, run) -> tuple[fastdiag.Monitor, list[str], list[str]]:
+    """``run(model)`` and a backward pass, without and then with attach (every=1): (the monitor,
+    fastdiag's warnings, what attach changed: "output changed", "gradients changed")."""
+    want = run(model)
+    want.float().square().mean().backward()
+    want_grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fastdiag.attach(model, every=1) as monitor:
+            got = run(model)
+            got.float().square().mean().backward()
+    changes = [] if torch.equal(got, want) else ["output changed"]
+    if not all((g is None and p.grad is None) or torch.equal(p.grad, g)
+               for p, g in zip(model.parameters(), want_grads)):
+        changes.append("gradients changed")
+    return monitor, [str(w.message) for w in caught if "fastdiag" in str(w.message)], changes
+
+
+def attached_unchanged(model, run) -> tuple[fastdiag.Monitor, list[str]]:
+    """`attach_changes` where attach must change neither outputs nor gradients: (monitor, warnings)."""
+    monitor, warned, changes = attach_changes(model, run)
+    assert not changes, changes
+    return monitor, warned
 
 
 class CaptureSDPA(TorchFunctionMode):
@@ -238,21 +272,8 @@ def measure(arch: str, impl: str, padded: bool):
     if model is None or model.config._attn_implementation != impl:
         return None, [f"{arch}: attn_implementation {impl!r} not available in transformers {transformers.__version__}"]
     batch = inputs(arch, padded)
-    want = _output(model(**batch))
-    want.square().mean().backward()
-    want_grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with fastdiag.attach(model, every=1) as monitor:
-            out = _output(model(**batch))
-            out.square().mean().backward()
-    problems = [str(w.message) for w in caught if "fastdiag" in str(w.message)]
-    if not torch.equal(out, want):
-        problems.append("output changed")
-    if not all((g is None and p.grad is None) or torch.equal(p.grad, g)
-               for p, g in zip(model.parameters(), want_grads)):
-        problems.append("gradients changed")
+    monitor, problems, changes = attach_changes(model, lambda m: _output(m(**batch)))
+    problems += changes
     stats = monitor.latest_stats()
     ref = reference(arch, model, batch)
     if stats is None or len(stats) != len(ref):

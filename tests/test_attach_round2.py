@@ -19,42 +19,33 @@ from tests.test_attach import assert_stats_close, detach_everything, eager_probs
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_attach_matrix import CaptureSDPA, build, inputs, sdpa_probs  # noqa: E402
+from tests.test_attach_matrix import CaptureSDPA, attached_unchanged, build, inputs, sdpa_probs, sharpen  # noqa: E402
 
 
 def _hs(probs, rows=None):
     return fastdiag.head_stats(probs.double(), rows, backend="reference")
 
 
-def _unchanged(model, run):
-    """``run(model)`` -> output, with and without attach (every=1): outputs and gradients identical."""
-    want = run(model)
-    want.float().square().mean().backward()
-    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with fastdiag.attach(model, every=1) as monitor:
-            out = run(model)
-            out.float().square().mean().backward()
-    assert torch.equal(out, want)
-    assert all((g is None and p.grad is None) or torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
-    return monitor, [str(w.message) for w in caught if "fastdiag" in str(w.message)]
-
-
 # ---- 1. autocast: fastdiag's arithmetic outside the caller's autocast -----------------------------
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama (GQA)"])
-def test_sdpa_under_autocast_matches_float64_of_the_bf16_q_and_k_the_model_used(arch):
-    model = build(arch, "sdpa")
+def _attached_under_bf16_autocast(arch: str, impl: str):
+    """The matrix model ``arch`` on its padded batch under bf16 autocast, measured with attach (outputs
+    and gradients unchanged, no warning): (model, batch, monitor)."""
+    model = build(arch, impl)
     batch = inputs(arch, padded=True)
 
     def run(m):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return m(**batch).logits
 
-    monitor, problems = _unchanged(model, run)
+    monitor, problems = attached_unchanged(model, run)
     assert not problems
+    return model, batch, monitor
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama (GQA)"])
+def test_sdpa_under_autocast_matches_float64_of_the_bf16_q_and_k_the_model_used(arch):
+    model, batch, monitor = _attached_under_bf16_autocast(arch, "sdpa")
     with torch.no_grad(), CaptureSDPA() as capture, torch.autocast("cpu", dtype=torch.bfloat16):
         model(**batch)
     # the tensors SDPA ran on: autocast hands it bf16 (the model's own projections are bf16 already)
@@ -85,15 +76,7 @@ class SoftmaxCapture(TorchFunctionMode):
 def test_eager_under_autocast_measures_the_softmax_output_in_float64():
     """Eager under autocast: the measured tensor is the softmax's own output (fp32 from HF's
     ``softmax(..., dtype=float32)``), accumulated without autocast — not a bf16 re-computation."""
-    model = build("llama (GQA)", "eager")
-    batch = inputs("llama (GQA)", padded=True)
-
-    def run(m):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return m(**batch).logits
-
-    monitor, problems = _unchanged(model, run)
-    assert not problems
+    model, batch, monitor = _attached_under_bf16_autocast("llama (GQA)", "eager")
     with torch.no_grad(), SoftmaxCapture() as capture, torch.autocast("cpu", dtype=torch.bfloat16):
         model(**batch)
     stats = list(monitor.latest_stats().values())
@@ -116,7 +99,7 @@ def test_multihead_attention_under_autocast_reprojects_in_the_autocast_dtype():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return m(x, x, x, need_weights=False)[0]
 
-    monitor, problems = _unchanged(mha, run)
+    monitor, problems = attached_unchanged(mha, run)
     assert not problems
     e = 16
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as MultiheadAttention does: [T, N, E], in bf16
@@ -188,7 +171,7 @@ class HandWritten(nn.Module):
 def test_softmax_with_its_input_passed_by_keyword_is_measured():
     torch.manual_seed(0)
     model, x = HandWritten("keyword"), torch.randn(2, 5, 8)
-    monitor, problems = _unchanged(model, lambda m: m(x))
+    monitor, problems = attached_unchanged(model, lambda m: m(x))
     assert not problems
     assert_stats_close(monitor.latest_stats()["<root>"], _hs(model.probs))
 
@@ -196,7 +179,7 @@ def test_softmax_with_its_input_passed_by_keyword_is_measured():
 def test_an_empty_batch_through_a_hand_written_softmax_is_a_step_with_no_rows():
     torch.manual_seed(0)
     model, x = HandWritten("softmax"), torch.randn(0, 5, 8)
-    monitor, problems = _unchanged(model, lambda m: m(x))
+    monitor, problems = attached_unchanged(model, lambda m: m(x))
     assert not problems
     stats = monitor.latest_stats()["<root>"]
     assert stats.rows.item() == 0 and stats.num_heads == 2 and stats.gram.abs().sum().item() == 0
@@ -206,7 +189,7 @@ def test_an_empty_batch_through_a_hand_written_softmax_is_a_step_with_no_rows():
 def test_sdpa_without_a_head_dimension_runs_unchanged_and_is_named_not_measured(how, x):
     torch.manual_seed(0)
     model, x = HandWritten(how), torch.randn(*x)
-    monitor, problems = _unchanged(model, lambda m: m(x))
+    monitor, problems = attached_unchanged(model, lambda m: m(x))
     assert len(problems) == 1 and "'' (HandWritten) is not measured" in problems[0] \
         and f"{x.dim()}-D query" in problems[0]
     assert monitor.latest() is None and monitor.coverage()["measured"] == {}
@@ -312,7 +295,7 @@ def test_padding_rows_are_left_out_only_where_queries_and_keys_share_their_input
     model, x, other = ContextAttention(softmax), torch.randn(2, 6, 8), torch.randn(2, 6, 8)
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[0, 4:] = False                      # the context's padding: keys 4, 5 of sequence 0
-    monitor, problems = _unchanged(model, lambda m: m(x, context=other if cross else x, context_mask=mask))
+    monitor, problems = attached_unchanged(model, lambda m: m(x, context=other if cross else x, context_mask=mask))
     assert not problems
     q, k, m = model.seen
     probs, _ = eager_probs(q, k, m)
@@ -390,7 +373,7 @@ def test_padding_masked_with_a_finite_value_leaves_padded_rows_out(fill, use_sdp
     real = torch.ones(2, 6, dtype=torch.bool)
     real[0, 4:] = False
     real[1, :1] = False
-    monitor, problems = _unchanged(model, lambda m: m(x, real))
+    monitor, problems = attached_unchanged(model, lambda m: m(x, real))
     assert not problems
     q, k, mask = model.seen
     scores = q.double() @ k.double().transpose(-1, -2) / 2 + mask.double()
@@ -405,11 +388,7 @@ def test_xlnet_padding_that_sees_itself_is_counted_and_named_until_the_mask_is_h
     coverage()["all_rows"]); with set_padding the padded rows are left out, exactly."""
     config = transformers.XLNetConfig(d_model=32, n_layer=2, n_head=4, d_inner=64, vocab_size=64, dropout=0.0)
     torch.manual_seed(0)
-    model = transformers.XLNetModel(config).train()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.5)
+    model = sharpen(transformers.XLNetModel(config))
     batch = inputs("bert", padded=True)
     real = batch["attention_mask"].bool()
     with torch.no_grad():
@@ -540,7 +519,7 @@ def test_softmaxes_that_are_not_one_attention_map_are_no_layer_and_are_named(how
 
     torch.manual_seed(0)
     model, x = Pair(), torch.randn(2, 6, 8)
-    monitor, problems = _unchanged(model, lambda m: m(x))
+    monitor, problems = attached_unchanged(model, lambda m: m(x))
     assert len(problems) == 1 and "'odd'" in problems[0]
     assert re.search(message, problems[0])
     assert list(monitor.latest_stats()) == ["real"] and list(monitor.coverage()["measured"]) == ["real"]
@@ -582,6 +561,6 @@ def test_nystromformer_factors_are_not_recorded_as_layers():
     torch.manual_seed(0)
     model = transformers.NystromformerModel(config).train()
     ids = torch.randint(2, 60, (2, 16), generator=torch.Generator().manual_seed(0))
-    monitor, problems = _unchanged(model, lambda m: m(input_ids=ids).last_hidden_state)
+    monitor, problems = attached_unchanged(model, lambda m: m(input_ids=ids).last_hidden_state)
     assert len(problems) == 1 and "'encoder.layer.0.attention.self'" in problems[0] and "attention ops" in problems[0]
     assert monitor.latest() is None

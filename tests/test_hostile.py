@@ -68,6 +68,27 @@ def small_store(path, n=3):
     return cfgs
 
 
+def insert_arms(store, experiment: str, arms=("control", "reinit"), arm_id: str = "{experiment}-s0-{arm}",
+                trace_rows: int = 0, **columns) -> None:
+    """Intervention arms of seed 0 of ``experiment``, written as raw rows (``columns``: the stored
+    text of config, settings, intervention, result or metrics, '{}' unless given, damaged if a
+    test says so), each with ``trace_rows`` trace rows."""
+    from fastdiag.store.interventions import ensure_tables
+
+    values = {"config": "{}", "settings": "{}", "intervention": "{}", "result": "{}", "metrics": "{}", **columns}
+    ensure_tables(store)
+    with store.transaction() as conn:
+        for arm in arms:
+            aid = arm_id.format(experiment=experiment, arm=arm)
+            conn.execute("INSERT INTO intervention_runs (arm_id, experiment, seed, arm, branch_of, branch_epoch, "
+                         "config, settings, intervention, result, metrics, created_at) "
+                         "VALUES (?, ?, 0, ?, 'r', 10, ?, ?, ?, ?, ?, 0)",
+                         (aid, experiment, arm, *(values[k] for k in
+                                                  ("config", "settings", "intervention", "result", "metrics"))))
+            conn.executemany("INSERT INTO intervention_trace (arm_id, idx, epoch, step, row) VALUES (?, ?, ?, ?, '{}')",
+                             [(aid, i, i, i) for i in range(trace_rows)])
+
+
 # ----------------------------------------------------------------------------- fastdiag run
 
 def test_run_checks_out_before_the_first_step(tmp_path):
@@ -287,16 +308,8 @@ def test_damaged_store_content_names_store_and_run(tmp_path, sql, needle):
 
 
 def _intervention_store(path, experiment):
-    from fastdiag.store.interventions import ensure_tables
-
     with Store(path) as st:
-        ensure_tables(st)
-        with st.transaction() as conn:
-            for arm in ("control", "reinit"):
-                conn.execute("INSERT INTO intervention_runs (arm_id, experiment, seed, arm, branch_of, branch_epoch, "
-                             "config, settings, intervention, result, metrics, created_at) "
-                             "VALUES (?, ?, 0, ?, 'r', 10, ?, '{}', '{}', '{}', '{}', 0)",
-                             (f"a-{arm}", experiment, arm, json.dumps(RunConfig(epochs=5, p=11).to_dict())))
+        insert_arms(st, experiment, arm_id="a-{arm}", config=json.dumps(RunConfig(epochs=5, p=11).to_dict()))
 
 
 def test_plot_never_writes_outside_out(tmp_path):

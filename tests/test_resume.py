@@ -39,6 +39,22 @@ def finish(proc, timeout=600):
     return out, err
 
 
+def kill_once_saved(proc, saved, delay: float) -> None:
+    """SIGKILL ``proc``'s process group ``delay`` seconds after ``saved()`` (a new checkpoint is on
+    disk) first holds; it must within 300 s."""
+    try:
+        deadline = time.time() + 300
+        while not saved() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        assert saved(), f"no new checkpoint was written: {proc.poll()=}"
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def trace_rows(out_dir):
     with open(out_dir / "trace.csv", newline="") as fh:
         return list(csv.DictReader(fh))
@@ -61,18 +77,7 @@ def test_a_killed_fastdiag_run_resumes_bit_identically(tmp_path):
     for kill in range(2):
         before = ckpt.stat().st_mtime_ns if ckpt.exists() else None
         killed = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", "20", "--out", str(cut))
-        try:
-            deadline = time.time() + 300
-            while killed.poll() is None and time.time() < deadline and \
-                    (not ckpt.exists() or ckpt.stat().st_mtime_ns == before):
-                time.sleep(0.02)
-            assert ckpt.exists() and ckpt.stat().st_mtime_ns != before, f"no new checkpoint: {killed.poll()=}"
-            time.sleep(moments.uniform(0, 1.0))
-            os.killpg(killed.pid, signal.SIGKILL)
-            killed.wait(timeout=30)
-        finally:
-            if killed.poll() is None:
-                os.killpg(killed.pid, signal.SIGKILL)
+        kill_once_saved(killed, lambda: ckpt.exists() and ckpt.stat().st_mtime_ns != before, moments.uniform(0, 1.0))
         assert killed.returncode == -signal.SIGKILL, f"run {kill} ended before the kill (seed {seed}): make it longer"
         assert not (cut / "result.json").exists() and ckpt.exists()
 
@@ -181,17 +186,7 @@ def test_a_killed_sweep_resumes_bit_identically(tmp_path, how):
     folder = tmp_path / "cut.sqlite.checkpoints"
     seed = random.randrange(10**6)
     killed = fastdiag("sweep", *grid, "--store", str(store), "--checkpoint-every", "20")
-    try:
-        deadline = time.time() + 300
-        while not list(folder.glob("*.ckpt.pt")) and killed.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        assert list(folder.glob("*.ckpt.pt")), f"no checkpoint was written: {killed.poll()=}"
-        time.sleep(random.Random(seed).uniform(0, 1.5))
-        os.killpg(killed.pid, signal.SIGKILL)
-        killed.wait(timeout=30)
-    finally:
-        if killed.poll() is None:
-            os.killpg(killed.pid, signal.SIGKILL)
+    kill_once_saved(killed, lambda: bool(list(folder.glob("*.ckpt.pt"))), random.Random(seed).uniform(0, 1.5))
     assert killed.returncode == -signal.SIGKILL, f"the sweep ended before the kill (seed {seed})"
     assert len(store_traces(store)) < 2 * 200
 

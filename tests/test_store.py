@@ -6,6 +6,8 @@ import pytest
 from fastdiag.grokking.config import RunConfig
 from fastdiag.store import APPLICATION_ID, SCHEMA_VERSION, Lease, Store, StoreError, open_existing
 
+from tests.test_hostile import insert_arms
+
 
 def _cfgs(n=3):
     return [RunConfig(weight_decay=0.1 * (i + 1), seed=i, epochs=5, p=11) for i in range(n)]
@@ -140,17 +142,8 @@ def test_merge_tells_a_packed_copy_from_a_single_one(tmp_path):
 
 
 def test_merge_copies_intervention_arms_once(tmp_path):
-    from fastdiag.store.interventions import ensure_tables
-
     with Store(tmp_path / "a.sqlite") as sa, Store(tmp_path / "out.sqlite") as out:
-        ensure_tables(sa)
-        with sa.transaction() as conn:
-            for arm in ("control", "reinit", "clip"):
-                conn.execute("INSERT INTO intervention_runs (arm_id, experiment, seed, arm, branch_of, branch_epoch, "
-                             "config, settings, intervention, result, metrics, created_at) "
-                             "VALUES (?, 'x', 0, ?, 'r', 10, '{}', '{}', '{}', '{}', '{}', 0)", (f"x-s0-{arm}", arm))
-                conn.executemany("INSERT INTO intervention_trace (arm_id, idx, epoch, step, row) VALUES (?, ?, ?, ?, '{}')",
-                                 [(f"x-s0-{arm}", i, i, i) for i in range(4)])
+        insert_arms(sa, "x", arms=("control", "reinit", "clip"), trace_rows=4)
         assert out.merge_from(sa)["intervention_arms_added"] == 3
         assert out.merge_from(sa)["intervention_arms_added"] == 0
         assert out.conn.execute("SELECT COUNT(*) FROM intervention_runs").fetchone()[0] == 3

@@ -6,7 +6,7 @@ import pytest
 
 from fastdiag.cli import main
 from fastdiag.store import StoreError, open_existing
-from tests.test_hostile import small_store
+from tests.test_hostile import insert_arms, small_store
 
 
 def edited_store(tmp_path, sql):
@@ -83,21 +83,13 @@ def arms_store(path, **columns):
 
     from fastdiag.grokking.config import RunConfig
     from fastdiag.store import Store
-    from fastdiag.store.interventions import ensure_tables
 
     small_store(path)
     values = {"config": json.dumps(RunConfig(epochs=5, p=11).to_dict()),
-              "settings": json.dumps({"after_peak_epochs": 10}), "intervention": "{}", "result": "{}",
+              "settings": json.dumps({"after_peak_epochs": 10}),
               "metrics": json.dumps({"peak_sigma_h_after": 0.2, "final_test_acc": 1.0}), **columns}
     with Store(path) as st:
-        ensure_tables(st)
-        with st.transaction() as conn:
-            for arm in ("control", "reinit"):
-                conn.execute("INSERT INTO intervention_runs (arm_id, experiment, seed, arm, branch_of, branch_epoch, "
-                             "config, settings, intervention, result, metrics, created_at) "
-                             "VALUES (?, 'iv-x', 0, ?, 'r', 10, ?, ?, ?, ?, ?, 0)",
-                             (f"iv-x-s0-{arm}", arm, *(values[k] for k in
-                                                       ("config", "settings", "intervention", "result", "metrics"))))
+        insert_arms(st, "iv-x", **values)
 
 
 @pytest.mark.parametrize("columns, needle", [
