@@ -239,38 +239,38 @@ def stage_int64(dev: torch.device, dry: bool) -> None:
 
 
 def stage_tune(dev: torch.device, dry: bool) -> None:
-    """head_stats' tiles on this GPU: CUDA-graph time of the launcher per (slab elements, keys per step,
-    warps), bf16, against the same device copy. The launcher's constants are set for each row and
-    restored after."""
+    """head_stats' tiles on this GPU: CUDA-graph time of the launcher per (slab elements per warp, keys
+    per step, Gram tiles per warp), bf16, against the same device copy. The launcher's constants are
+    set for each row and restored after; the first row is the launcher's default."""
     from fastdiag.core.kernels import head_stats_triton as hs
 
     repeats = 1 if dry else 20
     shapes = {"tiny": (1, 1, 4, 32, 32)} if dry else {"gpt2-small": (1, 8, 12, 1024, 1024),
-                                                      "long-context": (1, 1, 16, 4096, 4096)}
-    configs = [(4096, 64, 4)] if dry else [(4096, 64, 4), (2048, 64, 4), (8192, 64, 4), (4096, 128, 4),
-                                           (8192, 128, 4), (8192, 128, 8), (16384, 128, 8), (8192, 256, 8)]
-    saved = (hs._SLAB_ELEMENTS, hs._MAX_BLOCK_K, hs._NUM_WARPS)
+                                                      "long-context": (1, 1, 16, 4096, 4096),
+                                                      "llama-7b": (1, 1, 32, 4096, 4096)}
+    default = (hs._SLAB_PER_WARP, hs._MAX_BLOCK_K, hs._GRAM_TILES_PER_WARP)
+    # a 16-head Gram is two tiles: 1 tile per warp = two warps, 0.5 = four (the launcher of runs 1-4)
+    configs = [default] if dry else [default, (2048, 64, 2), (512, 64, 2), (1024, 128, 2), (1024, 64, 1),
+                                     (1024, 64, 0.5)]
     dtype = torch.float32 if dry else torch.bfloat16
     try:
         for name, dims in shapes.items():
             probs = random_probs(dims, dtype=dtype, seed=0, device=dev)
             out = torch.empty_like(probs)
             copy = median_ms(lambda: out.copy_(probs), dev, repeats)
-            for slab, block_k, warps in configs:
-                hs._SLAB_ELEMENTS, hs._MAX_BLOCK_K, hs._NUM_WARPS = slab, block_k, warps
-                hs._RESIDENT.clear()          # its key leaves out the warps
+            for slab, block_k, tiles_per_warp in configs:
+                hs._SLAB_PER_WARP, hs._MAX_BLOCK_K, hs._GRAM_TILES_PER_WARP = slab, block_k, tiles_per_warp
+                block_h, block_r, bk, warps = hs._tiles(dims[2], dims[1] * dims[3], dims[4], probs.element_size(), False)
+                row = dict(shape=name, slab_per_warp=slab, block_k=bk, block_r=block_r, warps=warps)
                 try:
                     t = graph_ms(lambda: hs.head_stats_triton(probs), dev, repeats) or median_ms(
                         lambda: hs.head_stats_triton(probs), dev, repeats)
-                    emit("tune", dry, shape=name, slab=slab, block_k=block_k, warps=warps, graph_ms=t,
-                         copy_ms=copy, pct_of_copy=100 * copy / t)
+                    emit("tune", dry, **row, graph_ms=t, copy_ms=copy, pct_of_copy=100 * copy / t)
                 except Exception as e:   # a configuration that does not compile or launch: say so, go on
-                    emit("tune", dry, shape=name, slab=slab, block_k=block_k, warps=warps,
-                         failed=f"{type(e).__name__}: {e}"[:200])
+                    emit("tune", dry, **row, failed=f"{type(e).__name__}: {e}"[:200])
             del probs, out
     finally:
-        hs._SLAB_ELEMENTS, hs._MAX_BLOCK_K, hs._NUM_WARPS = saved
-        hs._RESIDENT.clear()
+        hs._SLAB_PER_WARP, hs._MAX_BLOCK_K, hs._GRAM_TILES_PER_WARP = default
 
 
 def stage_probe(dev: torch.device, dry: bool) -> None:

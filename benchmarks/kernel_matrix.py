@@ -18,7 +18,10 @@ import triton
 
 from fastdiag.core.kernels import head_stats_triton, qk_stats_triton, report
 
-HEAD_STATS_SHAPES = {"gpt2-small": (1, 8, 12, 1024), "long-context": (1, 1, 16, 4096)}
+# (N, B, H, T): Llama-7B / Llama-3-8B have 32 query heads, Llama-2-13B 40 (the padded head axis of 64
+# takes eight warps)
+HEAD_STATS_SHAPES = {"gpt2-small": (1, 8, 12, 1024), "long-context": (1, 1, 16, 4096),
+                     "llama-7b": (1, 1, 32, 4096), "llama-13b": (1, 1, 40, 4096)}
 
 
 def rows_for(arch: int, quick: bool, progress, qk_shapes: dict | None = None) -> list[report.KernelReport]:

@@ -240,10 +240,10 @@ def _gram_in_kernel_order(probs, programs, split):
     summed in float64. ``split``: fp32 inputs, the TF32 split hi·hiᵀ + lo·hiᵀ + (lo·hiᵀ)ᵀ with
     lo·loᵀ dropped, each product accumulated on its own as the kernel does."""
     pytest.importorskip("triton", reason="the model takes the kernel's own block sizes")
-    from fastdiag.core.kernels.head_stats_triton import _block_sizes
+    from fastdiag.core.kernels.head_stats_triton import _tiles
 
     h, rows, tk = probs.shape
-    _, block_r, block_k = _block_sizes(h, rows, tk, 4 if split else 2)
+    _, block_r, block_k, _ = _tiles(h, rows, tk, 4 if split else 2, causal=False)
     tiles, steps = rows // block_r, tk // block_k
     x = probs.double().reshape(h, tiles, block_r, steps, block_k)
     if split:

@@ -35,9 +35,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .constants import MAX_REGISTERS
 from .head_stats_ref import causal_keys
 from .head_stats_torch import head_stats_torch
-from .report import ReportCase, device_limits, register
+from .report import ReportCase, register
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _TINY = tl.constexpr(2.0 ** -126)   # the smallest normal fp32
@@ -252,29 +253,37 @@ def _head_stats_kernel(
     tl.store(worst_part_ptr + part, worst)
 
 
-# Slab of about this many elements per program: enough work per load, few enough registers for the
-# slab, its two register-tile accumulators and the dot operands (checked: `fastdiag bench --kernel-report`).
-_SLAB_ELEMENTS = 4096
+# Warps: at most two of the Gram's 16x8 tensor-core tiles each (H <= 16: one warp, H <= 32: four,
+# more: eight). A 16-head Gram shared by 4 warps gave every warp the whole dot (4x the tensor-core
+# work and 4x the shared-memory reads of the slab): the H200 ran bf16 GPT-2-small at 19 % of copy
+# bandwidth with L1/shared memory 94 % busy, and 8 warps took twice as long as 4 (benchmarks/RESULTS.md).
+# The fp32 and float64 Gram accumulators then take at most 12 registers per thread.
+_GRAM_TILES_PER_WARP = 2
+_MAX_WARPS = 8
+# Slab of about this many elements per warp: enough work per load, few enough registers for the
+# slab, its two register-tile accumulators and the dot operands (checked for every generation by
+# benchmarks/kernel_matrix.py).
+_SLAB_PER_WARP = 1024
 # Keys per step: a tile of BLOCK_R rows takes Tk / BLOCK_K steps, and the per-tile work (row data,
-# pipeline start) is paid once per tile. 64 keys (128 B of bf16 per head row) and several rows per
-# slab: GPT-2-small bf16 costs 11.3 instructions per element in the loop, 11.8 with the per-tile work
-# (256 keys, one row per slab: 11.5 and 13.2; `fastdiag bench --kernel-report`).
+# pipeline start) is paid once per tile.
 _MAX_BLOCK_K = 64
 
 
-def _block_sizes(h: int, rows: int, tk: int, element_bytes: int, arch: int | None = None) -> tuple[int, int, int]:
+def _tiles(h: int, rows: int, tk: int, element_bytes: int, causal: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_R, BLOCK_K, warps) of a launch."""
     block_h = max(16, triton.next_power_of_2(h))               # tl.dot needs >= 16
-    slab = _SLAB_ELEMENTS // block_h
+    warps = min(_MAX_WARPS, max(1, int((block_h // 16) * (block_h // 8) / _GRAM_TILES_PER_WARP)))
+    slab = _SLAB_PER_WARP * warps // block_h
     if element_bytes == 4:
         slab //= 2   # fp32: the TF32 split's stacked [hi; lo] operand doubles the dot's registers
-    elif arch == 120:
-        slab //= 2   # sm_120 spilled 8 B at the 4k context (168 registers); half the slab: 118, none
+    if causal:
+        slab //= 2   # the key bound per element: at 1024 elements a warp, 255 registers and 8-64 B spilled (sm_80-120)
     if tk < 64:
         slab //= 2   # short rows: many rows per slab, each column carries its row's data
     block_k = min(_MAX_BLOCK_K, max(1, triton.next_power_of_2(tk)), slab)
     block_r = max(1, min(slab // block_k, triton.next_power_of_2(rows)))
     block_r = max(block_r, triton.cdiv(16, block_k))           # slab width >= 16 for tl.dot
-    return block_h, block_r, block_k
+    return block_h, block_r, block_k, warps
 
 
 def row_references(tq: int, tk: int, causal: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,24 +307,27 @@ def _gram_dot(dtype: torch.dtype) -> str:
     return "ieee"
 
 
-_NUM_WARPS = 4            # Triton's default; 8 would repeat the 16x16 dot in every warp
 _INTERPRETER_PROGRAMS = 3  # few programs under the interpreter, so that each takes several tiles
-_RESIDENT: dict = {}       # (device, constexprs) -> programs the GPU holds at once
+_RESIDENT: dict = {}       # (device, warps, constexprs) -> programs the GPU holds at once
+# Resident blocks per SM by compute capability (CUDA C programming guide, table of technical
+# specifications): one-warp programs reach it before registers do. Others: 16, the smallest.
+_BLOCKS_PER_SM = {80: 32, 86: 16, 87: 16, 89: 24, 90: 32, 100: 32, 103: 32, 120: 32}
 
 
-def _resident_programs(device: torch.device, args: tuple, constexprs: dict) -> int:
+def _resident_programs(device: torch.device, args: tuple, constexprs: dict, warps: int) -> int:
     """SMs × programs per SM (registers, shared memory and threads of the compiled kernel), as in the
     Triton softmax tutorial: a grid that is resident all at once, no tail wave."""
     if device.type != "cuda":
         return _INTERPRETER_PROGRAMS
-    key = (device.index, tuple(sorted(constexprs.items())))
+    key = (device.index, warps, tuple(sorted(constexprs.items())))
     if key not in _RESIDENT:
         props = torch.cuda.get_device_properties(device)
-        kernel = _head_stats_kernel.warmup(*args, grid=(1, 1), num_warps=_NUM_WARPS, **constexprs)
+        kernel = _head_stats_kernel.warmup(*args, grid=(1, 1), num_warps=warps, maxnreg=MAX_REGISTERS, **constexprs)
         kernel._init_handles()
-        threads = 32 * _NUM_WARPS
+        threads = 32 * warps
         registers = triton.cdiv(kernel.n_regs, 8) * 8 * threads      # allocated per warp in steps of 256
-        per_sm = min(props.regs_per_multiprocessor // registers, props.max_threads_per_multi_processor // threads)
+        per_sm = min(props.regs_per_multiprocessor // registers, props.max_threads_per_multi_processor // threads,
+                     _BLOCKS_PER_SM.get(10 * props.major + props.minor, 16))
         if kernel.metadata.shared:
             shared = getattr(props, "shared_memory_per_multiprocessor", 0) or props.shared_memory_per_block_optin
             per_sm = min(per_sm, shared // kernel.metadata.shared)
@@ -328,8 +340,7 @@ def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
     ``causal``: keys after the causal diagonal are zero and are not read."""
     n, b, h, tq, tk = probs.shape
     rows = b * tq
-    limits = device_limits(probs.device)
-    block_h, block_r, block_k = _block_sizes(h, rows, tk, probs.element_size(), limits and limits["arch"])
+    block_h, block_r, block_k, warps = _tiles(h, rows, tk, probs.element_size(), causal)
     tiles = triton.cdiv(rows, block_r)
     device = probs.device
     constexprs = dict(
@@ -347,11 +358,11 @@ def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
     inputs = (probs, mask, row_table, h, tq, tk, rows, tiles, causal_keys(tq, tk), *probs.stride(), *mask_strides)
     f32 = dict(dtype=torch.float32, device=device)
     outputs = [torch.empty(0, dtype=dtype, device=device) for dtype in (torch.float64, torch.float64, torch.float32)]
-    programs = min(tiles, max(1, _resident_programs(device, (*outputs, *inputs), constexprs) // n))
+    programs = min(tiles, max(1, _resident_programs(device, (*outputs, *inputs), constexprs, warps) // n))
     gram_part = torch.empty(n, programs, h, h, dtype=torch.float64, device=device)
     entropy_part = torch.empty(n, programs, h, dtype=torch.float64, device=device)
     worst_part = torch.empty(n, programs, **f32)         # per program: > 1 when it saw a bad entry
-    _head_stats_kernel[(programs, n)](gram_part, entropy_part, worst_part, *inputs, num_warps=_NUM_WARPS, **constexprs)
+    _head_stats_kernel[(programs, n)](gram_part, entropy_part, worst_part, *inputs, num_warps=warps, maxnreg=MAX_REGISTERS, **constexprs)
     gram = gram_part.sum(1).float()
     reference = (valid.to(torch.float64) * row_reference).sum(dim=(1, 2))
     entropy_sum = (entropy_part.sum(1, dtype=torch.float64) + reference[:, None]) * math.log(2)

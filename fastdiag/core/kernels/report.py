@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import re
 import subprocess
@@ -357,6 +358,10 @@ def _compile(fn, args: dict, gpu: dict):
 
     src = triton.compiler.ASTSource(fn, args["signature"], args["constants"], args["configs"][0])
     options = {k: args[k] for k in ("num_warps", "num_ctas", "num_stages", "enable_fp_fusion")}
+    # the hook's arguments leave out the register cap; the serialised options carry it
+    launched = json.loads(args.get("specialization_data") or "{}").get("options", {})
+    if launched.get("maxnreg"):
+        options["maxnreg"] = launched["maxnreg"]
     return triton.compile(src, target=GPUTarget("cuda", gpu["arch"], 32), options=options), options
 
 
@@ -452,7 +457,6 @@ def format_report(rows: list[KernelReport]) -> str:
 def _report_in_subprocess(shapes: dict, archs: tuple[int, ...] = (90,)) -> list[KernelReport]:
     """Under TRITON_INTERPRET=1 even triton.language's own helpers are interpreted and cannot be
     compiled: the report runs in a fresh interpreter without it."""
-    import json
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -464,7 +468,6 @@ def _report_in_subprocess(shapes: dict, archs: tuple[int, ...] = (90,)) -> list[
 
 
 if __name__ == "__main__":
-    import json
     import sys
 
     from fastdiag.core.kernels import report   # the module kernels register with, not this __main__ copy
