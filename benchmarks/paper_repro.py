@@ -6,6 +6,7 @@
     python benchmarks/paper_repro.py plan --wd 0.005:10:23 --seeds 16 --epochs 20000  # GPU time of a grid
     python benchmarks/paper_repro.py table  runs/paper/*.sqlite  # t_grok, t_mem, phase values, regimes
     python benchmarks/paper_repro.py figure runs/paper/*.sqlite --out docs/img/paper_two_phase.png
+    python benchmarks/paper_repro.py figure --init data/paper/init.json --out docs/img/paper_two_phase.png  # from data/paper/
     python benchmarks/paper_repro.py export runs/paper/*.sqlite --out data/paper   # stores -> runs.csv, traces.csv
     python benchmarks/paper_repro.py regenerate [--write-readme]   # data/paper/ -> the README's paper table
 
@@ -869,10 +870,18 @@ def figure(runs: list[dict], out: Path, init: list[dict] | None = None) -> list[
         axes[-1, 0].set_xlabel("training epoch")
         axes[0, 0].legend(loc="upper left", fontsize=8)
         if init:
-            s_ax.legend(loc="lower right", fontsize=8)
+            s_ax.legend(loc="best", fontsize=8)
         fig.suptitle("Canonical 4×8×128, a + b mod 97 (2-core CPU)\n"
                      "thin: one run; thick: median over seeds while all of them run")
         return _save(fig, out.with_suffix(""), formats=(out.suffix.lstrip(".") or "png",))
+
+
+def runs_from_data(data: dict) -> list[dict]:
+    """The exported runs of ``load_data`` in the shape `figure` draws (that of `load_runs`)."""
+    return [{"lambda": r["lambda"], "seed": r["seed"], "store": r["store"], "trace": r["trace"],
+             "config": {"epochs": r["epochs"], "eval_every": r["eval_every"], "stop_at_grok": bool(r["stop_at_grok"])},
+             "result": {"t_grok_epoch": r["t_grok_epoch"], "t_mem_epoch": r["t_mem_epoch"], "regime": r["regime"]}}
+            for r in data["runs"]]
 
 
 def main() -> None:
@@ -898,7 +907,8 @@ def main() -> None:
     t.add_argument("stores", nargs="+")
     t.add_argument("--json", action="store_true")
     f = sub.add_parser("figure")
-    f.add_argument("stores", nargs="+")
+    f.add_argument("stores", nargs="*", help="stores to draw (default: the exported runs of --data)")
+    f.add_argument("--data", type=Path, default=DATA, help="the committed data folder, drawn when no store is given")
     f.add_argument("--out", type=Path, required=True)
     f.add_argument("--init", type=Path, help="JSON written by `init`: step-0 values drawn at epoch 1")
     e = sub.add_parser("export")
@@ -930,7 +940,8 @@ def main() -> None:
         print(json.dumps(report, indent=1) if args.json else "\n".join(format_table(report)))
     else:
         init = json.loads(args.init.read_text())["per_seed"] if args.init else None
-        for p in figure(load_runs(args.stores), args.out, init):
+        runs = load_runs(args.stores) if args.stores else runs_from_data(load_data(args.data))
+        for p in figure(runs, args.out, init):
             print(p)
 
 
