@@ -608,9 +608,12 @@ def _sources_line(groups: dict[float, dict], printed: dict, published: dict) -> 
     text += (f"; at λ = {_source_lambdas(groups, 'printed')} transcribed from `data/paper/printed.json` "
              f"({printed['provenance']['short']})")
     if groups[1.0]["source"] == "exported":
+        source, redone = lambda1_long_source(groups[1.0], printed), {r["seed"] for r in _long_exported(groups[1.0])}
+        kept = [x["seed"] for x in printed["lambda1_phase_values"]["long_runs"] if x["seed"] not in redone]
         text += ("; the λ = 1 values printed from the lost stores are shown as \"printed before\" for comparison"
-                 + (", and the λ = 1 rows after grokking (runs trained past grokking) are still transcribed from "
-                    "printed.json" if lambda1_long_source(groups[1.0]) == "printed" else ""))
+                 + ("" if source == "exported" else
+                    f", and in the λ = 1 rows after grokking the runs trained past grokking of seed(s) "
+                    f"{', '.join(str(s) for s in kept)} are still transcribed from printed.json"))
     return (text + "; step 0 from `data/paper/init.json`; the paper's published runs and bins from "
             f"`data/paper/published.json` ({published['source']['repository']} at {published['source']['commit'][:7]}, "
             f"`{published['source']['file']}`). Intervals of a median are order-statistic intervals "
@@ -650,46 +653,56 @@ def _dips_text(dips: list[dict], threshold: float, shown: int = 3) -> str:
     return text + ("" if len(rec) == len(dips) else "; the last one lasts to the end")
 
 
-def lambda1_long_source(g: dict) -> str:
-    """Where the λ = 1 values after grokking come from: exported runs trained past grokking, else printed."""
-    if g["source"] == "exported" and any(not r["stop_at_grok"] and r["t_grok_epoch"] is not None for r in g["runs"]):
-        return "exported"
-    return "printed"
+def _long_exported(g: dict) -> list[dict]:
+    """The exported λ = 1 runs trained past grokking (none for a printed group)."""
+    if g["source"] != "exported":
+        return []
+    return [r for r in g["runs"] if not r["stop_at_grok"] and r["t_grok_epoch"] is not None and r["trace"]]
+
+
+def lambda1_long_source(g: dict, printed: dict | None = None) -> str:
+    """Where the λ = 1 values after grokking come from: "exported" (every run trained past grokking
+    re-derived from its trace), "printed" (none exported) or "mixed" (the printed runs of seeds not
+    redone beside the exported ones)."""
+    seeds = {r["seed"] for r in _long_exported(g)}
+    if not seeds:
+        return "printed"
+    old = {x["seed"] for x in (printed or {}).get("lambda1_phase_values", {}).get("long_runs", [])}
+    return "exported" if old <= seeds else "mixed"
 
 
 def lambda1_phase(g: dict, printed: dict) -> dict:
     """The λ = 1 phase values in one shape for `_phase_rows`: from the exported runs' traces where the
-    group is exported (order-statistic intervals over runs; per run trained past grokking its landmarks,
-    dips and labels), else — and for the runs past grokking when none was exported — the printed values."""
+    group is exported (order-statistic intervals over runs), else the printed values. Runs trained past
+    grokking: each exported one with its landmarks, dips and labels (and its printed values, where the
+    same seed was printed, as "printed_before"); each printed one whose seed was not redone, as printed."""
     old = printed["lambda1_phase_values"]
     long_epochs = max((c["epochs"] for grp in printed["groups"] if float(grp["lambda"]) == 1.0
                        for c in grp.get("configs", []) if not c["stop_at_grok"]), default=None)
-    out = {"source": g["source"], "long_source": lambda1_long_source(g), "long_runs": [], "printed": old}
+    out = {"source": g["source"], "long_source": lambda1_long_source(g, printed), "printed": old}
     if g["source"] == "exported":
-        runs = [r for r in g["runs"] if r["trace"]]
-        phases = [(r, phase_values(r["trace"], r["t_mem_epoch"], r["t_grok_epoch"])) for r in runs]
-        first = min(p["init_epoch"] for _, p in phases)
-        out["s_bar_first_evaluation"] = {"epoch": first, "values": [p["s_bar_init"] for _, p in phases
+        phases = [phase_values(r["trace"], r["t_mem_epoch"], r["t_grok_epoch"]) for r in g["runs"] if r["trace"]]
+        first = min(p["init_epoch"] for p in phases)
+        out["s_bar_first_evaluation"] = {"epoch": first, "values": [p["s_bar_init"] for p in phases
                                                                      if p["init_epoch"] == first]}
-        out["s_bar_at_t_mem"] = {"values": [p["s_bar_mem"] for _, p in phases if p["s_bar_mem"] is not None]}
-        out["s_bar_at_t_grok"] = {"values": [p["s_bar_grok"] for _, p in phases if p["s_bar_grok"] is not None]}
+        out["s_bar_at_t_mem"] = {"values": [p["s_bar_mem"] for p in phases if p["s_bar_mem"] is not None]}
+        out["s_bar_at_t_grok"] = {"values": [p["s_bar_grok"] for p in phases if p["s_bar_grok"] is not None]}
     else:
         for key in ("s_bar_first_evaluation", "s_bar_at_t_mem", "s_bar_at_t_grok"):
             out[key] = old[key]
-    if out["long_source"] == "exported":
-        for r, p in phases:
-            if r["stop_at_grok"] or r["t_grok_epoch"] is None:
-                continue
-            dips = _dips(r["trace"], r["t_grok_epoch"], r["grok_threshold"])
-            out["long_runs"].append({
-                "seed": r["seed"], "epochs": r["epochs"],
-                **{k: p[k] for k in ("s_bar_top_after_grok", "s_bar_top_epoch", "s_bar_min_after_top",
-                                     "s_bar_min_after_top_epoch", "sigma_h_peak_after_grok", "sigma_h_peak_epoch")},
-                "final_train_acc": r["final_train_acc"], "final_test_acc": r["final_test_acc"],
-                "dips_after_grok": _dips_text(dips, r["grok_threshold"]), "regime": r["regime"],
-                "current": regime_label(r["trace"], r["grok_threshold"], diverged=r["regime"] == "diverged")})
-    else:
-        out["long_runs"] = [x | {"epochs": long_epochs} for x in old["long_runs"]]
+    by_seed = {x["seed"]: x | {"epochs": long_epochs, "origin": "printed"} for x in old["long_runs"]}
+    long = []
+    for r in _long_exported(g):
+        p = phase_values(r["trace"], r["t_mem_epoch"], r["t_grok_epoch"])
+        dips = _dips(r["trace"], r["t_grok_epoch"], r["grok_threshold"])
+        long.append({
+            "seed": r["seed"], "epochs": r["epochs"], "origin": "exported", "printed_before": by_seed.pop(r["seed"], None),
+            **{k: p[k] for k in ("s_bar_top_after_grok", "s_bar_top_epoch", "s_bar_min_after_top",
+                                 "s_bar_min_after_top_epoch", "sigma_h_peak_after_grok", "sigma_h_peak_epoch")},
+            "final_train_acc": r["final_train_acc"], "final_test_acc": r["final_test_acc"],
+            "dips_after_grok": _dips_text(dips, r["grok_threshold"]), "regime": r["regime"],
+            "current": regime_label(r["trace"], r["grok_threshold"], diverged=r["regime"] == "diverged")})
+    out["long_runs"] = sorted(long + list(by_seed.values()), key=lambda x: x["seed"])
     return out
 
 
@@ -710,16 +723,30 @@ def _phase_rows(phase: dict, t_grok_lambda1: list[float]) -> list[list[str]]:
         v = phase["printed"][key]
         return f" (printed before: {v['median']:.3f}, n = {v['n']})"
     long = phase["long_runs"]
-    long_origin = ("re-derived from traces" if phase["long_source"] == "exported"
-                   else "transcribed from the lost stores" if phase["source"] == "exported" else "")
-    long_n = f"n = {len(long)}" + (f", {long_origin}" if long_origin else "")
+    mixed = phase["long_source"] == "mixed"
+    long_origin = {"exported": ", re-derived from traces", "mixed": "",
+                   "printed": ", transcribed from the lost stores" if phase["source"] == "exported" else ""}
+    long_n = f"n = {len(long)}{long_origin[phase['long_source']]}"
+
+    def seed(r):
+        return f"seed {r['seed']}" + ((" (re-derived)" if r["origin"] == "exported" else " (transcribed)") if mixed else "")
+
+    def was(r, value_key, epoch_key):
+        b = r.get("printed_before")
+        if not b:
+            return ""
+        if b[value_key] is None:
+            return " (printed before: none)"
+        return f" (printed before: {b[value_key]:.3f} at {b[epoch_key]:,})"
     horizons = sorted({r["epochs"] for r in long if r.get("epochs")})
-    tops = "; ".join(f"seed {r['seed']} {r['s_bar_top_after_grok']:.3f} at {r['s_bar_top_epoch']:,}" for r in long)
-    falls = "; ".join(f"seed {r['seed']} " + (f"{r['s_bar_min_after_top']:.3f} at {r['s_bar_min_after_top_epoch']:,}"
-                                              if r["s_bar_min_after_top"] is not None else "none")
-                      for r in long)
-    peaks = "; ".join(f"seed {r['seed']} {r['sigma_h_peak_after_grok']:.3f} at {r['sigma_h_peak_epoch']:,}" for r in long)
-    dips = "; ".join(f"seed {r['seed']}: {r['dips_after_grok']}; ends at train/test {r['final_train_acc']:.3g}/"
+    tops = "; ".join(f"{seed(r)} {r['s_bar_top_after_grok']:.3f} at {r['s_bar_top_epoch']:,}"
+                     f"{was(r, 's_bar_top_after_grok', 's_bar_top_epoch')}" for r in long)
+    falls = "; ".join(f"{seed(r)} " + (f"{r['s_bar_min_after_top']:.3f} at {r['s_bar_min_after_top_epoch']:,}"
+                                       if r["s_bar_min_after_top"] is not None else "none")
+                      + was(r, "s_bar_min_after_top", "s_bar_min_after_top_epoch") for r in long)
+    peaks = "; ".join(f"{seed(r)} {r['sigma_h_peak_after_grok']:.3f} at {r['sigma_h_peak_epoch']:,}"
+                      f"{was(r, 'sigma_h_peak_after_grok', 'sigma_h_peak_epoch')}" for r in long)
+    dips = "; ".join(f"{seed(r)}: {r['dips_after_grok']}; ends at train/test {r['final_train_acc']:.3g}/"
                      f"{r['final_test_acc']:.3g}" for r in long)
     t_grok = float(np.median(t_grok_lambda1))
     after = [r["s_bar_top_epoch"] - t_grok for r in long]
@@ -730,18 +757,20 @@ def _phase_rows(phase: dict, t_grok_lambda1: list[float]) -> list[list[str]]:
                   + ("shallower than ≈ 0.92" if min(lows) > 0.93 else "as deep as the paper's ≈ 0.92"))
     else:
         trough = f"none of {len(long)} runs falls after its highest s̄ within its horizon"
-    if phase["long_source"] == "exported":
-        stored = _count_text(r["regime"] for r in long)
-        current = _count_text(r["current"] for r in long)
-        anti = sum(r["current"] == "anti-grok" for r in long)
-        instab = (("spikes that recover, not the paper's decay" if anti == 0 else
-                   f"{anti} of {len(long)} runs fall for good, as the paper's decay")
-                  + f": labels as stored {stored}; current rules {current} (anti-grok: ≥ {ANTI_GROK_PERSIST:.0%} "
-                  f"of the evaluations to the end below {ANTI_GROK_BELOW})")
-    else:
-        instab = ("spikes that recover, not the paper's decay: stored `anti-grok` by the old one-evaluation rule; "
-                  f"the sustained rule (≥ {ANTI_GROK_PERSIST:.0%} of the evaluations to the end below {ANTI_GROK_BELOW}) "
-                  "does not fire on dips of ≤ 6 evaluations followed by ≥ 40 above 0.5")
+    redone = [r for r in long if r["origin"] == "exported"]
+    kept = [r for r in long if r["origin"] == "printed"]
+    anti = sum(r["current"] == "anti-grok" for r in redone)
+    parts = []
+    if redone:
+        parts.append(("re-derived: " if mixed else "") + f"labels as stored {_count_text(r['regime'] for r in redone)}; "
+                     f"current rules {_count_text(r['current'] for r in redone)} (anti-grok: ≥ {ANTI_GROK_PERSIST:.0%} "
+                     f"of the evaluations to the end below {ANTI_GROK_BELOW})")
+    if kept:
+        parts.append(("transcribed: " if mixed else "") + "stored `anti-grok` by the old one-evaluation rule; "
+                     f"the sustained rule (≥ {ANTI_GROK_PERSIST:.0%} of the evaluations to the end below {ANTI_GROK_BELOW}) "
+                     "does not fire on dips of ≤ 6 evaluations followed by ≥ 40 above 0.5")
+    instab = (("spikes that recover, not the paper's decay" if anti == 0 else
+               f"{anti} of {len(long)} runs fall for good, as the paper's decay") + ": " + "; ".join(parts))
     first = phase["s_bar_first_evaluation"]
     return [
         ["s̄ early dip and Phase-1 rise at λ = 1", "dip ≈ 0.88 near epoch 5; 0.97–0.99 over epochs ~130–250 (Fig. 2)",
