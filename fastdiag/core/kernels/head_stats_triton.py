@@ -127,10 +127,10 @@ def _head_stats_kernel(
     # Gram sums: fp32 (the tensor cores' accumulator) within a row tile, float64 across a program's
     # tiles. One fp32 chain over every tile of a program lost 1.3e-5 relative at GPT-2-small fp32 on an
     # H200 (benchmarks/RESULTS.md); a tile's chain is Tk / BLOCK_K dots long.
-    gram = tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float32)
-    split_gram = tl.zeros((2 * BLOCK_H, BLOCK_H), dtype=tl.float32)   # [hi·hiᵀ; lo·hiᵀ] of the TF32 split
-    gram64 = tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float64)
-    split_gram64 = tl.zeros((2 * BLOCK_H, BLOCK_H), dtype=tl.float64)
+    # The TF32 split accumulates [hi·hiᵀ; lo·hiᵀ], twice the rows.
+    GRAM_ROWS: tl.constexpr = 2 * BLOCK_H if GRAM_DOT == "tf32-split" else BLOCK_H
+    gram = tl.zeros((GRAM_ROWS, BLOCK_H), dtype=tl.float32)
+    gram64 = tl.zeros((GRAM_ROWS, BLOCK_H), dtype=tl.float64)
     # Register tiles, reduced once after the loop: no cross-thread reduction per iteration. The
     # elementwise work runs on the QUARTERS quarters of the head axis that hold real heads (H = 12:
     # three of four), only the dot sees the padded slab.
@@ -195,16 +195,13 @@ def _head_stats_kernel(
                 # One dot [hi; lo]·hiᵀ = [hi·hiᵀ; lo·hiᵀ]: two dots sharing an operand would make Triton
                 # give every warp the whole 16-row tile (4 warps: 4 times the tensor-core work)
                 stacked = tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), (2 * BLOCK_H, BLOCK_R * BLOCK_K))
-                split_gram += tl.dot(stacked, tl.trans(hi), input_precision="tf32")
+                gram += tl.dot(stacked, tl.trans(hi), input_precision="tf32")
             else:
                 gram += tl.dot(xf, tl.trans(xf), input_precision="ieee")
             if (k0 // BLOCK_K) % GRAM_FLUSH_STEPS == GRAM_FLUSH_STEPS - 1:
                 # fp32 chains of at most GRAM_FLUSH_KEYS keys: 64 steps of 64 keys lost 1.0e-5 (fp32)
                 # and 1.4e-5 (bf16) relative at T = 4096 on an H200, 16 steps 3.7e-6 / 4.9e-6
-                if GRAM_DOT == "tf32-split":
-                    split_gram64, split_gram = split_gram64 + split_gram.to(tl.float64), tl.zeros_like(split_gram)
-                else:
-                    gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
+                gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
             x0, x1, x2, x3 = _quarters(xf)
             ok0, ok1, ok2, ok3 = _quarters(ok)
             e0, m0 = _accumulate(e0, m0, x0, ok0, n_f, log2_n, c, PARTIAL_KEYS, ON_GPU)
@@ -214,10 +211,7 @@ def _head_stats_kernel(
                 e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, c, PARTIAL_KEYS, ON_GPU)
             if QUARTERS > 3:
                 e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, c, PARTIAL_KEYS, ON_GPU)
-        if GRAM_DOT == "tf32-split":
-            split_gram64, split_gram = split_gram64 + split_gram.to(tl.float64), tl.zeros_like(split_gram)
-        else:
-            gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
+        gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
         # Each tile's entropy sums go to float64 per-head sums: terms of rows far from uniform over
         # their n keys (masked keys without the causal hint) are not small, and fp32 sums over all
         # of a program's tiles lose σ_H (6.6e-4 instead of 1.4e-4 at near-uniform causal [2,2,8,64,64])
@@ -230,7 +224,7 @@ def _head_stats_kernel(
             s3, e3 = s3 + tl.sum(e3, axis=1).to(tl.float64), tl.zeros((Q, S), dtype=tl.float32)
 
     if GRAM_DOT == "tf32-split":
-        hi_hi, lo_hi = tl.split(tl.permute(tl.reshape(split_gram64, (2, BLOCK_H, BLOCK_H)), (1, 2, 0)))
+        hi_hi, lo_hi = tl.split(tl.permute(tl.reshape(gram64, (2, BLOCK_H, BLOCK_H)), (1, 2, 0)))
         gram64 = hi_hi + lo_hi + tl.trans(lo_hi)
     w0 = _worst(m0)
     w1 = _worst(m1)
