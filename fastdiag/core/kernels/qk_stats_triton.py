@@ -198,6 +198,26 @@ def _slab(p, FP32_DOT: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_G: tl.constex
 
 
 @triton.jit
+def _head_side(block, q_ptr, lse_ptr, row_ok_ptr, batch, row0, G, Hk, Tq, D,
+               stride_qb, stride_qh, stride_qm, stride_qd, stride_lb, stride_lh, stride_lm, stride_rb, stride_rm,
+               HAS_ROW_OK: tl.constexpr, Q_IN_LOOP: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_G: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head block of a pass-2 program (its own, or the other of an off-diagonal pair): key heads,
+    query heads, rows, which rows are real and which count, the held Q tile (``q_ptr`` as a
+    placeholder when Q is re-read every key tile) and the rows' LSE in log2 units."""
+    kv, head, row, real = _head_block(block, G, Hk, Tq, row0, BLOCK_HK, BLOCK_G, BLOCK_M)
+    ok = real
+    if HAS_ROW_OK:
+        ok = ok & (tl.load(row_ok_ptr + batch * stride_rb + row * stride_rm, mask=row < Tq, other=0) != 0)
+    q = q_ptr
+    if not Q_IN_LOOP:
+        q = _load_q(q_ptr, batch, head, row, real, 0, D, stride_qb, stride_qh, stride_qm, stride_qd, BLOCK_D)
+    # a row that does not count may have LSE ±inf: 0 keeps its exponent finite, its p is 0 anyway
+    lse = tl.load(lse_ptr + batch * stride_lb + head * stride_lh + row * stride_lm, mask=ok, other=0.0)
+    return kv, head, row, real, ok, q, tl.where(ok, lse * _LOG2E, 0.0)
+
+
+@triton.jit
 def _qk_stats_kernel(
     gram_part_ptr, entropy_part_ptr, invalid_part_ptr,  # outputs: [P, blocks, BH, BH], [P, blocks, BH], [P, blocks]
     q_ptr, k_ptr, mask_ptr, lse_ptr, row_ok_ptr, block_i_ptr, block_j_ptr,
@@ -216,28 +236,15 @@ def _qk_stats_kernel(
     batch = pid // row_tiles
     row0 = (pid % row_tiles) * BLOCK_M
     block_i = tl.load(block_i_ptr + pair).to(tl.int64)
-    kv_i, head_i, row, real_i = _head_block(block_i, G, Hk, Tq, row0, BLOCK_HK, BLOCK_G, BLOCK_M)
-    ok_i = real_i
-    if HAS_ROW_OK:
-        ok_i = ok_i & (tl.load(row_ok_ptr + batch * stride_rb + row * stride_rm, mask=row < Tq, other=0) != 0)
-    q_i = q_ptr   # unused placeholder when Q is re-read every key tile
-    if not Q_IN_LOOP:
-        q_i = _load_q(q_ptr, batch, head_i, row, real_i, 0, D, stride_qb, stride_qh, stride_qm, stride_qd, BLOCK_D)
-    lse_ptrs_i = lse_ptr + batch * stride_lb + head_i * stride_lh + row * stride_lm
-    # a row that does not count may have LSE ±inf: 0 keeps its exponent finite, its p is 0 anyway
-    lse2_i = tl.where(ok_i, tl.load(lse_ptrs_i, mask=ok_i, other=0.0) * _LOG2E, 0.0)
+    kv_i, head_i, row, real_i, ok_i, q_i, lse2_i = _head_side(
+        block_i, q_ptr, lse_ptr, row_ok_ptr, batch, row0, G, Hk, Tq, D, stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_lb, stride_lh, stride_lm, stride_rb, stride_rm, HAS_ROW_OK, Q_IN_LOOP, BLOCK_HK, BLOCK_G, BLOCK_M, BLOCK_D)
     if not DIAGONAL:
         block_j = tl.load(block_j_ptr + pair).to(tl.int64)
-        kv_j, head_j, _row_j, real_j = _head_block(block_j, G, Hk, Tq, row0, BLOCK_HK, BLOCK_G, BLOCK_M)
-        ok_j = real_j
-        if HAS_ROW_OK:
-            ok_j = ok_j & (tl.load(row_ok_ptr + batch * stride_rb + row * stride_rm, mask=row < Tq, other=0) != 0)
-        q_j = q_ptr
-        if not Q_IN_LOOP:
-            q_j = _load_q(q_ptr, batch, head_j, row, real_j, 0, D, stride_qb, stride_qh, stride_qm, stride_qd,
-                          BLOCK_D)
-        lse_ptrs_j = lse_ptr + batch * stride_lb + head_j * stride_lh + row * stride_lm
-        lse2_j = tl.where(ok_j, tl.load(lse_ptrs_j, mask=ok_j, other=0.0) * _LOG2E, 0.0)
+        kv_j, head_j, _row_j, real_j, ok_j, q_j, lse2_j = _head_side(
+            block_j, q_ptr, lse_ptr, row_ok_ptr, batch, row0, G, Hk, Tq, D, stride_qb, stride_qh, stride_qm,
+            stride_qd, stride_lb, stride_lh, stride_lm, stride_rb, stride_rm, HAS_ROW_OK, Q_IN_LOOP, BLOCK_HK,
+            BLOCK_G, BLOCK_M, BLOCK_D)
 
     gram = tl.zeros((BLOCK_HK * BLOCK_G, BLOCK_HK * BLOCK_G), dtype=tl.float32)
     plogp = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
