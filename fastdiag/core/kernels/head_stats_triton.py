@@ -169,48 +169,62 @@ def _head_stats_kernel(
         if CAUSAL:
             n_keys = tl.minimum(tl.maximum(q + causal_offset + 1, 0), Tk)
             key_end = tl.max(tl.where(row_ok, n_keys, 0), axis=0)
+            # keys every valid row of the tile sees, in whole steps: no per-key bound up to there
+            key_full = tl.minimum(tl.min(tl.where(row_ok, n_keys, Tk), axis=0) // BLOCK_K * BLOCK_K, key_end)
         else:
             n_keys = Tk
             key_end = Tk
+            if EVEN_K:
+                key_full = Tk
+            else:
+                key_full = Tk // BLOCK_K * BLOCK_K
 
         slab_ok = (head < H)[:, None] & row_ok[None, :]
         # 64-bit: (H - 1) · stride_ph passes 2^31 at H = 40, T = 8192 (a 32-bit product wraps)
         ptrs = (probs_ptr + problem * stride_pn + head.to(tl.int64)[:, None] * stride_ph
                 + (b.to(tl.int64) * stride_pb + q.to(tl.int64) * stride_pq)[None, :] + key_offset[None, :] * stride_pk)
-        for k0 in range(0, key_end, BLOCK_K):
-            if PARTIAL_KEYS:
-                ok = slab_ok & (k0 + key_offset < n_keys)[None, :]
+        # Two key ranges, one loop body each (unrolled at compile time): [0, key_full) needs only the
+        # row mask; [key_full, key_end), the causal diagonal or the ragged last step, masks each key.
+        # The causal loop took 22 instructions per element with the key bound on every step.
+        for keyed in tl.static_range(2 if PARTIAL_KEYS else 1):
+            if keyed == 1:
+                start, stop = key_full, key_end
             else:
-                ok = slab_ok
-            x = tl.load(ptrs + tl.cast(k0, tl.int64) * stride_pk, mask=ok, other=0.0)   # transposed P: k0 · stride wraps
-            xf = _to_float32(x, ON_GPU)
-            if GRAM_DOT == "input":
-                # 16-bit products are exact in fp32; the tensor cores accumulate in fp32
-                gram += tl.dot(x, tl.trans(x))
-            elif GRAM_DOT == "tf32-split":
-                # fp32 on tensor cores: hi = x with the low 13 mantissa bits cleared (exact in TF32),
-                # lo = x - hi; G = hi·hiᵀ + M + Mᵀ with M = hi·loᵀ (lo·loᵀ, ~2^-22 relative, dropped).
-                hi = (xf.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-                lo = xf - hi
-                # One dot [hi; lo]·hiᵀ = [hi·hiᵀ; lo·hiᵀ]: two dots sharing an operand would make Triton
-                # give every warp the whole 16-row tile (4 warps: 4 times the tensor-core work)
-                stacked = tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), (2 * BLOCK_H, BLOCK_R * BLOCK_K))
-                gram += tl.dot(stacked, tl.trans(hi), input_precision="tf32")
-            else:
-                gram += tl.dot(xf, tl.trans(xf), input_precision="ieee")
-            if (k0 // BLOCK_K) % GRAM_FLUSH_STEPS == GRAM_FLUSH_STEPS - 1:
-                # fp32 chains of at most GRAM_FLUSH_KEYS keys: 64 steps of 64 keys lost 1.0e-5 (fp32)
-                # and 1.4e-5 (bf16) relative at T = 4096 on an H200, 16 steps 3.7e-6 / 4.9e-6
-                gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
-            x0, x1, x2, x3 = _quarters(xf)
-            ok0, ok1, ok2, ok3 = _quarters(ok)
-            e0, m0 = _accumulate(e0, m0, x0, ok0, n_f, log2_n, c, PARTIAL_KEYS, ON_GPU)
-            if QUARTERS > 1:
-                e1, m1 = _accumulate(e1, m1, x1, ok1, n_f, log2_n, c, PARTIAL_KEYS, ON_GPU)
-            if QUARTERS > 2:
-                e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, c, PARTIAL_KEYS, ON_GPU)
-            if QUARTERS > 3:
-                e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, c, PARTIAL_KEYS, ON_GPU)
+                start, stop = 0, key_full
+            for k0 in range(start, stop, BLOCK_K):
+                if keyed == 1:
+                    ok = slab_ok & (k0 + key_offset < n_keys)[None, :]
+                else:
+                    ok = slab_ok
+                x = tl.load(ptrs + tl.cast(k0, tl.int64) * stride_pk, mask=ok, other=0.0)   # transposed P: k0 · stride wraps
+                xf = _to_float32(x, ON_GPU)
+                if GRAM_DOT == "input":
+                    # 16-bit products are exact in fp32; the tensor cores accumulate in fp32
+                    gram += tl.dot(x, tl.trans(x))
+                elif GRAM_DOT == "tf32-split":
+                    # fp32 on tensor cores: hi = x with the low 13 mantissa bits cleared (exact in TF32),
+                    # lo = x - hi; G = hi·hiᵀ + M + Mᵀ with M = hi·loᵀ (lo·loᵀ, ~2^-22 relative, dropped).
+                    hi = (xf.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+                    lo = xf - hi
+                    # One dot [hi; lo]·hiᵀ = [hi·hiᵀ; lo·hiᵀ]: two dots sharing an operand would make
+                    # Triton give every warp the whole 16-row tile (4 warps: 4 times the tensor-core work)
+                    stacked = tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), (2 * BLOCK_H, BLOCK_R * BLOCK_K))
+                    gram += tl.dot(stacked, tl.trans(hi), input_precision="tf32")
+                else:
+                    gram += tl.dot(xf, tl.trans(xf), input_precision="ieee")
+                if (k0 // BLOCK_K) % GRAM_FLUSH_STEPS == GRAM_FLUSH_STEPS - 1:
+                    # fp32 chains of at most GRAM_FLUSH_KEYS keys: 64 steps of 64 keys lost 1.0e-5 (fp32)
+                    # and 1.4e-5 (bf16) relative at T = 4096 on an H200, 16 steps 3.7e-6 / 4.9e-6
+                    gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
+                x0, x1, x2, x3 = _quarters(xf)
+                ok0, ok1, ok2, ok3 = _quarters(ok)
+                e0, m0 = _accumulate(e0, m0, x0, ok0, n_f, log2_n, c, keyed == 1, ON_GPU)
+                if QUARTERS > 1:
+                    e1, m1 = _accumulate(e1, m1, x1, ok1, n_f, log2_n, c, keyed == 1, ON_GPU)
+                if QUARTERS > 2:
+                    e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, c, keyed == 1, ON_GPU)
+                if QUARTERS > 3:
+                    e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, c, keyed == 1, ON_GPU)
         gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
         # Each tile's entropy sums go to float64 per-head sums: terms of rows far from uniform over
         # their n keys (masked keys without the causal hint) are not small, and fp32 sums over all
@@ -271,7 +285,7 @@ def _tiles(h: int, rows: int, tk: int, element_bytes: int, causal: bool) -> tupl
     if element_bytes == 4:
         slab //= 2   # fp32: the TF32 split's stacked [hi; lo] operand doubles the dot's registers
     if causal:
-        slab //= 2   # the key bound per element: at 1024 elements a warp, 255 registers and 8-64 B spilled (sm_80-120)
+        slab //= 2   # the key-bounded loop beside the plain one: at 1024 elements a warp, 8-112 B spilled (triton 3.6, sm_80-120)
     if tk < 64:
         slab //= 2   # short rows: many rows per slab, each column carries its row's data
     block_k = min(_MAX_BLOCK_K, max(1, triton.next_power_of_2(tk)), slab)
