@@ -138,7 +138,7 @@ def stage_kernels(dev: torch.device, dry: bool) -> None:
         emit("kernels", dry, kernel="qk pass 1 + 2", shape=name, dims=(b, h, t, d), dtype=str(dtype),
              qk_ms=stats, qk_graph_ms=stats_graph, sdpa_flash_ms=flash, ratio_to_flash=stats / flash,
              profile=top)
-        # fp32: pass 1 in Triton, pass 2 on cuBLAS in full fp32 (no Triton tile fits; RESULTS.md, issue 27)
+        # fp32: pass 1 in Triton, pass 2 on cuBLAS in full fp32 (no Triton tile fits; benchmarks/RESULTS.md)
         qf, kf, vf = q.float(), k.float(), v.float()
         fp32 = median_ms(lambda: qk_stats_triton(qf, kf, None, True, d ** -0.5), dev, repeats)
         flash32 = median_ms(lambda: F.scaled_dot_product_attention(qf, kf, vf, is_causal=True), dev, repeats)

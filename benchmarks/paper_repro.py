@@ -17,7 +17,7 @@ tests/test_paper_repro.py checks the README's block is what it prints.
 
 `table` groups the done runs of all stores by λ (a long run trained past grokking counts like any
 other for t_grok / t_mem, and alone supplies the after-grokking values); per-run landmarks come from
-``fastdiag.analysis.trajectories.phase_values``. Paper values are SPEC §4 / the paper's Fig. 2.
+``fastdiag.analysis.trajectories.phase_values``. Paper values are the paper's summaries / its Fig. 2 (../shared/paper-figures/).
 """
 from __future__ import annotations
 

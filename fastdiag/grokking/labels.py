@@ -48,7 +48,7 @@ COLLAPSE_TAIL_EVALS = 3
 
 # Too short to classify: "never fits the training set" (collapse, no-fit) needs a run long enough that a
 # model which fits would have. The canonical model fits by epoch 25-30 (t_mem 25 at λ = 0.001 in 3 of 3
-# seeds, data/paper/runs.csv; train accuracy 1.0 by epoch 30 at λ = 1, SPEC §7), and at λ = 10 s̄ has
+# seeds, data/paper/runs.csv; train accuracy 1.0 by epoch 30 at λ = 1 in the paper's training setup), and at λ = 10 s̄ has
 # reached 0.9999 by epoch 30-35 (data/paper/traces.csv); 50 epochs is twice the fitting time seen.
 NEVER_FIT_MIN_EPOCHS = 50
 
