@@ -177,3 +177,26 @@ def test_the_trainers_monitor_records_due_passes_only_and_merges_them():
     monitor.model(x)                              # step 6: measured
     assert list(monitor.merged_stats()) == ["0"] and monitor.step == 7
     monitor.detach()
+
+
+def test_keep_records_false_merges_without_a_record_per_pass():
+    """The trainers attach with ``keep_records=False``: the merged statistics equal those of a monitor
+    keeping records, but no per-pass record (summary) is built or kept, and a logger is refused."""
+    torch.manual_seed(3)
+    attn = CausalSelfAttention(16, 4)
+    xs = [torch.randn(2, 5, 16) for _ in range(3)]
+    merged = {}
+    for keep in (True, False):
+        monitor = fastdiag.attach(torch.nn.Sequential(attn), every=1, keep_records=keep)
+        for x in xs:
+            monitor.model(x)
+        merged[keep] = monitor.merged_stats(reset=True)["0"]
+        assert monitor.num_records == (3 if keep else 0)
+        assert (monitor.latest() is None) is (not keep) and monitor.latest_stats() is not None
+        monitor.detach()
+    assert torch.equal(merged[True].gram, merged[False].gram)
+    assert torch.equal(merged[True].entropy_sum, merged[False].entropy_sum)
+    with pytest.raises(ValueError, match="log"):
+        fastdiag.attach(torch.nn.Sequential(attn), keep_records=False, log=lambda step, values: None)
+    with pytest.raises(TypeError, match="keep_records"):
+        fastdiag.attach(torch.nn.Sequential(attn), keep_records=1)

@@ -110,7 +110,7 @@ class Monitor:
     def __init__(self, model: torch.nn.Module, every: int = 10, layers=None, backend: str = "auto",
                  log=None, measure_eval: bool = False, all_reduce: bool = False, group=None,
                  flush_every: int = 10, steps: str = "forward", chunk_bytes: int = CHUNK_BYTES,
-                 strict: bool = False):
+                 strict: bool = False, keep_records: bool = True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -128,13 +128,17 @@ class Monitor:
                              "before import to run the kernel in the interpreter")
         if not isinstance(strict, bool):
             raise TypeError(f"strict: expected a bool, got {type(strict).__name__}")
+        if not isinstance(keep_records, bool):
+            raise TypeError(f"keep_records: expected a bool, got {type(keep_records).__name__}")
+        if not keep_records and log is not None:
+            raise ValueError("log: a logger receives the records, and keep_records=False keeps none")
         model = _unwrap_compiled(model)
         if model in _ATTACHED:
             raise ValueError("model: already attached; detach the other monitor first")
         self.model, self.every, self.backend = model, every, backend
         self.measure_eval, self.all_reduce, self.group = measure_eval, all_reduce, group
         self.flush_every, self.chunk_bytes, self.strict = flush_every, chunk_bytes, strict
-        self._records = Records(log, flush_every, all_reduce, group)
+        self._records = Records(log, flush_every, all_reduce, group, keep_records)
         self._auto = steps == "forward"
         self.step = 0              # training passes seen; the next one has this index
         self._due = True           # the next training pass is measured (step % every == 0)
@@ -829,7 +833,8 @@ class Monitor:
 
 def attach(model: torch.nn.Module, every: int = 10, layers=None, backend: str = "auto", log=None,
            measure_eval: bool = False, all_reduce: bool = False, group=None, *, flush_every: int = 10,
-           steps: str = "forward", chunk_bytes: int = CHUNK_BYTES, strict: bool = False) -> Monitor:
+           steps: str = "forward", chunk_bytes: int = CHUNK_BYTES, strict: bool = False,
+           keep_records: bool = True) -> Monitor:
     """Measure the attention heads of ``model`` from its own training forward passes.
 
     every: measure training passes 0, every, 2·every, ... (eval passes are not counted).
@@ -847,6 +852,9 @@ def attach(model: torch.nn.Module, every: int = 10, layers=None, backend: str = 
     chunk_bytes: the most score memory built at once per attention call for Q/K adapters.
     strict: raise (RuntimeError) instead of warning when an attention module found has no
         statistics after a measured pass.
+    keep_records: False keeps no record per measured pass (no summary computed, `latest` and
+        `history` stay empty, no ``log``): only `Monitor.merged_stats` and `Monitor.latest_stats`,
+        for a loop that reads the merged statistics alone (fastdiag's own trainers).
 
     Padding: `Monitor.set_padding` hands in a step's real-token mask; the attention masks themselves
     are read too (docs/attach.md, "Padding"). `Monitor.coverage` says what was found and how each layer is measured.
@@ -855,5 +863,6 @@ def attach(model: torch.nn.Module, every: int = 10, layers=None, backend: str = 
     """
     return Monitor(model, every=every, layers=layers, backend=backend, log=log,
                    measure_eval=measure_eval, all_reduce=all_reduce, group=group,
-                   flush_every=flush_every, steps=steps, chunk_bytes=chunk_bytes, strict=strict)
+                   flush_every=flush_every, steps=steps, chunk_bytes=chunk_bytes, strict=strict,
+                   keep_records=keep_records)
 

@@ -41,9 +41,11 @@ def logger_from(log):
 class Records:
     """The records of one monitor, and its logger (sent every ``flush_every`` records)."""
 
-    def __init__(self, log=None, flush_every: int = 10, all_reduce: bool = False, group=None) -> None:
+    def __init__(self, log=None, flush_every: int = 10, all_reduce: bool = False, group=None,
+                 keep: bool = True) -> None:
         self.log = logger_from(log)
         self.flush_every, self.all_reduce, self.group = flush_every, all_reduce, group
+        self.keep = keep               # False: only the merged statistics, no record per step
         self._records: list[_Record] = []
         self._unlogged = 0
         self.latest_stats: dict[str, HeadStats] | None = None
@@ -53,12 +55,15 @@ class Records:
     def add(self, step: int, mode: str, stats: dict[str, HeadStats]) -> None:
         if self.all_reduce:
             stats = {name: s.all_reduce(self.group) for name, s in stats.items()}
-        summary = summarize(stats)
-        values = summary.tensors()
-        self.latest_stats, self.latest_summary = stats, summary
         merged = self._merged.setdefault(mode, {})
         for name, s in stats.items():
             merged[name] = s if name not in merged else merged[name] + s
+        self.latest_stats = stats
+        if not self.keep:
+            return
+        summary = summarize(stats)
+        values = summary.tensors()
+        self.latest_summary = summary
         self._records.append(_Record(step, mode, list(values),
                                      torch.stack(list(values.values())).double()))
         self._unlogged += 1

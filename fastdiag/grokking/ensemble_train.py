@@ -124,7 +124,8 @@ class _Members:
         self.opt = EnsembleAdamW(list(self.model.parameters()), cfgs[0].lr, [c.weight_decay for c in cfgs])
         self.loss_sum = torch.zeros(len(cfgs), device=device)
         # measures every diag_every-th step's attention, the members leading (`fastdiag.attach`)
-        self.monitor = attach(self.model, every=cfgs[0].diag_every) if self.layer_names else None
+        self.monitor = (attach(self.model, every=cfgs[0].diag_every, keep_records=False)
+                        if self.layer_names else None)
         if self.monitor is not None:
             weakref.finalize(self, self.monitor.detach)   # the model is free once the pack is done
 

@@ -73,7 +73,7 @@ class Trainer:
         """A monitor on the model measuring every ``diag_every``-th step from this trainer's step on."""
         if not self.attn:
             return None
-        monitor = attach(self.model, every=self.cfg.diag_every)
+        monitor = attach(self.model, every=self.cfg.diag_every, keep_records=False)
         monitor.set_step(self.step)
         weakref.finalize(self, monitor.detach)   # the model is free once the trainer is
         return monitor
