@@ -150,6 +150,44 @@ def test_additive_mask_max_keeps_nan(emitted):
     assert all(n > 0 for n in emitted["nan_max"]), emitted
 
 
+_HEAD_BLOCKS = r"""
+import json, torch
+from fastdiag.core.kernels import qk_stats_triton as qk, report
+h, hk, d, t = qk.REPORT_SHAPES["llama-7b"]
+cases = [c for c in qk._cases("llama-7b", 1, h, hk, t, d, torch.bfloat16, "additive-mask") if c.kernel == "qk_stats"]
+rows = [report.report_case(c) for c in cases]
+print(json.dumps([[r.shape, r.spill_bytes, r.shared_bytes, r.constexprs["BLOCK_DC"]] for r in rows]))
+"""
+
+
+def test_head_blocks_under_an_additive_mask_do_not_spill():
+    """Llama-7B (32 heads of 128) under an additive mask splits pass 2 into two head blocks: diagonal
+    programs staged for one block, off-diagonal ones holding two, whose dot width the launcher lowers
+    until the compile spills nothing (one stage: the loads pass through registers). Both launches are
+    in the report, compiled for sm_90 as a launch would choose them: 88 and 80 B spilled before."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _HEAD_BLOCKS], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [shape for shape, *_ in rows] == ["llama-7b additive-mask", "llama-7b additive-mask off-diagonal"]
+    for shape, spilled, shared, _width in rows:
+        assert spilled == 0 and shared <= report.GPU["shared_bytes"], rows
+
+
+def test_dot_width_candidates_narrow_to_16_columns():
+    from fastdiag.core.kernels import qk_stats_triton as qk
+
+    cfg = qk.tile_config(32, 32, 128, budget=4096, block_n=16)
+    assert cfg["BLOCK_HK"] == 16 and cfg["num_stages"] == 2            # the diagonal: one block, 2 stages fit
+    off = qk.off_diagonal_config(cfg, 2)
+    assert off["num_stages"] == 1                                      # two blocks at 2 stages: ~280 KB
+    widths = [c["BLOCK_DC"] for c in qk.dot_width_candidates(off)]
+    assert widths == [64, 32, 16]
+    assert all(c["Q_IN_LOOP"] for c in qk.dot_width_candidates(off))
+    assert [c["BLOCK_DC"] for c in qk.dot_width_candidates(qk.tile_config(12, 12, 64))] == [64, 32, 16]
+    assert not qk.tile_config(12, 12, 64)["Q_IN_LOOP"] and qk.dot_width_candidates(qk.tile_config(12, 12, 64))[1]["Q_IN_LOOP"]
+
+
 def test_hot_loop_is_the_innermost_loop_that_loads():
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;

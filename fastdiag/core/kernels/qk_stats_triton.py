@@ -19,8 +19,10 @@ Pass 1 needs nothing across heads: its programs hold one key head and 128 query 
 (`lse_tile_config`). Pass 2 holds every head of its rows when they fit (`tile_config`: the key tile
 shrinks to 16 and the pipeline to 1 stage first — full multi-head attention at H·D = 4096); when
 they do not, the heads are split into blocks: diagonal programs hold one block (Gram block,
-entropies, masses), off-diagonal programs recompute two blocks for their Gram block. Every program
-writes partial sums; torch adds them in float64 (deterministic, no atomics).
+entropies, masses), off-diagonal programs recompute two blocks for their Gram block; each launch is
+staged for the blocks it holds and takes the widest score dot that compiles without spilling on the
+device (`_launch_without_spills`). Every program writes partial sums; torch adds them in float64
+(deterministic, no atomics).
 
 Layout: kernels -> launcher (`qk_stats_triton`) -> `torch.library` op (`fastdiag::qk_head_stats`,
 CUDA kernel registered, fake for tracing) so `torch.compile(fullgraph=True)` holds it as one node.
@@ -38,7 +40,7 @@ import triton.language as tl
 from .constants import LN2, LOG2E, MASKED_SCORE, MASS_TOLERANCE
 from .qk_stats_ref import qk_stats_ref
 from .qk_stats_torch import CHUNK_BYTES, qk_stats_torch
-from .report import GPUS, KernelReport, ReportCase, device_limits, register, report_case
+from .report import GPUS, KernelReport, ReportCase, device_limits, register, report_case, spill_bytes
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -341,10 +343,37 @@ def _tile_config_and_shared(h: int, hk: int, d: int, budget: int = _SCORE_BUDGET
     q_in_loop = block_dc < block_d or block_hk * block_g * block_m * block_d > _HELD_Q_ELEMENTS
     cfg = dict(BLOCK_HK=block_hk, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                BLOCK_DC=block_dc, Q_IN_LOOP=q_in_loop, num_warps=NUM_WARPS)
-    blocks_held = 1 if block_hk >= hk else 2
-    cfg["num_stages"] = 2 if _shared_bytes(cfg, 2, element_bytes, blocks_held) <= shared_limit else 1
-    cfg_shared = _shared_bytes(cfg, cfg["num_stages"], element_bytes, blocks_held)
+    cfg["num_stages"] = _stages(cfg, element_bytes, shared_limit, blocks_held=1)
+    cfg_shared = _shared_bytes(cfg, cfg["num_stages"], element_bytes, 1)
+    if block_hk < hk:
+        off = off_diagonal_config(cfg, element_bytes, shared_limit)
+        cfg_shared = max(cfg_shared, _shared_bytes(off, off["num_stages"], element_bytes, 2))
     return cfg, cfg_shared
+
+
+def _stages(cfg: dict, element_bytes: int, shared_limit: int, blocks_held: int) -> int:
+    """2 (loads of the next key tile in flight, by async copies that bypass registers) where they fit
+    ``shared_limit``, else 1."""
+    return 2 if _shared_bytes(cfg, 2, element_bytes, blocks_held) <= shared_limit else 1
+
+
+def off_diagonal_config(cfg: dict, element_bytes: int, shared_limit: int = SHARED_LIMIT) -> dict:
+    """The off-diagonal programs' tiles: those of the diagonal ``cfg``, staged for the two head blocks
+    they hold. (Llama-7B under an additive mask, sm_90: the diagonal 2 stages at 144 KB, 167 registers;
+    the off-diagonal 1 stage, since 2 take 280 KB.)"""
+    return dict(cfg, num_stages=_stages(cfg, element_bytes, shared_limit, blocks_held=2))
+
+
+def dot_width_candidates(cfg: dict) -> list[dict]:
+    """``cfg`` and the same tiles with narrower score dots, down to 16 columns: what a launch falls
+    back to where ``cfg`` spills registers. At one stage a dot's loads pass through registers, and
+    which width spills is the compiler's call: Llama-7B's off-diagonal programs under an additive mask
+    spilled at 64 and 32 columns and not at 16 under triton 3.9 on sm_90, at 16 and not at 32 or 64
+    under 3.6."""
+    widths = [cfg["BLOCK_DC"]]
+    while widths[-1] > 16:
+        widths.append(widths[-1] // 2)
+    return [dict(cfg, BLOCK_DC=w, Q_IN_LOOP=cfg["Q_IN_LOOP"] or w < cfg["BLOCK_D"]) for w in widths]
 
 
 def lse_tile_config(h: int, hk: int, d: int, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -436,7 +465,28 @@ def _row_lse(q4, k4, mask4, is_causal, scale):
     return lse
 
 
-def _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg):
+# (target arch, dtype, constexprs of the first candidate) -> the candidate a launch uses (`_launch_without_spills`)
+_UNSPILLED: dict = {}
+
+
+def _launch_without_spills(grid, args: tuple, flags: dict, candidates: list[dict]) -> None:
+    """Launch ``_qk_stats_kernel`` with the first of ``candidates`` (tile constexprs) that compiles
+    without spilling registers on this device, the last where all spill. The choice is kept per
+    target, dtype and constexprs (the compiler's specialisation on alignment is not in the key)."""
+    limits = device_limits(args[3].device)
+    key = (limits and limits["arch"], args[3].dtype, tuple(sorted({**flags, **candidates[0]}.items())))
+    chosen = _UNSPILLED.get(key)
+    if chosen is None:
+        chosen = candidates[-1]
+        for cfg in candidates[:-1]:
+            if not spill_bytes(_qk_stats_kernel, grid, args, {**flags, **cfg}):    # 0, or None: no GPU
+                chosen = cfg
+                break
+        _UNSPILLED[key] = chosen
+    _qk_stats_kernel[grid](*args, **flags, **chosen)
+
+
+def _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, shared_limit=None):
     b, h, tq, d = q4.shape
     hk = k4.shape[1]
     device = q4.device
@@ -453,16 +503,18 @@ def _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg):
     row_ok = q4 if rows_ok is None else rows_ok.view(torch.uint8)
     row_strides = (0, 0) if rows_ok is None else rows_ok.stride()
     tail = (*args, *lse.stride(), *row_strides)
-    _qk_stats_kernel[(programs, blocks)](
-        gram_part, entropy_part, invalid_part, q4, k4, mask, lse, row_ok, block_ids[0], block_ids[1],
-        *tail, DIAGONAL=True, HAS_ROW_OK=rows_ok is not None, **constexprs)
+    flags = {k: v for k, v in constexprs.items() if k not in cfg}
+    _launch_without_spills((programs, blocks), (
+        gram_part, entropy_part, invalid_part, q4, k4, mask, lse, row_ok, block_ids[0], block_ids[1], *tail),
+        dict(flags, DIAGONAL=True, HAS_ROW_OK=rows_ok is not None), dot_width_candidates(cfg))
     if blocks > 1:
         # off-diagonal Gram blocks: their own grid and partials, no entropy or mass
         gram_off_part = torch.empty(programs, len(pairs) - blocks, bh, bh, dtype=torch.float32, device=device)
-        _qk_stats_kernel[(programs, len(pairs) - blocks)](
+        off = off_diagonal_config(cfg, q4.dtype.itemsize, shared_limit or SHARED_LIMIT)
+        _launch_without_spills((programs, len(pairs) - blocks), (
             gram_off_part, entropy_part, invalid_part, q4, k4, mask, lse, row_ok,
-            block_ids[0, blocks:], block_ids[1, blocks:],
-            *tail, DIAGONAL=False, HAS_ROW_OK=rows_ok is not None, **constexprs)
+            block_ids[0, blocks:], block_ids[1, blocks:], *tail),
+            dict(flags, DIAGONAL=False, HAS_ROW_OK=rows_ok is not None), dot_width_candidates(off))
     gram_blocks = gram_part.sum(0, dtype=torch.float64)             # [pairs, BH, BH]
     if blocks > 1:
         gram_blocks = torch.cat([gram_blocks, gram_off_part.sum(0, dtype=torch.float64)])
@@ -501,11 +553,11 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
             _warn_torch_path(q4, e)
             return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, None, CHUNK_BYTES, check_lse=False)
     if tiles is not None:
-        return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles)
+        return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles, shared)
     additive = mask4 is not None and mask4.dtype != torch.bool
     for cfg in pass2_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared, additive):
         try:
-            return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg)
+            return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, shared)
         except triton.runtime.errors.OutOfResources as e:
             _warn_torch_path(q4, e)
     # no tile fits this device: the same sums in PyTorch, the LSE checked against the scores
@@ -615,8 +667,14 @@ def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dty
         qk_stats_triton(q, k, mask, causal, d ** -0.5, rows_ok=rows_ok, lse=lse)
 
     cases = []
-    if pass2_configs(h, hk, d, dtype, shared_limit, mask_kind == "additive"):
+    configs = pass2_configs(h, hk, d, dtype, shared_limit, mask_kind == "additive")
+    if configs:
         cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, _scores_per_iteration))
+    if configs and configs[0]["BLOCK_HK"] < hk:
+        # heads in blocks: the off-diagonal programs are a second launch, of two blocks' scores each
+        # (per score of one block, as the diagonal's)
+        cases.append(ReportCase("qk_stats", f"{label} off-diagonal", name, dtype.itemsize, pass2,
+                                _scores_per_iteration, launch_index=1))
     if not rows and pass1_fits(dtype, shared_limit):
         cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, _scores_per_iteration))
     return cases

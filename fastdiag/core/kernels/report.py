@@ -74,6 +74,9 @@ class ReportCase:
     # Optional: (elements, hot-loop iterations) of one iteration of the loop around the hot loop (a
     # persistent kernel's tile), so that the work done once per tile is counted too.
     tile: Callable[[dict], tuple[int, int]] | None = None
+    # Which of the launcher's kernel launches to compile, in launch order (0: the one that streams the
+    # input first; Q/K pass 2's off-diagonal head-block programs are its second launch).
+    launch_index: int = 0
 
 
 _REGISTRY: dict[str, Callable[[dict], list[ReportCase]]] = {}
@@ -136,6 +139,7 @@ class _TargetDriver:
 
 
 _CAPTURE_TARGET: list[dict] = []     # the GPU a launch is being captured for (report only)
+_CAPTURED: list[list] = []           # and the launches captured so far
 
 
 def device_limits(device) -> dict | None:
@@ -152,6 +156,30 @@ def device_limits(device) -> dict | None:
     props = torch.cuda.get_device_properties(device)
     shared = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
     return {"shared_bytes": int(shared), "sms": props.multi_processor_count, "arch": 10 * props.major + props.minor}
+
+
+def spill_bytes(kernel, grid, args: tuple, kwargs: dict) -> int | None:
+    """Bytes per thread that ``kernel[grid](*args, **kwargs)`` spills as compiled for the running CUDA
+    device, or for the report's target while the report captures a launch; None where nothing
+    compiles for a GPU (CPU tensors, the interpreter). Compiles (cached by Triton), never runs."""
+    if _CAPTURE_TARGET:
+        gpu, captured = _CAPTURE_TARGET[-1], _CAPTURED[-1]
+        kernel.warmup(*args, grid=grid, **kwargs)      # the capture hook records it: nothing compiles
+        fn, compile_args = captured.pop()              # a probe, not a launch of the report's case
+        compiled, _ = _compile(fn, compile_args, gpu)
+        return _ptxas_usage(compiled.asm["ptx"], gpu["arch"])[1]
+    if not all(getattr(a, "is_cuda", True) for a in args) or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        compiled._init_handles()      # the driver reads the local-memory size when it loads the binary
+        return compiled.n_spills
+    except OutOfResources:
+        raise                         # the launcher's cue for smaller tiles
+    except Exception:                 # noqa: BLE001 — a probe that fails says nothing; the launch itself will
+        return None
 
 
 @contextlib.contextmanager
@@ -182,10 +210,12 @@ def _capture_compiles(modules, gpu: dict = GPU):
     driver.set_active(_TargetDriver(GPUTarget("cuda", gpu["arch"], 32)))
     knobs.runtime.jit_cache_hook = hook
     _CAPTURE_TARGET.append(gpu)
+    _CAPTURED.append(captured)
     try:
         yield captured
     finally:
         _CAPTURE_TARGET.pop()
+        _CAPTURED.pop()
         driver._active, knobs.runtime.jit_cache_hook = saved_active, saved_hook
         for module, name, value in patched:
             setattr(module, name, value)
@@ -375,7 +405,11 @@ def compiled_launch(launch: Callable[[], object], gpu: dict = GPU) -> dict:
 
 def report_case(case: ReportCase, gpu: dict = GPU) -> KernelReport:
     """``case`` launched as on ``gpu`` (its limits choose the tiles), compiled for its architecture."""
-    fn, args = _captured_launches(case, gpu)[0]       # the first launch is the kernel that streams the input
+    launches = _captured_launches(case, gpu)
+    if case.launch_index >= len(launches):
+        raise RuntimeError(f"{case.kernel} {case.shape}: launch {case.launch_index} asked for, the launcher made "
+                           f"{len(launches)}")
+    fn, args = launches[case.launch_index]
     compiled, options = _compile(fn, args, gpu)
     registers, spills = _ptxas_usage(compiled.asm["ptx"], gpu["arch"])
     with tempfile.TemporaryDirectory() as tmp:
