@@ -321,48 +321,51 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def format_sdpa_step_table(rows: list[dict]) -> str:
-    head = (f"{'device':<7} {'workload':<36} {'base ms':>8} {'sdpa+stats':>10} {'eager+attn':>10} "
-            f"{'x stats':>8} {'x eager':>8}")
+def format_table(columns: list[tuple], rows: list[dict]) -> str:
+    """The benchmark tables: ``columns`` are (header, row key or function of the row, alignment and
+    width as in a format spec such as ``"<13"``, the number's format such as ``".3f"``); a value that
+    does not exist (None, NaN: no compiled reference, no copy bandwidth off a GPU) prints as a dash."""
+    head = " ".join(f"{header:{width}}" for header, _, width, _ in columns)
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['device']:<7} {r['workload']:<36} {r['base_ms']:>8.1f} {r['with_stats_ms']:>10.1f} "
-                     f"{r['eager_ms']:>10.1f} {r['with_stats_ratio']:>8.3f} {r['eager_ratio']:>8.3f}")
+        cells = []
+        for _, get, width, spec in columns:
+            value = r[get] if isinstance(get, str) else get(r)
+            cells.append(f"{'–':{width}}" if value is None or value != value else f"{value:{width}{spec}}")
+        lines.append(" ".join(cells))
     return "\n".join(lines)
 
 
-def _cell(value, width: int, spec: str) -> str:
-    """A number, or a dash where the figure does not exist (no compiled reference, no copy bandwidth)."""
-    return f"{'–':>{width}}" if value is None or value != value else f"{value:>{width}{spec}}"
+def format_sdpa_step_table(rows: list[dict]) -> str:
+    return format_table([("device", "device", "<7", ""), ("workload", "workload", "<36", ""),
+                         ("base ms", "base_ms", ">8", ".1f"), ("sdpa+stats", "with_stats_ms", ">10", ".1f"),
+                         ("eager+attn", "eager_ms", ">10", ".1f"), ("x stats", "with_stats_ratio", ">8", ".3f"),
+                         ("x eager", "eager_ratio", ">8", ".3f")], rows)
+
+
+def _median_ms(timing: str):
+    return lambda r: (r["timings"].get(timing) or {}).get("median_ms")
 
 
 def format_kernel_table(rows: list[dict]) -> str:
-    head = f"{'shape':<13} {'dtype':<9} {'eager ms':>9} {'compiled':>9} {'fastdiag':>9} {'x eager':>8} {'x comp':>7} {'GB/s':>7} {'%copy':>6}"
-    lines = [head, "-" * len(head)]
-    dashes = False
-    for r in rows:
-        t = r["timings"]
-        comp = t.get("compiled")
-        copy = r.get("fraction_of_copy_bandwidth")
-        dashes |= comp is None or copy is None
-        lines.append(
-            f"{r['shape']:<13} {r['dtype']:<9} {t['eager']['median_ms']:>9.3f} "
-            f"{_cell(comp['median_ms'] if comp else None, 9, '.3f')} {t['fastdiag']['median_ms']:>9.3f} "
-            f"{r['speedup_vs_eager']:>8.2f} {_cell(r.get('speedup_vs_compiled'), 7, '.2f')} "
-            f"{r['gbytes_per_s']:>7.1f} {_cell(None if copy is None else 100 * copy, 6, '.1f')}")
-    if dashes:
-        lines.append("–: not measured here (compiled: --no-compile or no torch.compile; %copy: the copy "
-                     "bandwidth is measured on a GPU only)")
-    return "\n".join(lines)
+    table = format_table([
+        ("shape", "shape", "<13", ""), ("dtype", "dtype", "<9", ""), ("eager ms", _median_ms("eager"), ">9", ".3f"),
+        ("compiled", _median_ms("compiled"), ">9", ".3f"), ("fastdiag", _median_ms("fastdiag"), ">9", ".3f"),
+        ("x eager", "speedup_vs_eager", ">8", ".2f"), ("x comp", lambda r: r.get("speedup_vs_compiled"), ">7", ".2f"),
+        ("GB/s", "gbytes_per_s", ">7", ".1f"),
+        ("%copy", lambda r: None if r.get("fraction_of_copy_bandwidth") is None
+         else 100 * r["fraction_of_copy_bandwidth"], ">6", ".1f")], rows)
+    if any(r["timings"].get("compiled") is None or r.get("fraction_of_copy_bandwidth") is None for r in rows):
+        table += ("\n–: not measured here (compiled: --no-compile or no torch.compile; %copy: the copy "
+                  "bandwidth is measured on a GPU only)")
+    return table
 
 
 def format_step_table(rows: list[dict]) -> str:
-    head = f"{'step':<20} {'base ms':>9} {'every=10':>9} {'every=1':>9} {'ovh@10 %':>9} {'ovh@1 %':>8}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['name']:<20} {r['base_ms']:>9.3f} {r['every10_ms']:>9.3f} {r['every1_ms']:>9.3f} "
-                     f"{r['overhead_every10_pct']:>9.2f} {r['overhead_every1_pct']:>8.2f}")
-    return "\n".join(lines)
+    return format_table([("step", "name", "<20", ""), ("base ms", "base_ms", ">9", ".3f"),
+                         ("every=10", "every10_ms", ">9", ".3f"), ("every=1", "every1_ms", ">9", ".3f"),
+                         ("ovh@10 %", "overhead_every10_pct", ">9", ".2f"),
+                         ("ovh@1 %", "overhead_every1_pct", ">8", ".2f")], rows)
 
 
 # ---- sweep throughput: vectorised ensembles against one run at a time -------------------------
@@ -422,14 +425,12 @@ def bench_ensemble(device: torch.device, workload: str = "canonical", members: i
 
 
 def format_ensemble_table(rows: list[dict]) -> str:
-    head = (f"{'device':<7} {'workload':<10} {'runs':>5} {'K':>4} {'epochs':>6} {'1-by-1 s':>9} {'ensemble s':>10} "
-            f"{'runs/h 1-by-1':>14} {'runs/h ens':>11} {'speed-up':>9}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['device']:<7} {r['workload']:<10} {r['runs']:>5} {r['members']:>4} {r['epochs']:>6} "
-                     f"{r['one_by_one_s']:>9.1f} {r['ensemble_s']:>10.1f} {r['runs_per_hour_one_by_one']:>14.0f} "
-                     f"{r['runs_per_hour_ensemble']:>11.0f} {r['speedup']:>9.2f}")
-    return "\n".join(lines)
+    return format_table([("device", "device", "<7", ""), ("workload", "workload", "<10", ""), ("runs", "runs", ">5", ""),
+                         ("K", "members", ">4", ""), ("epochs", "epochs", ">6", ""),
+                         ("1-by-1 s", "one_by_one_s", ">9", ".1f"), ("ensemble s", "ensemble_s", ">10", ".1f"),
+                         ("runs/h 1-by-1", "runs_per_hour_one_by_one", ">14", ".0f"),
+                         ("runs/h ens", "runs_per_hour_ensemble", ">11", ".0f"), ("speed-up", "speedup", ">9", ".2f")],
+                        rows)
 
 
 # ---- architecture steps: a Mamba training step beside the transformer's --------------------------
@@ -482,8 +483,5 @@ def bench_arch_steps(device: torch.device, blocks: int = 15, block_steps: int = 
 
 
 def format_arch_table(rows: list[dict]) -> str:
-    head = f"{'training step':<18} {'params':>9} {'ms/step':>9} {'x transformer':>14}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['name']:<18} {r['n_params']:>9,} {r['ms_per_step']:>9.1f} {r['vs_transformer']:>14.2f}")
-    return "\n".join(lines)
+    return format_table([("training step", "name", "<18", ""), ("params", "n_params", ">9", ","),
+                         ("ms/step", "ms_per_step", ">9", ".1f"), ("x transformer", "vs_transformer", ">14", ".2f")], rows)

@@ -1,13 +1,15 @@
 """What tests and benchmarks share: random causal attention probabilities with padded query rows, the
-exactness targets and the error measure they are checked with, and a free local port for
-multi-process tests."""
+exactness targets and the error measure they are checked with, a free local port for multi-process
+tests, and a trainer that kills its worker (for the sweep backends' lost-worker tests)."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -27,6 +29,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def dying_trainer(cfg, marker_dir: str):
+    """A sweep's ``train_fn`` whose seed-1 runs kill their worker process (a lost worker): at λ = 0.1
+    only on the first attempt (a marker file in ``marker_dir`` remembers it), at λ = 1 on every
+    attempt. Other runs return at once, as a finished run would look to the store."""
+    marker = Path(marker_dir) / f"{cfg.run_id()}.seen"
+    if cfg.seed == 1 and (cfg.weight_decay == 1.0 or not marker.exists()):
+        marker.write_text("x")
+        os._exit(9)
+    return SimpleNamespace(config=cfg, result={"regime": "grok", "t_grok_epoch": 10.0, "n_params": 1},
+                           trace=[{"epoch": 1, "step": 1, "test_acc": 1.0}])
 
 
 def random_probs(shape, dtype=torch.float32, causal=True, seed=0, device="cpu", garbage_rows=None):

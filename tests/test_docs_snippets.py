@@ -141,7 +141,9 @@ TINY_MODEL = ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model"
               "--threads", "1", "--quiet"]
 TINY = {
     "run": TINY_MODEL[:-1],                                     # run has no --quiet
-    "sweep": TINY_MODEL,
+    # in this process: a pool's spawned workers each import torch and fastdiag (the README's paper-runs
+    # block took 50 s on pools of 2); the pools have their own tests (test_sweep_e2e.py, test_resume.py)
+    "sweep": TINY_MODEL + ["--workers", "1"],
     # a threshold below chance (1/7) "groks" at once, so the branch, the arms and their comparison all run
     "intervene": TINY_MODEL[:TINY_MODEL.index("--epochs")] + ["--epochs", "12", "--eval-every", "1", "--device", "cpu",
                                                             "--threads", "1", "--quiet", "--after-peak-epochs", "2",
@@ -149,7 +151,7 @@ TINY = {
     # headdim sets the width and heads by lists and d_ff by --ff-mult: no --preset, no --d-ff
     "headdim": [a for i, a in enumerate(TINY_MODEL) if "--preset" not in TINY_MODEL[max(0, i - 1):i + 1]
                 and "--d-ff" not in TINY_MODEL[max(0, i - 1):i + 1]] + ["--d-model", "8,16,32", "--heads", "2",
-                                                                      "--n-boot", "20"],
+                                                                      "--n-boot", "20", "--workers", "1"],
     "analyze": ["--n-boot", "20"],
     "plot": ["--n-boot", "20", "--n-band", "20", "--format", "png"],
 }

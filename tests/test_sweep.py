@@ -1,8 +1,8 @@
 """Sweep grid parsing, sharding, resuming and failure handling (fast: fake trainers, no real training)."""
+import functools
 import io
 import math
 import random
-import textwrap
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +10,7 @@ import pytest
 from fastdiag import sweep as sw
 from fastdiag.analysis.groups import analyze_group, load_groups
 from fastdiag.store import Lease, Store
+from fastdiag.testing import dying_trainer
 
 TINY = dict(preset="custom", n_layers=1, n_heads=2, d_model=32, d_ff=64, p=11, epochs=3)
 
@@ -167,31 +168,11 @@ def test_failing_run_is_recorded_and_sweep_goes_on(tmp_path):
         assert summary.done == 1 and st.counts()["done"] == 4
 
 
-_DYING_TRAINER = textwrap.dedent('''
-    import os
-    from pathlib import Path
-    from types import SimpleNamespace
-
-    def dying(cfg):
-        """Seed 1 kills its worker process (a lost worker): at λ = 0.1 only the first time, at λ = 1 always."""
-        marker = Path(os.environ["FD_MARKER_DIR"]) / f"{cfg.run_id()}.seen"
-        if cfg.seed == 1 and (cfg.weight_decay == 1.0 or not marker.exists()):
-            marker.write_text("x")
-            os._exit(9)
-        return SimpleNamespace(config=cfg, result={"regime": "grok", "t_grok_epoch": 10.0, "n_params": 1},
-                               trace=[{"epoch": 1, "step": 1, "test_acc": 1.0}])
-''')
-
-
-def test_local_pool_retries_lost_worker_and_records_failure(tmp_path, monkeypatch):
-    (tmp_path / "fd_dying_trainer.py").write_text(_DYING_TRAINER)
-    monkeypatch.syspath_prepend(str(tmp_path))          # the spawn children get this sys.path too
-    monkeypatch.setenv("FD_MARKER_DIR", str(tmp_path))
-    import fd_dying_trainer as fakes
-
+def test_local_pool_retries_lost_worker_and_records_failure(tmp_path):
     grid = sw.build_grid(TINY, [0.1, 1.0], [0, 1])
+    dying = functools.partial(dying_trainer, marker_dir=str(tmp_path))     # importable in spawned workers
     with Store(tmp_path / "s.sqlite") as st:
-        summary = sw.run_sweep(grid, st, workers=2, threads=1, train_fn=fakes.dying, progress=False,
+        summary = sw.run_sweep(grid, st, workers=2, threads=1, train_fn=dying, progress=False,
                                max_retries=1)
         (failed,) = st.runs("failed")                   # only the culprit, never an innocent neighbour
         assert (failed["config"]["weight_decay"], failed["config"]["seed"]) == (1.0, 1)

@@ -1,9 +1,6 @@
 """The Ray backend, on a local Ray started by the test: real tiny runs, and lost workers retried or
 recorded as failed (never silently dropped)."""
-import os
 import sys
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -11,6 +8,7 @@ ray = pytest.importorskip("ray")
 
 from fastdiag import sweep as sw  # noqa: E402
 from fastdiag.store import Store  # noqa: E402
+from fastdiag.testing import dying_trainer  # noqa: E402
 
 TINY = dict(preset="custom", n_layers=1, n_heads=2, d_model=32, d_ff=64, p=11, epochs=3)
 
@@ -22,16 +20,6 @@ def local_ray():
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     ray.shutdown()
-
-
-def dying(cfg, marker_dir):
-    """Seed 1 kills its worker: at λ = 0.1 only on the first attempt, at λ = 1 on every attempt."""
-    marker = Path(marker_dir) / f"{cfg.run_id()}.seen"
-    if cfg.seed == 1 and (cfg.weight_decay == 1.0 or not marker.exists()):
-        marker.write_text("x")
-        os._exit(9)
-    return SimpleNamespace(config=cfg, result={"regime": "grok", "t_grok_epoch": 5.0, "n_params": 1},
-                           trace=[{"epoch": 1, "step": 1, "test_acc": 1.0}])
 
 
 def test_ray_backend_real_runs_and_lost_workers(local_ray, tmp_path):
@@ -48,7 +36,7 @@ def test_ray_backend_real_runs_and_lost_workers(local_ray, tmp_path):
     marker_dir = str(tmp_path)
 
     def dying_here(cfg):
-        return dying(cfg, marker_dir)
+        return dying_trainer(cfg, marker_dir)
 
     with Store(tmp_path / "lost.sqlite") as st:
         summary = sw.run_sweep(grid, st, backend="ray", train_fn=dying_here, max_retries=1, progress=False)

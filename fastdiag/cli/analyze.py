@@ -115,23 +115,23 @@ def format_predict(p: PredictiveAnalysis) -> list[str]:
     lines.append(f"  train seeds {seed_list(p.train_seeds)} ({p.n_train} runs), test seeds {seed_list(p.test_seeds)} "
                  f"({p.n_test} runs); baselines: {', '.join(p.baseline_features)}; "
                  f"+ attention: {', '.join(p.attention_features)}")
-    c = p.groks_by_horizon
-    if c.error is not None:
-        lines.append(f"  groks by the horizon: no result — {c.error}")
-    else:
-        lines.append(f"  groks by the horizon (held-out AUC, 95% CI; {c.test_positives} grokked, "
-                     f"{c.test_negatives} not): baselines {_fmt_ci(c.auc_baseline, c.auc_baseline_ci)}, "
-                     f"baselines + s̄/σ_H {_fmt_ci(c.auc_full, c.auc_full_ci)}, difference "
-                     f"{c.diff:+.3f} [{c.diff_ci[0]:+.3f}, {c.diff_ci[1]:+.3f}]: s̄/σ_H {c.verdict}")
-    r = p.log_t_grok
-    if r.error is not None:
-        lines.append(f"  ln t_grok: no result — {r.error}")
-    else:
-        lines.append(f"  ln t_grok (held-out MAE in ln epochs, 95% CI; {r.n_test} runs): baselines "
-                     f"{_fmt_ci(r.mae_baseline, r.mae_baseline_ci)}, baselines + s̄/σ_H "
-                     f"{_fmt_ci(r.mae_full, r.mae_full_ci)}, difference {r.diff:+.3f} "
-                     f"[{r.diff_ci[0]:+.3f}, {r.diff_ci[1]:+.3f}]: s̄/σ_H {r.verdict}")
+    c, r = p.groks_by_horizon, p.log_t_grok
+    lines.append(_with_and_without_attention(
+        "groks by the horizon", c, f"held-out AUC, 95% CI; {c.test_positives} grokked, {c.test_negatives} not",
+        (c.auc_baseline, c.auc_baseline_ci), (c.auc_full, c.auc_full_ci)))
+    lines.append(_with_and_without_attention(
+        "ln t_grok", r, f"held-out MAE in ln epochs, 95% CI; {r.n_test} runs",
+        (r.mae_baseline, r.mae_baseline_ci), (r.mae_full, r.mae_full_ci)))
     return lines
+
+
+def _with_and_without_attention(target: str, result, measure: str, baseline: tuple, full: tuple) -> str:
+    """One line of the predictive analysis: the held-out score of the baselines alone and with s̄/σ_H."""
+    if result.error is not None:
+        return f"  {target}: no result — {result.error}"
+    return (f"  {target} ({measure}): baselines {_fmt_ci(*baseline)}, baselines + s̄/σ_H {_fmt_ci(*full)}, "
+            f"difference {result.diff:+.3f} [{result.diff_ci[0]:+.3f}, {result.diff_ci[1]:+.3f}]: "
+            f"s̄/σ_H {result.verdict}")
 
 
 def format_report(report: Report) -> str:

@@ -39,21 +39,53 @@ def _died(attempts: int) -> dict:
                                   f"{attempts} attempts"}
 
 
+class _Tasks:
+    """A sweep's tasks, each claimed right before it starts. Tasks a live concurrent sweep holds are
+    set aside and looked at again (not too often) once ours are all out: they are free once their
+    sweep died or stopped renewing its claims."""
+
+    def __init__(self, tasks: list[list[RunConfig]], lease, redo):
+        self.queue: collections.deque = collections.deque(tasks)
+        self.held: list[list[RunConfig]] = []          # claimed by another sweep when we came to them
+        self.lease, self.redo = lease, redo
+        self.last_look = -math.inf
+
+    def _claim(self, task: list[RunConfig]) -> tuple[list[RunConfig], list[RunConfig]]:
+        """(members claimed now, members another sweep holds)."""
+        claimed = set(self.lease.claim([c.run_id() for c in task], statuses=self.redo))
+        return [c for c in task if c.run_id() in claimed], [c for c in task if c.run_id() not in claimed]
+
+    def next(self) -> list[RunConfig] | None:
+        """The claimed members of the next task that has any (None: nothing to claim now)."""
+        while self.queue:
+            members, others = self._claim(self.queue.popleft())
+            if others:
+                self.held.append(others)
+            if members:
+                return members
+        if self.held and time.monotonic() - self.last_look >= HELD_RETRY_S:
+            self.last_look = time.monotonic()
+            again, self.held = self.held, []
+            for task in again:
+                members, others = self._claim(task)
+                if others:
+                    self.held.append(others)
+                if members:
+                    self.queue.append(members)
+            return self.next() if self.queue else None
+        return None
+
+
 def run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, threads, max_retries, train_fn,
               report=None, checkpoints=None) -> None:
     """Run ``tasks`` (one config: a run; more: an ensemble) in this process (one worker) or on a
-    `_WorkerPool`. Every task is claimed right before it starts; tasks a live concurrent sweep holds
-    are tried once more when everything else is done, and otherwise left to it. With ``checkpoints``
+    `_WorkerPool`. Every task is claimed right before it starts (`_Tasks`). With ``checkpoints``
     (`fastdiag.sweep.checkpoints.SweepCheckpoints`, the real trainers only) every task resumes from
     and keeps its checkpoint, removed once the task's outcome is stored."""
     cfgs = [c for task in tasks for c in task]
     if not cfgs:
         return
     n_workers, n_threads = plan_packs(cfgs, len(tasks), workers, threads, members=max(map(len, tasks)))
-    queue: collections.deque = collections.deque(tasks)
-    held: list[list[RunConfig]] = []          # claimed by another sweep when we came to them
-    last_look = [-math.inf]
-    deaths: collections.Counter = collections.Counter()
     use_checkpoints = checkpoints is not None and train_fn is None
 
     def spec(task: list[RunConfig]) -> dict | None:
@@ -64,58 +96,49 @@ def run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, thr
         if use_checkpoints:
             checkpoints.discard(task)
 
-    def claim(task: list[RunConfig]) -> tuple[list[RunConfig], list[RunConfig]]:
-        """(members claimed now, members another sweep holds)."""
-        claimed = set(lease.claim([c.run_id() for c in task], statuses=redo))
-        return [c for c in task if c.run_id() in claimed], [c for c in task if c.run_id() not in claimed]
-
-    def next_task() -> list[RunConfig] | None:
-        """The claimed members of the next task that has any (None: nothing to claim now)."""
-        while queue:
-            members, others = claim(queue.popleft())
-            if others:
-                held.append(others)
-            if members:
-                return members
-        # Our own tasks are all out: look again (not too often) at those other sweeps held, which
-        # are free once their sweep died or stopped renewing its claims.
-        if held and time.monotonic() - last_look[0] >= HELD_RETRY_S:
-            last_look[0] = time.monotonic()
-            again, held[:] = list(held), []
-            for task in again:
-                members, others = claim(task)
-                if others:
-                    held.append(others)
-                if members:
-                    queue.append(members)
-            return next_task() if queue else None
-        return None
-
+    pending = _Tasks(tasks, lease, redo)
     if n_workers == 1:
-        # In this process: no pool, the simplest and most debuggable path; an interrupt simply raises.
-        previous = torch.get_num_threads()
-        torch.set_num_threads(n_threads)
-        try:
-            while (task := next_task()) is not None:
-                if len(task) == 1:
-                    finish(task[0], execute(task[0].to_dict(), train_fn, report, spec(task)))
-                    ended(task)
-                    continue
-                stored: set[int] = set()
+        _run_in_process(pending, finish, ended, spec, train_fn, report, n_threads)
+    else:
+        pool = _WorkerPool(n_workers, n_threads, cuda=any(uses_cuda(c) for c in cfgs))
+        _run_on_pool(pool, pending, finish, ended, spec, train_fn, report, max_retries)
 
-                def on_member(index: int, out: dict, task=task, stored=stored) -> None:
-                    finish(task[index], out)
-                    stored.add(index)
-                outs = execute_pack([c.to_dict() for c in task], report, on_member, spec(task))
-                for index, (cfg, out) in enumerate(zip(task, outs)):
-                    if index not in stored:
-                        finish(cfg, out)
+
+def _finish_unstored(task: list[RunConfig], outs: list[dict], stored: set[int], finish) -> None:
+    """Store the outcomes of a task's members not stored already (ensemble members are stored the
+    moment each is done)."""
+    for index, (cfg, out) in enumerate(zip(task, outs)):
+        if index not in stored:
+            finish(cfg, out)
+
+
+def _run_in_process(pending: _Tasks, finish, ended, spec, train_fn, report, n_threads: int) -> None:
+    """No pool: the simplest and most debuggable path; an interrupt simply raises."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n_threads)
+    try:
+        while (task := pending.next()) is not None:
+            if len(task) == 1:
+                finish(task[0], execute(task[0].to_dict(), train_fn, report, spec(task)))
                 ended(task)
-        finally:
-            torch.set_num_threads(previous)
-        return
+                continue
+            stored: set[int] = set()
 
-    pool = _WorkerPool(n_workers, n_threads, cuda=any(uses_cuda(c) for c in cfgs))
+            def on_member(index: int, out: dict, task=task, stored=stored) -> None:
+                finish(task[index], out)
+                stored.add(index)
+            _finish_unstored(task, execute_pack([c.to_dict() for c in task], report, on_member, spec(task)),
+                             stored, finish)
+            ended(task)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run_on_pool(pool: "_WorkerPool", pending: _Tasks, finish, ended, spec, train_fn, report,
+                 max_retries: int) -> None:
+    """Tasks to idle workers, their messages handled as they come; a dead or stalled worker costs only
+    its own task (retried up to ``max_retries`` times, an ensemble split into single runs)."""
+    deaths: collections.Counter = collections.Counter()
 
     def handle(worker: "_Worker", message: tuple) -> None:
         kind, *msg = message
@@ -128,15 +151,12 @@ def run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, thr
             finish(task[index], out)
             worker.stored.add(index)
         elif kind == "result":
-            outs = [msg[0]] if len(task) == 1 else msg[0]
-            for index, (cfg, out) in enumerate(zip(task, outs)):
-                if index not in worker.stored:
-                    finish(cfg, out)
+            _finish_unstored(task, [msg[0]] if len(task) == 1 else msg[0], worker.stored, finish)
             ended(task)
         elif kind in ("died", "stalled"):     # only the task on that worker; the others go on
             if len(task) > 1:                 # which member killed it is unknown: the rest one by one
                 ended(task)
-                queue.extend([cfg] for index, cfg in enumerate(task) if index not in worker.stored)
+                pending.queue.extend([cfg] for index, cfg in enumerate(task) if index not in worker.stored)
                 return
             rid = task[0].run_id()
             deaths[rid] += 1
@@ -144,12 +164,12 @@ def run_local(tasks: list[list[RunConfig]], lease, finish, *, redo, workers, thr
                 finish(task[0], _died(deaths[rid]) if kind == "died" else _stalled(deaths[rid]))
                 ended(task)
             else:                             # retried from its checkpoint, if it saved one
-                queue.appendleft(task)
+                pending.queue.appendleft(task)
 
     interrupted = False
     try:
         while True:
-            while pool.idle and (task := next_task()) is not None:
+            while pool.idle and (task := pending.next()) is not None:
                 pool.submit(pool.idle[0], task, train_fn, spec(task))
             if not pool.busy:
                 break
