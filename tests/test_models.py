@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import fastdiag
 import fastdiag.models as M
-from fastdiag.grokking.build import build_model
+from fastdiag.grokking.build import _meta_count, build_model, parameter_count
 from fastdiag.grokking.config import ARCHS, RunConfig
 
 
@@ -143,6 +143,15 @@ def test_build_model_of_a_run_config():
         build_model(RunConfig(arch="mlp", n_heads=4))
     with pytest.raises(ValueError, match="preset"):
         build_model(RunConfig(arch="lstm", preset="19m"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_parameter_count_past_three_layers_is_the_built_models(arch):
+    """parameter_count extrapolates from the 2- and 3-layer models past three layers: exact, because
+    every architecture's layers after the first are identical."""
+    for layers in (1, 2, 3, 4, 7):
+        cfg = RunConfig(arch=arch, n_layers=layers, d_model=32, p=31, preset="custom" if arch == "transformer" else "canonical")
+        assert parameter_count(cfg) == _meta_count(cfg), (arch, layers)
 
 
 def test_default_cross_architecture_sizes():
