@@ -2,7 +2,8 @@
 sm_80 / 86 / 89 / 90 / 100 / 120 at model shapes, each variant a launch can take and each dtype,
 with the tiles a launch on that target would choose (its own shared-memory limit).
 
-    python benchmarks/kernel_matrix.py [--archs 80,86,89,90,100,120] [--quick] [--json OUT.json]
+    python benchmarks/kernel_matrix.py [--archs 80,86,89,90,100,120] [--quick] [--variants V,..] [--dtypes D,..]
+                                       [--no-head-stats] [--json OUT.json]
 
 Prints the table (markdown) and a summary line: rows with spills and rows over the target's shared
 memory. Run it under another triton with benchmarks/triton_versions.sh's venv."""
@@ -24,14 +25,19 @@ HEAD_STATS_SHAPES = {"gpt2-small": (1, 8, 12, 1024), "long-context": (1, 1, 16, 
                      "llama-7b": (1, 1, 32, 4096), "llama-13b": (1, 1, 40, 4096)}
 
 
-def rows_for(arch: int, quick: bool, progress, qk_shapes: dict | None = None) -> list[report.KernelReport]:
+QUICK_VARIANTS = ("causal", "causal+rows", "additive-mask")
+QUICK_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def rows_for(arch: int, quick: bool, progress, qk_shapes: dict | None = None, variants=None, dtypes=None,
+             head_stats: bool = True) -> list[report.KernelReport]:
     gpu = report.GPUS[arch]
     rows = []
-    for case in head_stats_triton.report_cases(HEAD_STATS_SHAPES, quick=quick):
+    for case in head_stats_triton.report_cases(HEAD_STATS_SHAPES, quick=quick) if head_stats else []:
         progress(f"sm_{arch} {case.kernel} {case.shape} {case.dtype}")
         rows.append(report.report_case(case, gpu))
-    variants = ("causal", "causal+rows", "additive-mask") if quick else tuple(qk_stats_triton.REPORT_VARIANTS)
-    dtypes = (torch.bfloat16, torch.float32) if quick else qk_stats_triton.REPORT_DTYPES
+    variants = variants or (QUICK_VARIANTS if quick else tuple(qk_stats_triton.REPORT_VARIANTS))
+    dtypes = dtypes or (QUICK_DTYPES if quick else qk_stats_triton.REPORT_DTYPES)
     rows += qk_stats_triton.kernel_report(qk_shapes or qk_stats_triton.REPORT_SHAPES, (arch,), variants, dtypes,
                                           progress)
     return rows
@@ -56,8 +62,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="bf16 and fp32, the heaviest variants only")
     ap.add_argument("--qk-shapes", default=",".join(qk_stats_triton.REPORT_SHAPES),
                     help="Q/K model shapes: " + ", ".join(qk_stats_triton.REPORT_SHAPES))
+    ap.add_argument("--variants", default=None,
+                    help="Q/K variants (comma list of " + ", ".join(qk_stats_triton.REPORT_VARIANTS) + ")")
+    ap.add_argument("--dtypes", default=None, help="Q/K dtypes (comma list: bfloat16, float16, float32)")
+    ap.add_argument("--no-head-stats", action="store_true", help="the Q/K kernels only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    variants = tuple(args.variants.split(",")) if args.variants else None
+    if variants and not set(variants) <= set(qk_stats_triton.REPORT_VARIANTS):
+        sys.exit(f"--variants: a comma list of {', '.join(qk_stats_triton.REPORT_VARIANTS)}, got {args.variants!r}")
+    try:
+        dtypes = tuple(getattr(torch, d) for d in args.dtypes.split(",")) if args.dtypes else None
+    except AttributeError:
+        sys.exit(f"--dtypes: a comma list of bfloat16, float16, float32, got {args.dtypes!r}")
     try:
         archs = [int(a) for a in args.archs.split(",")]
         if any(a not in report.GPUS for a in archs):
@@ -68,7 +85,8 @@ def main() -> None:
     rows = []
     for arch in archs:
         rows += rows_for(arch, args.quick, lambda s: print(s, file=sys.stderr, flush=True),
-                         {name: qk_stats_triton.REPORT_SHAPES[name] for name in args.qk_shapes.split(",")})
+                         {name: qk_stats_triton.REPORT_SHAPES[name] for name in args.qk_shapes.split(",")},
+                         variants, dtypes, head_stats=not args.no_head_stats)
     print(f"triton {triton.__version__}, torch {torch.__version__}, {len(rows)} rows, "
           f"{time.time() - start:.0f} s to compile")
     print("\n".join(markdown(rows)))
@@ -76,7 +94,7 @@ def main() -> None:
     over = [r for r in rows if r.shared_bytes > r.shared_limit]
     print(f"rows with spills: {len(spills)}; rows over the target's shared memory: {len(over)}")
     shapes = {name: qk_stats_triton.REPORT_SHAPES[name] for name in args.qk_shapes.split(",")}
-    dtypes = (torch.bfloat16, torch.float32) if args.quick else qk_stats_triton.REPORT_DTYPES
+    dtypes = dtypes or (QUICK_DTYPES if args.quick else qk_stats_triton.REPORT_DTYPES)
     torch_path = qk_stats_triton.torch_path_cases(shapes, tuple(archs), dtypes)
     print(f"Q/K passes on the chunked torch path (no Triton tile fits the target): {'; '.join(torch_path) or 'none'}")
     if args.json:
