@@ -389,7 +389,7 @@ def lse_tile_config(h: int, hk: int, d: int, dtype: torch.dtype = torch.bfloat16
 
 
 def pass2_configs(h: int, hk: int, d: int, dtype: torch.dtype, shared_limit: int | None,
-                  additive_mask: bool = False) -> list[dict]:
+                  explicit_mask: bool = False) -> list[dict]:
     """Pass 2's tiles to try, preferred first, on a target with ``shared_limit`` bytes of shared memory
     per block (None: no limit applies — CPU, the interpreter). Empty: no tile fits, and pass 2 runs
     on `qk_stats_torch` (cuBLAS in full float32; the Triton LSE of pass 1 still saves a pass).
@@ -398,11 +398,12 @@ def pass2_configs(h: int, hk: int, d: int, dtype: torch.dtype, shared_limit: int
     the smallest tiles at GPT-2-small and Llama-7B (compiled for sm_90, benchmarks/RESULTS.md), where
     the largest GPU allows 227 KB. 16-bit tiles are chosen by the estimate `_shared_bytes` (checked
     against the compiled metadata); a launch that still exceeds the device tries the next.
-    ``additive_mask``: the mask tile's registers come on top, so the key tile starts at 16 (at 32,
-    GPT-2-small spilled 8 B on sm_90 and the 4k context 7.9 KB on sm_80, triton 3.9)."""
+    ``explicit_mask`` (bool or additive): the mask tile's registers come on top, so the key tile starts
+    at 16 (at 32, GPT-2-small spilled 8 B / 12 B on sm_90 under an additive / bool mask and the 4k
+    context 7.9 / 7.1 KB on sm_80, triton 3.9)."""
     element_bytes = dtype.itemsize
     tiles = ((_SCORE_BUDGET, 32), (_SCORE_BUDGET // 2, 32), (_SCORE_BUDGET // 4, 16), (_SCORE_BUDGET // 8, 16))
-    if additive_mask:
+    if explicit_mask:
         tiles = ((_SCORE_BUDGET // 2, 16), (_SCORE_BUDGET // 4, 16), (_SCORE_BUDGET // 8, 16))
     if shared_limit is None:
         budget, block_n = tiles[0]
@@ -554,8 +555,7 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
             return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, None, CHUNK_BYTES, check_lse=False)
     if tiles is not None:
         return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles, shared)
-    additive = mask4 is not None and mask4.dtype != torch.bool
-    for cfg in pass2_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared, additive):
+    for cfg in pass2_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared, mask4 is not None):
         try:
             return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, shared)
         except triton.runtime.errors.OutOfResources as e:
@@ -667,7 +667,7 @@ def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dty
         qk_stats_triton(q, k, mask, causal, d ** -0.5, rows_ok=rows_ok, lse=lse)
 
     cases = []
-    configs = pass2_configs(h, hk, d, dtype, shared_limit, mask_kind == "additive")
+    configs = pass2_configs(h, hk, d, dtype, shared_limit, mask_kind is not None)
     if configs:
         cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, _scores_per_iteration))
     if configs and configs[0]["BLOCK_HK"] < hk:
