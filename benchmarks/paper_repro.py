@@ -442,17 +442,22 @@ def _same_configuration(exported: dict, printed: dict) -> bool:
     return all((r["epochs"], r["eval_every"], bool(r["stop_at_grok"])) in allowed for r in exported["runs"])
 
 
+# λ whose rows read only the regimes (no t_grok to compare across horizons): exported runs of any
+# configuration take the place of the printed ones there.
+REGIME_ROWS = (10.0, 0.001)
+
+
 def table_groups(data: dict) -> dict[float, dict]:
     """Per λ, the group the table reads: the exported runs (runs.csv, labels and phase values re-derived
-    from traces.csv) wherever they redo the printed group's configuration or no printed group exists,
-    else the printed (transcribed) values. A group that replaced a printed one keeps it under
-    ``"printed"`` (for comparison); a printed group that stays keeps an exported group of another
-    configuration under ``"exported"`` (shown beside it, as the 60-epoch λ = 10 and 0.001 runs)."""
+    from traces.csv) wherever they redo the printed group's configuration, no printed group exists or
+    the λ's row reads only regimes (`REGIME_ROWS`), else the printed (transcribed) values. A group that
+    replaced a printed one keeps it under ``"printed"`` (for comparison); a printed group that stays
+    keeps an exported group of another configuration under ``"exported"`` (shown beside it)."""
     printed, exported = _printed_groups(data), _exported_groups(data)
     out: dict[float, dict] = {}
     for lam in sorted(set(printed) | set(exported)):
         p, e = printed.get(lam), exported.get(lam)
-        if e is not None and (p is None or _same_configuration(e, p)):
+        if e is not None and (p is None or lam in REGIME_ROWS or _same_configuration(e, p)):
             out[lam] = e | {"printed": p}
         else:
             out[lam] = p | {"exported": e}
@@ -605,8 +610,12 @@ def _sources_line(groups: dict[float, dict], printed: dict, published: dict) -> 
     if beside:
         text += (", as are the committed runs of another configuration shown beside the printed ones at λ = "
                  + ", ".join(f"{lam:g} ({groups[lam]['exported']['note']})" for lam in sorted(beside, reverse=True)))
-    text += (f"; at λ = {_source_lambdas(groups, 'printed')} transcribed from `data/paper/printed.json` "
-             f"({printed['provenance']['short']})")
+    if any(g["source"] == "printed" for g in groups.values()):
+        text += (f"; at λ = {_source_lambdas(groups, 'printed')} transcribed from `data/paper/printed.json` "
+                 f"({printed['provenance']['short']})")
+    else:
+        text += (f"; nothing is transcribed: the values of `data/paper/printed.json` "
+                 f"({printed['provenance']['short']}) appear only as \"printed before\"")
     if groups[1.0]["source"] == "exported":
         source, redone = lambda1_long_source(groups[1.0], printed), {r["seed"] for r in _long_exported(groups[1.0])}
         kept = [x["seed"] for x in printed["lambda1_phase_values"]["long_runs"] if x["seed"] not in redone]
