@@ -29,18 +29,14 @@ QUICK_VARIANTS = ("causal", "causal+rows", "additive-mask")
 QUICK_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def rows_for(arch: int, quick: bool, progress, qk_shapes: dict | None = None, variants=None, dtypes=None,
+def rows_for(arch: int, quick: bool, progress, qk_shapes: dict, variants: tuple, dtypes: tuple,
              head_stats: bool = True) -> list[report.KernelReport]:
     gpu = report.GPUS[arch]
     rows = []
     for case in head_stats_triton.report_cases(HEAD_STATS_SHAPES, quick=quick) if head_stats else []:
         progress(f"sm_{arch} {case.kernel} {case.shape} {case.dtype}")
         rows.append(report.report_case(case, gpu))
-    variants = variants or (QUICK_VARIANTS if quick else tuple(qk_stats_triton.REPORT_VARIANTS))
-    dtypes = dtypes or (QUICK_DTYPES if quick else qk_stats_triton.REPORT_DTYPES)
-    rows += qk_stats_triton.kernel_report(qk_shapes or qk_stats_triton.REPORT_SHAPES, (arch,), variants, dtypes,
-                                          progress)
-    return rows
+    return rows + qk_stats_triton.kernel_report(qk_shapes, (arch,), variants, dtypes, progress)
 
 
 def markdown(rows: list[report.KernelReport]) -> list[str]:
@@ -68,13 +64,16 @@ def main() -> None:
     ap.add_argument("--no-head-stats", action="store_true", help="the Q/K kernels only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    variants = tuple(args.variants.split(",")) if args.variants else None
-    if variants and not set(variants) <= set(qk_stats_triton.REPORT_VARIANTS):
+    variants = (tuple(args.variants.split(",")) if args.variants
+                else QUICK_VARIANTS if args.quick else tuple(qk_stats_triton.REPORT_VARIANTS))
+    if not set(variants) <= set(qk_stats_triton.REPORT_VARIANTS):
         sys.exit(f"--variants: a comma list of {', '.join(qk_stats_triton.REPORT_VARIANTS)}, got {args.variants!r}")
     try:
-        dtypes = tuple(getattr(torch, d) for d in args.dtypes.split(",")) if args.dtypes else None
+        dtypes = (tuple(getattr(torch, d) for d in args.dtypes.split(",")) if args.dtypes
+                  else QUICK_DTYPES if args.quick else qk_stats_triton.REPORT_DTYPES)
     except AttributeError:
         sys.exit(f"--dtypes: a comma list of bfloat16, float16, float32, got {args.dtypes!r}")
+    shapes = {name: qk_stats_triton.REPORT_SHAPES[name] for name in args.qk_shapes.split(",")}
     try:
         archs = [int(a) for a in args.archs.split(",")]
         if any(a not in report.GPUS for a in archs):
@@ -84,17 +83,14 @@ def main() -> None:
     start = time.time()
     rows = []
     for arch in archs:
-        rows += rows_for(arch, args.quick, lambda s: print(s, file=sys.stderr, flush=True),
-                         {name: qk_stats_triton.REPORT_SHAPES[name] for name in args.qk_shapes.split(",")},
-                         variants, dtypes, head_stats=not args.no_head_stats)
+        rows += rows_for(arch, args.quick, lambda s: print(s, file=sys.stderr, flush=True), shapes, variants, dtypes,
+                         head_stats=not args.no_head_stats)
     print(f"triton {triton.__version__}, torch {torch.__version__}, {len(rows)} rows, "
           f"{time.time() - start:.0f} s to compile")
     print("\n".join(markdown(rows)))
     spills = [r for r in rows if r.spill_bytes]
     over = [r for r in rows if r.shared_bytes > r.shared_limit]
     print(f"rows with spills: {len(spills)}; rows over the target's shared memory: {len(over)}")
-    shapes = {name: qk_stats_triton.REPORT_SHAPES[name] for name in args.qk_shapes.split(",")}
-    dtypes = dtypes or (QUICK_DTYPES if args.quick else qk_stats_triton.REPORT_DTYPES)
     torch_path = qk_stats_triton.torch_path_cases(shapes, tuple(archs), dtypes)
     print(f"Q/K passes on the chunked torch path (no Triton tile fits the target): {'; '.join(torch_path) or 'none'}")
     if args.json:

@@ -470,12 +470,12 @@ def _row_lse(q4, k4, mask4, is_causal, scale):
 _UNSPILLED: dict = {}
 
 
-def _launch_without_spills(grid, args: tuple, flags: dict, candidates: list[dict]) -> None:
+def _launch_without_spills(grid, args: tuple, flags: dict, candidates: list[dict], arch: int | None) -> None:
     """Launch ``_qk_stats_kernel`` with the first of ``candidates`` (tile constexprs) that compiles
-    without spilling registers on this device, the last where all spill. The choice is kept per
-    target, dtype and constexprs (the compiler's specialisation on alignment is not in the key)."""
-    limits = device_limits(args[3].device)
-    key = (limits and limits["arch"], args[3].dtype, tuple(sorted({**flags, **candidates[0]}.items())))
+    without spilling registers on this device (``arch``; None: no GPU), the last where all spill. The
+    choice is kept per target, dtype and constexprs (the compiler's specialisation on alignment is not
+    in the key)."""
+    key = (arch, args[3].dtype, tuple(sorted({**flags, **candidates[0]}.items())))
     chosen = _UNSPILLED.get(key)
     if chosen is None:
         chosen = candidates[-1]
@@ -487,7 +487,8 @@ def _launch_without_spills(grid, args: tuple, flags: dict, candidates: list[dict
     _qk_stats_kernel[grid](*args, **flags, **chosen)
 
 
-def _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, shared_limit=None):
+def _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, limits=None):
+    """Pass 2 with tiles ``cfg`` on a device of ``limits`` (`report.device_limits`; None: no GPU)."""
     b, h, tq, d = q4.shape
     hk = k4.shape[1]
     device = q4.device
@@ -505,17 +506,18 @@ def _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, shared_limit=None
     row_strides = (0, 0) if rows_ok is None else rows_ok.stride()
     tail = (*args, *lse.stride(), *row_strides)
     flags = {k: v for k, v in constexprs.items() if k not in cfg}
+    arch = limits and limits["arch"]
     _launch_without_spills((programs, blocks), (
         gram_part, entropy_part, invalid_part, q4, k4, mask, lse, row_ok, block_ids[0], block_ids[1], *tail),
-        dict(flags, DIAGONAL=True, HAS_ROW_OK=rows_ok is not None), dot_width_candidates(cfg))
+        dict(flags, DIAGONAL=True, HAS_ROW_OK=rows_ok is not None), dot_width_candidates(cfg), arch)
     if blocks > 1:
         # off-diagonal Gram blocks: their own grid and partials, no entropy or mass
         gram_off_part = torch.empty(programs, len(pairs) - blocks, bh, bh, dtype=torch.float32, device=device)
-        off = off_diagonal_config(cfg, q4.dtype.itemsize, shared_limit or SHARED_LIMIT)
+        off = off_diagonal_config(cfg, q4.dtype.itemsize, limits["shared_bytes"] if limits else SHARED_LIMIT)
         _launch_without_spills((programs, len(pairs) - blocks), (
             gram_off_part, entropy_part, invalid_part, q4, k4, mask, lse, row_ok,
             block_ids[0, blocks:], block_ids[1, blocks:], *tail),
-            dict(flags, DIAGONAL=False, HAS_ROW_OK=rows_ok is not None), dot_width_candidates(off))
+            dict(flags, DIAGONAL=False, HAS_ROW_OK=rows_ok is not None), dot_width_candidates(off), arch)
     gram_blocks = gram_part.sum(0, dtype=torch.float64)             # [pairs, BH, BH]
     if blocks > 1:
         gram_blocks = torch.cat([gram_blocks, gram_off_part.sum(0, dtype=torch.float64)])
@@ -554,10 +556,10 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
             _warn_torch_path(q4, e)
             return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, None, CHUNK_BYTES, check_lse=False)
     if tiles is not None:
-        return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles, shared)
+        return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles, limits)
     for cfg in pass2_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared, mask4 is not None):
         try:
-            return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, shared)
+            return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, limits)
         except triton.runtime.errors.OutOfResources as e:
             _warn_torch_path(q4, e)
     # no tile fits this device: the same sums in PyTorch, the LSE checked against the scores
