@@ -7,7 +7,9 @@ Output: logits ``[B, vocab]`` for the last position (``all_positions=True``: ``[
 The mixer is mamba-ssm's ``Mamba`` block (fused CUDA kernels) when the model is built for a CUDA
 device and those kernels can run there (`mamba_ssm_missing`: the package, its compiled
 ``selective_scan_cuda`` extension, CUDA; if not, a one-line warning says why); otherwise
-``SelectiveSSM`` below, a pure-PyTorch selective scan with the same parameter names and shapes as
+``SelectiveSSM`` below, whose selective scan is two fused Triton kernels on CUDA
+(`fastdiag.core.kernels.selective_scan_triton`) and a chunked PyTorch scan on the CPU, with the same
+parameter names and shapes as
 ``mamba_ssm.modules.mamba_simple.Mamba`` (``in_proj``, ``conv1d``, ``x_proj``, ``dt_proj``,
 ``A_log``, ``D``, ``out_proj``), so a state dict moves between the two.
 """
@@ -67,13 +69,13 @@ def mamba_ssm_available() -> bool:
 
 def use_mamba_ssm(device) -> bool:
     """Whether a model on ``device`` uses mamba-ssm's kernels: yes on CUDA when they can run; on CUDA
-    when they cannot, no, with a one-line warning saying why (the PyTorch scan runs instead). CPU
+    when they cannot, no, with a one-line warning saying why (fastdiag's Triton scan runs instead). CPU
     models always use the PyTorch scan, silently: that is the CPU path."""
     if device is None or torch.device(device).type != "cuda":
         return False
     missing = mamba_ssm_missing()
     if missing is not None:
-        warnings.warn(f"mamba: using the PyTorch selective scan on {device}, not mamba-ssm's kernels: {missing}",
+        warnings.warn(f"mamba: using fastdiag's Triton selective scan on {device}, not mamba-ssm's kernels: {missing}",
                       RuntimeWarning, stacklevel=3)
     return missing is None
 
@@ -188,13 +190,25 @@ def selective_scan_members(u, delta, A, B, C, D=None, z=None, delta_bias=None, d
         delta = delta + delta_bias[:, None, None, :].to(compute)
     if delta_softplus:
         delta = F.softplus(delta)
-    y, last = _SelectiveScanFn.apply(u, delta, A, B, C, return_last_state)
+    y, last = _scan_function(u).apply(u, delta, A, B, C, return_last_state)
     if D is not None:
         y = y + u * D[:, None, None, :].to(compute)
     if z is not None:
         y = y * F.silu(z.to(compute))
     y = y.to(dtype_in)
     return (y, last) if return_last_state else y
+
+
+def _scan_function(u: torch.Tensor):
+    """The scan's autograd function for ``u``'s device and compute dtype: the Triton kernels on CUDA in
+    float32 (`fastdiag.core.kernels.selective_scan_triton`, fused forward and backward, for any CUDA
+    machine without mamba-ssm's extension), the chunked PyTorch scan below elsewhere (the CPU path, and
+    float64 everywhere)."""
+    if u.is_cuda and u.dtype == torch.float32:
+        from fastdiag.core.kernels.selective_scan_triton import TritonSelectiveScan   # imports triton
+
+        return TritonSelectiveScan
+    return _SelectiveScanFn
 
 
 # Elements of one batch chunk of the state [K, chunk, n, d] on a CPU: 1 MiB of float32, so the dozen
