@@ -10,6 +10,7 @@ Timing: warm-up first (compilation is never timed), then many repeats and median
 """
 from __future__ import annotations
 
+import math
 import statistics
 import tempfile
 import time
@@ -139,9 +140,11 @@ class StepResult:
     base_ms: float
     every10_ms: float
     every1_ms: float
-    overhead_every10_pct: float
+    overhead_every10_pct: float           # 100 (every10_ms / base_ms - 1): the printed medians' ratio
     overhead_every1_pct: float
     blocks: int
+    every10_interval_pct: tuple[float, float] = (math.nan, math.nan)   # `ratio_interval` of the blocks, in %
+    every1_interval_pct: tuple[float, float] = (math.nan, math.nan)
 
 
 def _training_step(model, batch, targets, optimizer, last_position_only: bool):
@@ -196,9 +199,26 @@ def rotating_blocks(run_block: Callable[[str], float], variants: list[str], roun
     return samples
 
 
-def median_ratio(samples: list[float], base: list[float]) -> float:
-    """The median over rounds of the per-round ratio: each ratio compares blocks run side by side."""
-    return statistics.median(a / b for a, b in zip(samples, base))
+def ratio_interval(samples: list[float], base: list[float]) -> tuple[float, float]:
+    """A distribution-free interval for the median of the per-round ratios (each compares blocks run side
+    by side): the sign test's order statistics, the narrowest pair with at least 95 % coverage, or the
+    smallest and largest ratio where the rounds are too few for that (5 rounds: 93.8 %; 21 rounds: the
+    6th to the 16th ratio, 97.3 %)."""
+    ratios = sorted(a / b for a, b in zip(samples, base))
+    n = len(ratios)
+    k = 0       # ratios left out at each end; coverage 1 - 2 P(Binomial(n, 1/2) <= k)
+    while k + 1 < n / 2 and 2 * sum(math.comb(n, i) for i in range(k + 2)) / 2 ** n <= 0.05:
+        k += 1
+    return ratios[k], ratios[n - 1 - k]
+
+
+def within_noise(interval: tuple[float, float], ratio: float = 1.0) -> bool:
+    """Whether a ratio interval holds ``ratio`` (no difference)."""
+    return interval[0] <= ratio <= interval[1]
+
+
+def _pct(interval: tuple[float, float]) -> tuple[float, float]:
+    return 100 * (interval[0] - 1), 100 * (interval[1] - 1)
 
 
 def _ms_per_step(device: torch.device, steps: int, step: Callable[[], object],
@@ -235,8 +255,9 @@ def bench_step(name: str, factory, device: torch.device, blocks: int = 15, block
     samples = rotating_blocks(run_block, list(every), blocks, f"step {name} block", progress)
     med = {k: statistics.median(v) for k, v in samples.items()}
     return StepResult(name, device.type, med["base"], med["every10"], med["every1"],
-                      100 * (median_ratio(samples["every10"], samples["base"]) - 1),
-                      100 * (median_ratio(samples["every1"], samples["base"]) - 1), blocks)
+                      100 * (med["every10"] / med["base"] - 1), 100 * (med["every1"] / med["base"] - 1), blocks,
+                      _pct(ratio_interval(samples["every10"], samples["base"])),
+                      _pct(ratio_interval(samples["every1"], samples["base"])))
 
 
 # ---- step level: the SDPA path, against what a user would do instead ---------------------------
@@ -248,10 +269,12 @@ class SdpaStepResult:
     base_ms: float            # bare training step (attention through F.scaled_dot_product_attention)
     with_stats_ms: float      # `fastdiag.attach(model, every=1)`: every SDPA call through `sdpa_with_stats`
     eager_ms: float           # eager attention + output_attentions + head_stats of the probabilities
-    with_stats_ratio: float   # median over rounds of with_stats / base
-    eager_ratio: float        # median over rounds of eager / base
+    with_stats_ratio: float   # with_stats_ms / base_ms: the printed medians' ratio
+    eager_ratio: float        # eager_ms / base_ms
     rounds: int
     block_steps: int
+    with_stats_interval: tuple[float, float] = (math.nan, math.nan)   # `ratio_interval` of the rounds
+    eager_interval: tuple[float, float] = (math.nan, math.nan)
 
 
 def hf_gpt2_sdpa_workload(device: torch.device, layers: int = 4, width: int = 256, heads: int = 8,
@@ -310,10 +333,11 @@ def bench_sdpa_step(device: torch.device, rounds: int = 9, block_steps: int = 5,
     samples = rotating_blocks(run_block, variants, rounds, "sdpa step round", progress)
     model.set_attn_implementation("sdpa")
     med = {v: statistics.median(x) for v, x in samples.items()}
-    ratio = {v: median_ratio(samples[v], samples["base"]) for v in variants}
+    interval = {v: ratio_interval(samples[v], samples["base"]) for v in variants}
     workload = "hf-gpt2 4x256x8 T256 B4" + (f" attn-drop {attn_dropout:g}" if attn_dropout else "")
     return SdpaStepResult(device.type, workload, med["base"], med["with_stats"], med["eager"],
-                          ratio["with_stats"], ratio["eager"], rounds, block_steps)
+                          med["with_stats"] / med["base"], med["eager"] / med["base"], rounds, block_steps,
+                          interval["with_stats"], interval["eager"])
 
 
 def _sync(device: torch.device) -> None:
@@ -339,8 +363,32 @@ def format_table(columns: list[tuple], rows: list[dict]) -> str:
 def format_sdpa_step_table(rows: list[dict]) -> str:
     return format_table([("device", "device", "<7", ""), ("workload", "workload", "<36", ""),
                          ("base ms", "base_ms", ">8", ".1f"), ("sdpa+stats", "with_stats_ms", ">10", ".1f"),
-                         ("eager+attn", "eager_ms", ">10", ".1f"), ("x stats", "with_stats_ratio", ">8", ".3f"),
-                         ("x eager", "eager_ratio", ">8", ".3f")], rows)
+                         ("eager+attn", "eager_ms", ">10", ".1f"),
+                         ("x stats [interval]", _ratio_cell("with_stats_ratio", "with_stats_interval"), ">22", ""),
+                         ("x eager [interval]", _ratio_cell("eager_ratio", "eager_interval"), ">22", "")],
+                        rows) + RATIO_NOTE
+
+
+# What every ratio column says (the same words under each table).
+RATIO_NOTE = ("\nratios and overheads: of the printed medians; [interval]: a sign-test interval for the median "
+              "of the per-round ratios (95 % or more; with under 9 rounds their range: 93.8 % with 5); ~0: the "
+              "interval holds no difference (within noise)")
+
+
+def _ratio_cell(ratio_key: str, interval_key: str, percent: bool = False):
+    """A ratio (or, ``percent``, an overhead in %) with its interval, marked ~0 when the interval holds
+    no difference: a negative overhead is never printed bare."""
+    def cell(r: dict) -> str | None:
+        value, (lo, hi) = r[ratio_key], r.get(interval_key) or (math.nan, math.nan)
+        if value is None or value != value:
+            return None
+        if lo != lo:                       # an old JSON row without the interval
+            return f"{value:.2f}" if percent else f"{value:.3f}"
+        noise = " ~0" if (lo <= 0 <= hi if percent else lo <= 1 <= hi) else "   "
+        if percent:
+            return f"{value:+.1f} [{lo:+.1f}, {hi:+.1f}]{noise}"
+        return f"{value:.3f} [{lo:.3f}, {hi:.3f}]{noise}"
+    return cell
 
 
 def _median_ms(timing: str):
@@ -364,8 +412,10 @@ def format_kernel_table(rows: list[dict]) -> str:
 def format_step_table(rows: list[dict]) -> str:
     return format_table([("step", "name", "<20", ""), ("base ms", "base_ms", ">9", ".3f"),
                          ("every=10", "every10_ms", ">9", ".3f"), ("every=1", "every1_ms", ">9", ".3f"),
-                         ("ovh@10 %", "overhead_every10_pct", ">9", ".2f"),
-                         ("ovh@1 %", "overhead_every1_pct", ">8", ".2f")], rows)
+                         ("ovh@10 % [interval]", _ratio_cell("overhead_every10_pct", "every10_interval_pct", True),
+                          ">24", ""),
+                         ("ovh@1 % [interval]", _ratio_cell("overhead_every1_pct", "every1_interval_pct", True),
+                          ">24", "")], rows) + RATIO_NOTE
 
 
 # ---- sweep throughput: vectorised ensembles against one run at a time -------------------------
@@ -450,8 +500,9 @@ class ArchStepResult:
     device: str
     n_params: int
     ms_per_step: float
-    vs_transformer: float      # median over blocks of (this step / canonical transformer step)
+    vs_transformer: float      # ms_per_step / the canonical transformer's: the printed medians' ratio
     blocks: int
+    interval: tuple[float, float] = (1.0, 1.0)   # `ratio_interval` of the blocks
 
 
 def bench_arch_steps(device: torch.device, blocks: int = 15, block_steps: int = 5,
@@ -478,10 +529,12 @@ def bench_arch_steps(device: torch.device, blocks: int = 15, block_steps: int = 
     samples = rotating_blocks(run_block, list(setups), blocks, "arch steps block", progress)
     base = samples["transformer"]
     return [ArchStepResult(name, device.type, count_parameters(setups[name][0]), statistics.median(v),
-                           median_ratio(v, base), blocks)
+                           statistics.median(v) / statistics.median(base), blocks, ratio_interval(v, base))
             for name, v in samples.items()]
 
 
 def format_arch_table(rows: list[dict]) -> str:
     return format_table([("training step", "name", "<18", ""), ("params", "n_params", ">9", ","),
-                         ("ms/step", "ms_per_step", ">9", ".1f"), ("x transformer", "vs_transformer", ">14", ".2f")], rows)
+                         ("ms/step", "ms_per_step", ">9", ".1f"),
+                         ("x transformer [interval]", _ratio_cell("vs_transformer", "interval"), ">26", "")],
+                        rows) + RATIO_NOTE

@@ -74,6 +74,12 @@ def test_every_command_loads_and_the_listing_uses_its_own_words():
         assert " ".join(command.help.split()).startswith(words), name
 
 
+def test_version_is_the_package_version(capsys):
+    import fastdiag
+    code, out, _ = _run(capsys, "--version")
+    assert code == 0 and out.strip() == f"fastdiag {fastdiag.__version__}"
+
+
 def test_top_level_help_loads_no_torch():
     code = "import sys; from fastdiag.cli import main; main(['--help']); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

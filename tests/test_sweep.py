@@ -47,7 +47,9 @@ def test_parse_seeds_and_shard():
     assert sw.parse_seeds("3") == [0, 1, 2]
     assert sw.parse_seeds("7,3,3") == [3, 7]
     assert sw.parse_seeds("7,") == [7] and sw.parse_seeds(" 7 , ") == [7]
-    for bad in ("0", "-2", "a", "1,,2", ""):
+    assert sw.parse_seeds("9") == sw.parse_seeds("0-8") == list(range(9))     # a count, a range (inclusive)
+    assert sw.parse_seeds("3-3") == [3] and sw.parse_seeds("0-2,7,1") == [0, 1, 2, 7]
+    for bad in ("0", "-2", "a", "1,,2", "", "5-2", "0-", "1-2-3", "0-999999"):
         with pytest.raises(ValueError, match="^seeds: "):
             sw.parse_seeds(bad)
     assert sw.parse_shard("1/4") == (1, 4)

@@ -76,6 +76,7 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="fastdiag", message="%(prog)s %(version)s")   # the installed metadata: no torch
 def cli() -> None:
     """fastdiag: cheap, exact, online diagnostics of attention heads."""
 

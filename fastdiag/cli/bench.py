@@ -91,8 +91,8 @@ FULL = {"shapes": ",".join(bench.KERNEL_SHAPES), "repeats": 15, "blocks": 21, "w
               help="Comma list of kernel shapes: " + ", ".join(f"{k}={v}" for k, v in bench.KERNEL_SHAPES.items()) + ".")
 @click.option("--steps/--no-steps", default=True, show_default=True, help="Also time training steps with attach.")
 @click.option("--ensembles/--no-ensembles", default=None,
-              help="Also time a sweep's runs as one vectorised ensemble against one by one [default: with --full; "
-                   "the longest section, 5 of the quick run's 13 minutes at load 7-9 on 2 cores].")
+              help="Also time a sweep's runs as one vectorised ensemble against one by one [default: only with "
+                   "--full, not in the quick run: the longest section, about 5 minutes at load 7-9 on 2 cores].")
 @click.option("--archs/--no-archs", default=True, show_default=True,
               help="Also time a Mamba training step beside the transformer's (batch 512, T 3).")
 @click.option("--members", type=click.IntRange(2), default=None, help="Ensemble size K (default: what `sweep --ensemble auto` picks).")

@@ -21,7 +21,7 @@ from fastdiag.grokking.config import ARMS, N_BOOT, RunConfig
 from fastdiag.store import dumps
 from fastdiag.store.files import atomic_path
 from fastdiag.store import interventions as tables
-from fastdiag.sweep.grid import parse_seeds
+from fastdiag.sweep.grid import SEEDS_HELP, parse_seeds
 from fastdiag.sweep.plan import plan_threads
 from fastdiag.sweep.run import run_sweep
 
@@ -29,8 +29,8 @@ def _experiment_options(command):
     """What intervene and headdim share beyond the run options: seeds, store, outputs, threads."""
     options = [
         click.option("--threads", type=int, default=None, help=THREADS_HELP),
-        click.option("--seeds", default="3", show_default=True, metavar="N|LIST",
-                     help="A count N (seeds 0..N-1) or a comma list of seeds (one seed k: 'k,')."),
+        click.option("--seeds", default="3", show_default=True, metavar="N|A-B|LIST",
+                     help=SEEDS_HELP),
         click.option("--store", "store_path", default=None, type=click.Path(dir_okay=False),
                      help="Result store (SQLite; created if missing)."),
         click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),

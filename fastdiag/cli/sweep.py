@@ -15,7 +15,7 @@ from fastdiag.cli.run import checkpoint_option, parse_checkpoint_every
 from fastdiag.grokking.config import ARCHS, RunConfig
 from fastdiag.store import STATUSES
 from fastdiag.store.files import atomic_path, check_target
-from fastdiag.sweep.grid import build_grid, parse_list, parse_seeds, parse_shard, parse_wd
+from fastdiag.sweep.grid import SEEDS_HELP, build_grid, parse_list, parse_seeds, parse_shard, parse_wd
 from fastdiag.sweep.grid import shard as shard_grid
 from fastdiag.sweep.run import BACKENDS, check_devices, run_sweep
 
@@ -38,8 +38,8 @@ def _parse_ensemble(spec: str) -> int | None:
 @click.command("sweep")
 @click.option("--wd", "wd", required=True, metavar="LIST|START:STOP:COUNT",
               help="Weight decays λ: a comma list (0,0.01,0.1,1) or COUNT log-spaced values, e.g. 1e-3:2:13.")
-@click.option("--seeds", default="1", show_default=True, metavar="N|LIST",
-              help="A count N (seeds 0..N-1) or a comma list of seeds (one seed k: 'k,').")
+@click.option("--seeds", default="1", show_default=True, metavar="N|A-B|LIST",
+              help=SEEDS_HELP)
 @click.option("--arch", default=_DEFAULTS.arch, show_default=True, metavar="ARCH[,ARCH...]",
               help=f"Architectures: {', '.join(ARCHS)} (comma list: one grid per architecture).")
 @click.option("--preset", default=_DEFAULTS.preset, show_default=True, metavar="NAME[,NAME...]",

@@ -55,14 +55,19 @@ def parse_wd(spec: str) -> list[float]:
     return sorted(set(values))
 
 
+SEEDS_HELP = ("Seeds: a count N means seeds 0..N-1 ('9' is seeds 0-8), a range A-B is inclusive ('0-8'), "
+              "a comma list names seeds ('0,3,5'; one seed k alone: 'k,'); ranges and seeds mix ('0-3,7').")
+
+
 def parse_seeds(spec: str | int) -> list[int]:
-    """``"5"`` → seeds 0..4; ``"0,3,7"`` → those seeds; ``"7,"`` → seed 7 alone (a one-item list)."""
+    """``"5"`` → seeds 0..4 (a count); ``"2-5"`` → seeds 2..5 (a range, both ends included);
+    ``"0,3,7"`` → those seeds; ``"0-2,7"`` → 0, 1, 2, 7; ``"7,"`` → seed 7 alone (a one-item list)."""
     text = str(spec).strip()
     if not text:
         raise ValueError("seeds: empty")
-    if "," not in text:
+    if "," not in text and "-" not in text.lstrip("+-"):
         if not re.fullmatch(r"[-+]?\d+", text):
-            raise ValueError(f"seeds: expected a count N (seeds 0..N-1) or a comma list, got {text!r}")
+            raise ValueError(f"seeds: expected a count N (seeds 0..N-1), a range A-B or a comma list, got {text!r}")
         n = int(text)
         if not 1 <= n <= MAX_GRID_RUNS:
             raise ValueError(f"seeds: the count must be >= 1 and at most {MAX_GRID_RUNS}, got {n}")
@@ -70,13 +75,22 @@ def parse_seeds(spec: str | int) -> list[int]:
     items = text.split(",")
     if len(items) > 1 and not items[-1].strip():
         items.pop()
-    seeds = []
+    seeds: set[int] = set()
     for item in items:
         item = item.strip()
-        if not re.fullmatch(r"\d+", item):
-            raise ValueError(f"seeds: {item!r} is not a seed (an integer >= 0)")
-        seeds.append(int(item))
-    return sorted(set(seeds))
+        span = re.fullmatch(r"(\d+)\s*-\s*(\d+)", item)
+        if span:
+            first, last = int(span[1]), int(span[2])
+            if first > last:
+                raise ValueError(f"seeds: the range {item!r} is empty (its first seed is above its last)")
+            if last - first + 1 + len(seeds) > MAX_GRID_RUNS:
+                raise ValueError(f"seeds: more than {MAX_GRID_RUNS} seeds in {text!r}")
+            seeds.update(range(first, last + 1))
+        elif re.fullmatch(r"\d+", item):
+            seeds.add(int(item))
+        else:
+            raise ValueError(f"seeds: {item!r} is not a seed (an integer >= 0) or a range A-B")
+    return sorted(seeds)
 
 
 def parse_list(spec: str, name: str) -> list[str]:
