@@ -51,7 +51,7 @@ versions=$(timeout 15 $PY -c "import torch, triton, sys; print(f'python {sys.ver
 line machine "versions=\"$versions\"" "clocks_before=\"$(clocks)\"" "date=\"$(date -u +%FT%TZ)\""
 
 echo "== tests (five failures stop them; the summary line is kept)"
-TESTS="tests/test_gpu.py tests/test_qk_gpu.py"   # the device tests; the interpreter ones ran in CI
+TESTS="tests/test_gpu.py tests/test_qk_gpu.py tests/test_attach_gpu.py"   # the device tests; the interpreter ones ran in CI
 # on the GPU machine (16 cores) pytest-xdist spreads the Triton and inductor compiles over 8 workers
 PARALLEL=""
 [ -z "$DRY" ] && $PY -c "import xdist" 2>/dev/null && PARALLEL="-n 8"

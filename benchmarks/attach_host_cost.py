@@ -1,0 +1,266 @@
+"""What `fastdiag.attach` adds to the host side of a training step, counted and timed on CPU.
+
+Counts (deterministic, the main evidence): on one training step (forward, loss, backward) of a tiny
+Hugging Face GPT-2 and a grouped-query Llama (4 layers, 4 heads x 16, batch 2 x 32, sdpa), after two
+warm-up steps, bare and with ``attach(every=1, keep_records=False)``:
+
+- aten ops added per measured layer (a TorchDispatchMode; ``backend="triton"`` under
+  TRITON_INTERPRET=1: the launch glue is counted, each kernel launch as one op, and the tensor copies
+  the interpreter makes to emulate a launch not at all: a GPU launch has none),
+- Python calls added per measured layer (``sys.setprofile`` "call" events; ``backend="torch"``),
+- ops that would make a CUDA host wait (`fastdiag.core.host_sync`), on every backend.
+
+Timings (``--time BLOCKS``): HF GPT-2 (4 layers, d 256, T 256, batch 4, sdpa) at 2 threads, blocks
+of steps alternating bare / every=1 / attached-but-unmeasured / the eager + ``output_attentions``
+alternative with naive statistics; medians of the per-block means, as ratios to bare. The machine
+load (``os.getloadavg``) is printed beside them.
+
+    python benchmarks/attach_host_cost.py [--time BLOCKS] [--detail]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import fastdiag  # noqa: E402
+from fastdiag.core.host_sync import SyncDetector  # noqa: E402
+
+LAYERS = 4
+
+
+def tiny(family: str, attn: str = "sdpa", layers: int = LAYERS, d: int = 64, heads: int = 4,
+         positions: int = 64):
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=layers, n_head=heads, n_embd=d, vocab_size=128,
+                                         n_positions=positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+                                          hidden_size=d, intermediate_size=2 * d, vocab_size=128,
+                                          max_position_embeddings=positions)
+        cls = transformers.LlamaForCausalLM
+    config._attn_implementation = attn
+    model = cls(config).train()
+    return model
+
+
+def step_fn(model, batch: int = 2, seq: int = 32):
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+    return step
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+        self.interpreter = 0       # ops of the interpreter's launch emulation (not in ``ops``)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _launches_as_one_op(counter: OpCounter):
+    """Triton's interpreter emulates a launch with tensor copies of its own (`GridExecutor`): a GPU
+    launch issues none of them. Each launch counts as one op here, and what the interpreter does
+    inside it is not counted (run with the dispatch mode off)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    from triton.runtime import interpreter
+
+    original = interpreter.GridExecutor.__call__
+
+    def launch(self, *args, **kwargs):
+        counter.ops[f"triton launch {getattr(self.fn, '__name__', self.fn)}"] += 1
+        with _disable_current_modes(), OpCounter() as inside:
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                counter.interpreter += sum(inside.ops.values())
+    interpreter.GridExecutor.__call__ = launch
+    return lambda: setattr(interpreter.GridExecutor, "__call__", original)
+
+
+def count_ops(step) -> OpCounter:
+    with OpCounter() as counter:
+        restore = _launches_as_one_op(counter)
+        try:
+            step()
+        finally:
+            restore()
+    return counter
+
+
+def count_calls(step) -> int:
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event == "call":
+            calls += 1
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def attached(model, backend: str, counter, warmup: int = 2):
+    """``counter(step)`` on the third step of ``model`` attached with every=1 (two warm-up steps first)."""
+    step = step_fn(model)
+    monitor = fastdiag.attach(model, every=1, keep_records=False, backend=backend)
+    try:
+        for _ in range(warmup):
+            step()
+        return counter(step)
+    finally:
+        monitor.detach()
+
+
+def bare(model, counter, warmup: int = 2):
+    step = step_fn(model)
+    for _ in range(warmup):
+        step()
+    return counter(step)
+
+
+def syncs_seen(model, backend: str) -> list[str]:
+    step = step_fn(model)
+    monitor = fastdiag.attach(model, every=1, keep_records=False, backend=backend)
+    try:
+        seen = []
+        for _ in range(3):              # the careful first pass and the ones after it
+            with SyncDetector() as detector:
+                step()
+            seen += detector.ops
+        return seen
+    finally:
+        monitor.detach()
+
+
+def counts(detail: bool = False) -> list[dict]:
+    rows = []
+    for family in ("gpt2", "llama"):
+        model = tiny(family)
+        ops_bare, ops_att = bare(model, count_ops), attached(model, "triton", count_ops)
+        calls_bare, calls_att = bare(model, count_calls), attached(model, "torch", count_calls)
+        sync = {backend: syncs_seen(model, backend) for backend in ("torch", "triton", "reference")}
+        glue = sum(ops_att.ops.values()) - sum(ops_bare.ops.values())
+        row = dict(model=family, aten_ops_per_layer=glue / LAYERS,
+                   with_interpreter_copies=(glue + ops_att.interpreter - ops_bare.interpreter) / LAYERS,
+                   python_calls_per_layer=(calls_att - calls_bare) / LAYERS,
+                   sync_ops={b: len(s) for b, s in sync.items()})
+        rows.append(row)
+        print(f"{family}: +{row['aten_ops_per_layer']:.1f} aten ops / measured layer (triton; "
+              f"{row['with_interpreter_copies']:.1f} with the interpreter's launch copies), "
+              f"+{row['python_calls_per_layer']:.0f} Python calls / measured layer (torch), host-sync ops "
+              + ", ".join(f"{b} {n}" for b, n in row["sync_ops"].items()), flush=True)
+        if detail:
+            added = ops_att.ops - ops_bare.ops
+            print("  aten ops added:", ", ".join(f"{op} {n}" for op, n in added.most_common(40)))
+            for b, s in sync.items():
+                if s:
+                    print(f"  syncs ({b}):", collections.Counter(s).most_common())
+    return rows
+
+
+def naive_stats(attentions) -> torch.Tensor:
+    """What a user would write with output_attentions: s̄ and σ_H from the probabilities in plain torch."""
+    sync, spread = [], []
+    for p in attentions:
+        p = p.detach().float()
+        v = p.transpose(0, 1).reshape(p.shape[1], -1)
+        v = v / v.norm(dim=1, keepdim=True)
+        c = v @ v.T
+        h = c.shape[0]
+        sync.append((c.sum() - c.diagonal().sum()) / (h * (h - 1)))
+        entropy = -(p * p.clamp_min(1e-30).log()).sum(-1).mean(dim=(0, 2))
+        spread.append(entropy.std(unbiased=False))
+    return torch.stack(sync).mean() + torch.stack(spread).mean()
+
+
+def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 1000) -> dict:
+    torch.set_num_threads(2)
+    model = tiny("gpt2", layers=4, d=256, heads=4, positions=256)
+    eager = tiny("gpt2", "eager", layers=4, d=256, heads=4, positions=256)
+    eager.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (4, 256), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(list(model.parameters()) + list(eager.parameters()), lr=0.0)
+
+    def run(kind):
+        if kind == "eager+output_attentions":
+            out = eager(input_ids=ids, labels=ids, output_attentions=True)
+            out.loss.backward()
+            naive_stats(out.attentions)
+        else:
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    kinds = ("bare", "every=1", f"every={every_unmeasured} (unmeasured)", "eager+output_attentions")
+    times = {k: [] for k in kinds}
+    loads = []
+    for kind in kinds:   # warm-up: the careful first pass, compiled kernels, allocator
+        monitor = fastdiag.attach(model, every=1) if kind == "every=1" else None
+        run(kind), run(kind)
+        if monitor:
+            monitor.detach()
+    for _ in range(blocks):
+        loads.append(os.getloadavg()[0])
+        for kind in kinds:
+            monitor = None
+            if kind == "every=1":
+                monitor = fastdiag.attach(model, every=1)
+                run(kind)            # its careful first pass, not timed
+            elif kind.startswith(f"every={every_unmeasured}"):
+                monitor = fastdiag.attach(model, every=every_unmeasured)
+                run(kind)            # step 0 is measured; the timed ones after it are not
+            t0 = time.perf_counter()
+            for _ in range(steps_per_block):
+                run(kind)
+            times[kind].append((time.perf_counter() - t0) / steps_per_block)
+            if monitor:
+                monitor.detach()
+    base = statistics.median(times["bare"])
+    result = {k: statistics.median(v) / base for k, v in times.items()}
+    print(f"HF GPT-2 4 layers d 256 T 256 batch 4 sdpa, {torch.get_num_threads()} threads, {blocks} alternated "
+          f"blocks of {steps_per_block} steps, load {min(loads):.1f}-{max(loads):.1f}: bare {base * 1e3:.0f} ms; "
+          + "; ".join(f"{k} x{r:.3f}" for k, r in result.items() if k != "bare"), flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time", type=int, default=0, metavar="BLOCKS", help="alternated timing blocks (0: none)")
+    parser.add_argument("--detail", action="store_true", help="print the aten ops added, by op")
+    parser.add_argument("--no-counts", action="store_true")
+    args = parser.parse_args(argv)
+    if args.time < 0:
+        parser.error("--time: expected a non-negative number of blocks")
+    print(f"load {os.getloadavg()[0]:.1f}; {fastdiag.__file__}", flush=True)
+    if not args.no_counts:
+        counts(args.detail)
+    if args.time:
+        timings(args.time)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
