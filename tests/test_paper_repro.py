@@ -1,5 +1,4 @@
-"""`benchmarks/paper_repro.py table`: the README's paper table, from synthetic runs with known answers."""
-import importlib.util
+"""`fastdiag paper`: the README's paper table, from synthetic runs with known answers, and from data/paper/."""
 import math
 from pathlib import Path
 
@@ -11,10 +10,10 @@ from fastdiag.analysis.trajectories import phase_values
 from fastdiag.grokking.config import RunConfig
 from fastdiag.store import Lease, Store
 
-_spec = importlib.util.spec_from_file_location(
-    "paper_repro", Path(__file__).resolve().parent.parent / "benchmarks" / "paper_repro.py")
-paper_repro = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(paper_repro)
+from fastdiag.analysis import paper, paper_data
+from fastdiag.cli import main
+
+GPU_ROWS = [(1.0, 1.0, [0.5, 0.5])]          # the GPU plan is not what these tests check
 
 
 def _run(lam, seed, t_grok, epochs):
@@ -29,10 +28,10 @@ def _run(lam, seed, t_grok, epochs):
 def test_power_law_rows_for_every_lambda_below_one():
     runs = [_run(1.0, 0, 150, 1000), _run(1.0, 1, 160, 1000), _run(0.1, 0, 1400, 3000), _run(0.1, 1, None, 1200),
             _run(0.05, 0, None, 2000), _run(10.0, 0, None, 150), _run(0.001, 0, None, 150)]
-    report = paper_repro.table(runs)
+    report = paper_data.table(runs)
     checks = report["power_law"]
     assert set(checks) == {"0.1", "0.05"}                   # λ = 10 is above 1, λ = 0.001 below the paper's λ_c
-    lc, nu = paper_repro.PAPER["lambda_c"], paper_repro.PAPER["nu"]
+    lc, nu = paper_data.PAPER["lambda_c"], paper_data.PAPER["nu"]
     assert checks["0.1"]["predicted_ratio"] == pytest.approx(((0.1 - lc) / (1 - lc)) ** -nu)
     assert checks["0.1"]["predicted_ratio"] == pytest.approx(6.43, abs=0.01)
     assert checks["0.1"]["predicted_t_grok"] == pytest.approx(checks["0.1"]["predicted_ratio"] * 155)
@@ -42,30 +41,31 @@ def test_power_law_rows_for_every_lambda_below_one():
     assert "observed_ratio_of_medians" not in checks["0.05"] and checks["0.05"]["not_grokked_horizons"] == [2000]
     lo, hi = checks["0.05"]["predicted_ratio_range_over_paper_cis"]
     assert lo < checks["0.05"]["predicted_ratio"] < hi
-    text = "\n".join(paper_repro.format_table(report))
+    text = "\n".join(paper_data.format_table(report))
     assert "λ = 0.05: predicted" in text and "not grokked within [2000] epochs: 1 run(s)" in text
 
 
 def test_no_power_law_rows_without_lambda_one():
-    assert paper_repro.table([_run(0.1, 0, 1400, 3000)])["power_law"] == {}
+    assert paper_data.table([_run(0.1, 0, 1400, 3000)])["power_law"] == {}
 
 
 # ------------------------------------------------------------------ committed data → the README's table
-def test_readme_paper_table_is_what_regenerate_prints_from_data_paper():
-    """Every number of the README's paper table comes from data/paper/ through one command
-    (`python benchmarks/paper_repro.py regenerate --write-readme` rewrites the block)."""
-    assert paper_repro.readme_block() == paper_repro.regenerate(paper_repro.DATA)
+def test_readme_paper_table_is_what_regenerate_prints_from_data_paper(capsys):
+    """Every number of the README's paper table (and of the prose under it) comes from data/paper/
+    through one command, `fastdiag paper regenerate` (`--write-readme` rewrites the block)."""
+    main(["paper", "regenerate"])
+    assert capsys.readouterr().out.splitlines() == paper.readme_block()
 
 
 def test_median_interval_has_its_exact_binomial_coverage():
     eleven = [160, 150, 130, 150, 155, 135, 155, 160, 155, 130, 140]
-    m = paper_repro.median_ci(eleven)
+    m = paper_data.median_ci(eleven)
     assert m["median"] == 150 and m["k"] == 2 and m["ci"] == [130, 160]
     assert m["coverage"] == pytest.approx(1 - 2 * 12 / 2048)                  # 98.8 %: P(Bin(11, ½) ≤ 1) = 12/2048
-    assert paper_repro.median_ci(eleven, coverage=0.93)["ci"] == [135, 155]   # 93.5 %
-    three = paper_repro.median_ci([1450, 1470, 1600])
+    assert paper_data.median_ci(eleven, coverage=0.93)["ci"] == [135, 155]   # 93.5 %
+    three = paper_data.median_ci([1450, 1470, 1600])
     assert three["ci"] == [1450, 1600] and three["coverage"] == pytest.approx(0.75)   # the range, short of 95 %
-    assert "at 0.0 %" not in paper_repro._median_text([1450, 1470, 1600])
+    assert "at 0.0 %" not in paper._median_text([1450, 1470, 1600])
 
 
 def test_export_writes_runs_and_traces_that_regenerate_relabels(tmp_path):
@@ -82,15 +82,15 @@ def test_export_writes_runs_and_traces_that_regenerate_relabels(tmp_path):
         st.record_done(cfgs[0].run_id(), {"regime": "anti-grok", "t_grok_epoch": 20, "t_mem_epoch": 10}, dip)
         st.record_done(cfgs[1].run_id(), {"regime": "collapse", "t_grok_epoch": None, "t_mem_epoch": None}, flat)
     out = tmp_path / "data"
-    paper_repro.export([str(tmp_path / "s.sqlite")], out)
-    paper_repro.export([str(tmp_path / "s.sqlite")], out)                   # again: nothing appended twice
+    paper_data.export([str(tmp_path / "s.sqlite")], out)
+    paper_data.export([str(tmp_path / "s.sqlite")], out)                   # again: nothing appended twice
     for name in ("printed.json", "init.json", "published.json"):
-        (out / name).write_text((paper_repro.DATA / name).read_text())
-    data = paper_repro.load_data(out)
+        (out / name).write_text((paper_data.DATA / name).read_text())
+    data = paper_data.load_data(out)
     assert [(r["lambda"], r["seed"], r["regime"], r["regime_current_rules"]) for r in data["runs"]] == [
         (1.0, 3, "anti-grok", "grok"), (10.0, 0, "collapse", "collapse")]
     assert [len(r["trace"]) for r in data["runs"]] == [10, 5] and data["runs"][0]["t_grok_epoch"] == 20
-    groups = paper_repro._exported_groups(data)
+    groups = paper._exported_groups(data)
     assert groups[1.0]["current"] == {"grok": 1} and groups[1.0]["regimes"] == {"anti-grok": 1}
     assert groups[10.0]["current"] == {"collapse": 1}
 
@@ -103,23 +103,23 @@ def _write_data(folder: Path, runs: list[dict], traces: dict[tuple, list[dict]],
     import json
     folder.mkdir()
     with (folder / "runs.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=paper_repro.RUN_COLUMNS, lineterminator="\n")
+        w = csv.DictWriter(f, fieldnames=paper_data.RUN_COLUMNS, lineterminator="\n")
         w.writeheader()
         for r in runs:
-            w.writerow({k: ("" if r.get(k) is None else r[k]) for k in paper_repro.RUN_COLUMNS})
+            w.writerow({k: ("" if r.get(k) is None else r[k]) for k in paper_data.RUN_COLUMNS})
     with (folder / "traces.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=paper_repro.TRACE_COLUMNS, lineterminator="\n")
+        w = csv.DictWriter(f, fieldnames=paper_data.TRACE_COLUMNS, lineterminator="\n")
         w.writeheader()
         for (lam, seed), rows in traces.items():
             for x in rows:
-                w.writerow({"lambda": lam, "seed": seed} | {k: x.get(k, "") for k in paper_repro.TRACE_COLUMNS[2:]})
-    printed = json.loads((paper_repro.DATA / "printed.json").read_text())
+                w.writerow({"lambda": lam, "seed": seed} | {k: x.get(k, "") for k in paper_data.TRACE_COLUMNS[2:]})
+    printed = json.loads((paper_data.DATA / "printed.json").read_text())
     one = next(g for g in printed["groups"] if g["lambda"] == 1.0)
     one["t_grok_epoch_values"] = list(lambda1_printed)
     one["t_mem_epoch_values"] = [35] * len(lambda1_printed)
     (folder / "printed.json").write_text(json.dumps(printed))
     for name in ("init.json", "published.json"):
-        (folder / name).write_text((paper_repro.DATA / name).read_text())
+        (folder / name).write_text((paper_data.DATA / name).read_text())
 
 
 def _csv_run(lam, seed, epochs, eval_every, stop, t_grok, t_mem=25, regime="grok", test_end=1.0):
@@ -145,9 +145,8 @@ def _grok_trace(t_grok, every, s_offset, end=None, dip_at=None):
 
 @pytest.fixture
 def fast_report(monkeypatch):
-    """The fits of the paper's data and the GPU plan are not what these tests check: constants."""
-    monkeypatch.setattr(paper_repro, "_published_fits", lambda published: (["a", "b", "c"], ["d", "e", "f"]))
-    monkeypatch.setattr(paper_repro, "gpu_plan_lines", lambda: ["| 1 | 1 | 1 |"])
+    """The fits of the paper's data are not what these tests check: constants."""
+    monkeypatch.setattr(paper, "_published_fits", lambda published: (["a", "b", "c"], ["d", "e", "f"]))
 
 
 def test_exported_lambda1_replaces_the_printed_values_which_stay_for_comparison(tmp_path, fast_report):
@@ -160,8 +159,8 @@ def test_exported_lambda1_replaces_the_printed_values_which_stay_for_comparison(
     traces[(10.0, 0)] = [{"epoch": e, "train_acc": 0.05, "test_acc": 0.02, "s_bar": 1.0, "sigma_h": 0.0}
                          for e in range(5, 65, 5)]
     _write_data(tmp_path / "d", runs, traces)
-    data = paper_repro.load_data(tmp_path / "d")
-    groups = paper_repro.table_groups(data)
+    data = paper_data.load_data(tmp_path / "d")
+    groups = paper.table_groups(data)
     assert groups[1.0]["source"] == "exported" and groups[1.0]["printed"]["t_grok"] == [170, 175, 180, 185]
     assert sorted(groups[1.0]["t_grok"]) == [120, 140, 145, 165] and groups[1.0]["seeds"] == [0, 1, 2, 9]
     # λ = 10's row reads only regimes: exported runs of another horizon replace the printed ones there
@@ -169,7 +168,7 @@ def test_exported_lambda1_replaces_the_printed_values_which_stay_for_comparison(
     assert {lam: g["source"] for lam, g in groups.items() if lam not in (1.0, 10.0)} == {
         0.001: "printed", 0.05: "printed", 0.1: "printed"}
 
-    block = "\n".join(paper_repro.regenerate(tmp_path / "d"))
+    block = "\n".join(paper.regenerate(GPU_ROWS, tmp_path / "d"))
     row = next(line for line in block.splitlines() if line.startswith("| t_grok at λ = 1 "))
     assert "re-derived from traces, seeds 0, 1, 2, 9: n = 4, median 142.5" in row
     assert "values 120 140 145 165" in row
@@ -204,9 +203,9 @@ def test_exported_group_of_another_configuration_leaves_the_printed_one(tmp_path
     1,600 epochs past grokking): the printed values stay in the table."""
     runs = [_csv_run(1.0, s, 1000, 10, True, 150) for s in range(3)]
     _write_data(tmp_path / "d", runs, {(1.0, s): _grok_trace(150, 10, 0.0) for s in range(3)})
-    groups = paper_repro.table_groups(paper_repro.load_data(tmp_path / "d"))
+    groups = paper.table_groups(paper_data.load_data(tmp_path / "d"))
     assert groups[1.0]["source"] == "printed" and groups[1.0]["exported"]["seeds"] == [0, 1, 2]
-    block = "\n".join(paper_repro.regenerate(tmp_path / "d"))
+    block = "\n".join(paper.regenerate(GPU_ROWS, tmp_path / "d"))
     assert "transcribed (printed.json): n = 4, median 177.5" in block
     assert "Sources: no λ of ours re-derived" in block
 
@@ -214,7 +213,7 @@ def test_exported_group_of_another_configuration_leaves_the_printed_one(tmp_path
 def test_lambda1_rows_after_grokking_stay_printed_without_an_exported_long_run(tmp_path, fast_report):
     runs = [_csv_run(1.0, s, 1000, 5, True, 150 + 5 * s) for s in range(3)]
     _write_data(tmp_path / "d", runs, {(1.0, s): _grok_trace(150 + 5 * s, 5, 0.0) for s in range(3)})
-    block = "\n".join(paper_repro.regenerate(tmp_path / "d"))
+    block = "\n".join(paper.regenerate(GPU_ROWS, tmp_path / "d"))
     phase = next(line for line in block.splitlines() if line.startswith("| s̄ early dip"))
     assert "re-derived" not in phase.split("highest after grokking")[1]
     assert "highest after grokking (n = 2, transcribed from the lost stores): seed 9 0.984 at 730" in phase
@@ -234,7 +233,7 @@ def test_export_refuses_runs_it_could_not_tell_apart(tmp_path):
             lease.claim([c.run_id() for c in cfgs])
         st.record_done(cfgs[0].run_id(), {"regime": "no-fit", "t_grok_epoch": None, "t_mem_epoch": None}, trace)
     with pytest.raises(ValueError, match="not the canonical setup.*'lr': 0.003"):
-        paper_repro.export([str(tmp_path / "odd.sqlite")], tmp_path / "out")
+        paper_data.export([str(tmp_path / "odd.sqlite")], tmp_path / "out")
     assert not (tmp_path / "out" / "runs.csv").exists()
     two = [RunConfig(weight_decay=1.0, seed=0, epochs=50, eval_every=10),
            RunConfig(weight_decay=1.0, seed=0, epochs=40, eval_every=10)]
@@ -245,4 +244,25 @@ def test_export_refuses_runs_it_could_not_tell_apart(tmp_path):
         for c in two:
             st.record_done(c.run_id(), {"regime": "no-fit", "t_grok_epoch": None, "t_mem_epoch": None}, trace)
     with pytest.raises(ValueError, match="a second run of this λ and seed"):
-        paper_repro.export([str(tmp_path / "two.sqlite")], tmp_path / "out")
+        paper_data.export([str(tmp_path / "two.sqlite")], tmp_path / "out")
+
+
+# ------------------------------------------------------------------ the command line
+def test_paper_plan_prints_the_hours_of_the_readme_estimate(capsys):
+    import json
+
+    from fastdiag.cli.paper import GPU_GRIDS, gpu_rows
+    wd, seeds, epochs = GPU_GRIDS[1]
+    main(["paper", "plan", "--wd", wd, "--seeds", str(seeds), "--epochs", str(epochs), "--tflops", "40", "--floor-ms", "6"])
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["runs"] == 9 * 16 and plan["assumed_tflops"] == 40
+    row = next(r for r in gpu_rows() if r[:2] == (40.0, 6.0))
+    assert plan["hours"] == pytest.approx(row[2][1])
+    assert f"| 40 | 6 | {row[2][0]:.1f} + {row[2][1]:.1f} = **{sum(row[2]):.1f} h** |" in paper.readme_block()
+
+
+def test_paper_commands_fail_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["paper", "export", str(tmp_path / "missing.sqlite"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "missing.sqlite" in err and "Traceback" not in err

@@ -69,11 +69,11 @@ def test_readme_python_block_runs_as_printed(block, tmp_path):
 
 def readme_commands() -> list[str]:
     """Every `fastdiag ...` command of the README's bash blocks (continued lines joined, `&&` chains
-    split, comments cut off); a line with a `...same options...` placeholder is prose, left out."""
+    split, comments and output redirections cut off); a line with a `...same options...` placeholder is prose, left out."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M)
     joined = [re.sub(r"\\\n\s*", " ", block) for block in blocks]
-    lines = [part.split("  #")[0].strip() for block in joined for line in block.splitlines()
+    lines = [re.split(r"  #|\s>\s", part)[0].strip() for block in joined for line in block.splitlines()
              for part in line.split("&&")]
     return [line for line in lines if line.startswith("fastdiag ") and "..." not in line]
 
@@ -91,4 +91,8 @@ def test_readme_command_parses_as_pasted(line):
     ctx = click.Context(cli, info_name="fastdiag")
     command = cli.get_command(ctx, args[0])
     assert command is not None, line
-    command.make_context(args[0], args[1:], parent=ctx)
+    sub = command.make_context(args[0], args[1:], parent=ctx)
+    if isinstance(command, click.Group):        # `fastdiag paper regenerate ...`: its subcommand's options
+        sub_command = command.get_command(sub, args[1])
+        assert sub_command is not None, line
+        sub_command.make_context(args[1], args[2:], parent=sub)

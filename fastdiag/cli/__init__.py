@@ -25,6 +25,7 @@ cli.lazy = {
     "bench": ("fastdiag.cli.bench", "Measure fastdiag's overhead against a pure-PyTorch reference"),
     "intervene": ("fastdiag.cli.intervene", "Causal interventions at the Phase-2 peak"),
     "headdim": ("fastdiag.cli.intervene", "Per-head dimension: train every (d, H, seed) at fixed λ"),
+    "paper": ("fastdiag.cli.paper", "The paper reproduction: the README's table from data/paper/, its runs, figure"),
 }
 
 __all__ = ["CLIError", "cli", "main"]
