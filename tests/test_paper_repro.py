@@ -65,7 +65,7 @@ def test_median_interval_has_its_exact_binomial_coverage():
     assert paper_data.median_ci(eleven, coverage=0.93)["ci"] == [135, 155]   # 93.5 %
     three = paper_data.median_ci([1450, 1470, 1600])
     assert three["ci"] == [1450, 1600] and three["coverage"] == pytest.approx(0.75)   # the range, short of 95 %
-    assert "at 0.0 %" not in paper._median_text([1450, 1470, 1600])
+    assert "at 0.0 %" not in paper_data.median_text([1450, 1470, 1600])
 
 
 def test_export_writes_runs_and_traces_that_regenerate_relabels(tmp_path):
@@ -193,6 +193,13 @@ def test_exported_lambda1_replaces_the_printed_values_which_stay_for_comparison(
     assert sources.startswith("Sources: our runs at λ = 10, 1 re-derived")
     assert "at λ = 0.1, 0.05, 0.001 transcribed" in sources
     assert "the runs trained past grokking of seed(s) 10 are still transcribed" in sources
+    # the prose under the table reads the same data: n, coverages, intervals, the ratio's verdict
+    assert "(a median of n values has only a few coverages on offer: with n = 4, 87.5 % or 37.5 %)" in block
+    assert "- **λ = 1 groks later here than in the paper** (seeds 0, 1, 2, 9: n = 4, median 142.5, [120, 165] at 87.5 %" in block
+    assert "the two lists share 0 of 4 values (re-run 120 140 145 165; printed 170 175 180 185)" in block
+    ratio05 = next(line for line in block.splitlines() if line.startswith("| t(0.05) / t(1)"))
+    assert ratio05.endswith("t(0.05) is 1 run(s): its seed spread is not in our range, so this does not test the law "
+                            "(no contradiction, no confirmation) |") or "ranges disjoint" in ratio05
     regimes10 = next(line for line in block.splitlines() if line.startswith("| λ = 10: regimes"))
     assert "Committed: n = 1 (seeds 0; 60-epoch horizon" in regimes10
     assert "printed before (lost stores): n = 3 (150-epoch horizon" in regimes10
@@ -266,3 +273,9 @@ def test_paper_commands_fail_in_one_line(tmp_path, capsys):
         main(["paper", "export", str(tmp_path / "missing.sqlite"), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and "missing.sqlite" in err and "Traceback" not in err
+
+
+def test_near_top_span_counts_every_evaluation_close_to_the_highest():
+    trace = [{"epoch": e, "s_bar": v} for e, v in ((100, 0.90), (200, 0.985), (300, 0.983), (400, 0.97), (900, 0.9845))]
+    assert paper.near_top_span(trace, t_grok=100) == {"n": 3, "first": 200, "last": 900, "near": paper.NEAR_TOP}
+    assert paper.near_top_span(trace, t_grok=900) is None

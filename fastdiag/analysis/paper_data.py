@@ -269,6 +269,37 @@ def median_ci(values: list[float], coverage: float = CI_COVERAGE) -> dict:
 
 
 
+def fmt(x, digits: int = 3) -> str:
+    if x is None:
+        return "—"
+    if float(x).is_integer() and abs(x) >= 10:
+        return f"{int(x):,}"
+    if float(2 * x).is_integer() and abs(x) >= 10:      # a median of an even count of epochs: x.5
+        return f"{x:,.1f}"
+    return f"{x:.{digits}g}"
+
+
+def median_text(values: list[float], digits: int = 3) -> str:
+    """n, median, the ≥ 95 % order-statistic interval and the next narrower one, each with its exact
+    coverage (a median's interval has only these discrete coverages)."""
+    m = median_ci(values)
+    text = f"n = {m['n']}, median {fmt(m['median'], digits)}"
+    if m["n"] < 2:
+        return text
+    lo, hi = m["ci"]
+    text += f", [{fmt(lo, digits)}, {fmt(hi, digits)}] at {100 * m['coverage']:.1f} %"
+    k, x = m["k"] + 1, sorted(values)
+    if k < m["n"] + 1 - k:                          # the next narrower pair, below the target coverage
+        cov = 1 - 2 * sps.binom.cdf(k - 1, m["n"], 0.5)
+        text += f" or [{fmt(x[k - 1], digits)}, {fmt(x[m['n'] - k], digits)}] at {100 * cov:.1f} %"
+    return text
+
+
+def mann_whitney_text(ours: list[float], theirs: list[float]) -> str:
+    test = sps.mannwhitneyu(ours, theirs, alternative="two-sided", method="asymptotic")
+    return f"Mann–Whitney U = {test.statistic:g}, two-sided p = {test.pvalue:.2g} (normal approximation, ties corrected)"
+
+
 def runs_from_data(data: dict) -> list[dict]:
     """The exported runs of ``load_data`` in the shape `figure` draws (that of `load_runs`)."""
     return [{"lambda": r["lambda"], "seed": r["seed"], "store": r["store"], "trace": r["trace"],
