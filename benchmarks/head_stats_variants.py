@@ -16,7 +16,9 @@ import sys
 
 import torch
 
-from fastdiag.core.kernels import head_stats_triton, report
+from fastdiag import kernel_report as report
+from fastdiag.core.kernels import head_stats_triton
+from fastdiag.kernel_report import cases
 
 SHAPES = {"gpt2-small": (1, 8, 12, 1024), "long-context": (1, 1, 16, 4096),
           "llama-7b": (1, 1, 32, 4096), "llama-13b": (1, 1, 40, 4096)}
@@ -30,7 +32,7 @@ def main() -> None:
         setattr(head_stats_triton, name, float(value) if "." in value else int(value))
     spilling = 0
     for arch in archs:
-        for case in head_stats_triton.report_cases(SHAPES, quick=False):
+        for case in cases.head_stats_cases(SHAPES, quick=False):
             if case.dtype not in DTYPES:
                 continue
             r = report.report_case(case, report.GPUS[arch])

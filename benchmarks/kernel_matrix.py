@@ -17,7 +17,8 @@ import time
 import torch
 import triton
 
-from fastdiag.core.kernels import head_stats_triton, qk_stats_triton, report
+from fastdiag import kernel_report as report
+from fastdiag.kernel_report import cases
 
 # (N, B, H, T): Llama-7B / Llama-3-8B have 32 query heads, Llama-2-13B 40 (the padded head axis of 64
 # takes eight warps)
@@ -33,10 +34,10 @@ def rows_for(arch: int, quick: bool, progress, qk_shapes: dict, variants: tuple,
              head_stats: bool = True) -> list[report.KernelReport]:
     gpu = report.GPUS[arch]
     rows = []
-    for case in head_stats_triton.report_cases(HEAD_STATS_SHAPES, quick=quick) if head_stats else []:
+    for case in cases.head_stats_cases(HEAD_STATS_SHAPES, quick=quick) if head_stats else []:
         progress(f"sm_{arch} {case.kernel} {case.shape} {case.dtype}")
         rows.append(report.report_case(case, gpu))
-    return rows + qk_stats_triton.kernel_report(qk_shapes, (arch,), variants, dtypes, progress)
+    return rows + cases.qk_report(qk_shapes, (arch,), variants, dtypes, progress)
 
 
 def markdown(rows: list[report.KernelReport]) -> list[str]:
@@ -56,24 +57,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--archs", default=",".join(str(a) for a in report.GPUS))
     ap.add_argument("--quick", action="store_true", help="bf16 and fp32, the heaviest variants only")
-    ap.add_argument("--qk-shapes", default=",".join(qk_stats_triton.REPORT_SHAPES),
-                    help="Q/K model shapes: " + ", ".join(qk_stats_triton.REPORT_SHAPES))
+    ap.add_argument("--qk-shapes", default=",".join(cases.REPORT_SHAPES),
+                    help="Q/K model shapes: " + ", ".join(cases.REPORT_SHAPES))
     ap.add_argument("--variants", default=None,
-                    help="Q/K variants (comma list of " + ", ".join(qk_stats_triton.REPORT_VARIANTS) + ")")
+                    help="Q/K variants (comma list of " + ", ".join(cases.REPORT_VARIANTS) + ")")
     ap.add_argument("--dtypes", default=None, help="Q/K dtypes (comma list: bfloat16, float16, float32)")
     ap.add_argument("--no-head-stats", action="store_true", help="the Q/K kernels only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     variants = (tuple(args.variants.split(",")) if args.variants
-                else QUICK_VARIANTS if args.quick else tuple(qk_stats_triton.REPORT_VARIANTS))
-    if not set(variants) <= set(qk_stats_triton.REPORT_VARIANTS):
-        sys.exit(f"--variants: a comma list of {', '.join(qk_stats_triton.REPORT_VARIANTS)}, got {args.variants!r}")
+                else QUICK_VARIANTS if args.quick else tuple(cases.REPORT_VARIANTS))
+    if not set(variants) <= set(cases.REPORT_VARIANTS):
+        sys.exit(f"--variants: a comma list of {', '.join(cases.REPORT_VARIANTS)}, got {args.variants!r}")
     try:
         dtypes = (tuple(getattr(torch, d) for d in args.dtypes.split(",")) if args.dtypes
-                  else QUICK_DTYPES if args.quick else qk_stats_triton.REPORT_DTYPES)
+                  else QUICK_DTYPES if args.quick else cases.REPORT_DTYPES)
     except AttributeError:
         sys.exit(f"--dtypes: a comma list of bfloat16, float16, float32, got {args.dtypes!r}")
-    shapes = {name: qk_stats_triton.REPORT_SHAPES[name] for name in args.qk_shapes.split(",")}
+    shapes = {name: cases.REPORT_SHAPES[name] for name in args.qk_shapes.split(",")}
     try:
         archs = [int(a) for a in args.archs.split(",")]
         if any(a not in report.GPUS for a in archs):
@@ -91,7 +92,7 @@ def main() -> None:
     spills = [r for r in rows if r.spill_bytes]
     over = [r for r in rows if r.shared_bytes > r.shared_limit]
     print(f"rows with spills: {len(spills)}; rows over the target's shared memory: {len(over)}")
-    torch_path = qk_stats_triton.torch_path_cases(shapes, tuple(archs), dtypes)
+    torch_path = cases.torch_path_cases(shapes, tuple(archs), dtypes)
     print(f"Q/K passes on the chunked torch path (no Triton tile fits the target): {'; '.join(torch_path) or 'none'}")
     if args.json:
         with open(args.json, "w") as f:

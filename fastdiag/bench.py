@@ -25,7 +25,7 @@ from fastdiag.grokking.build import build_model
 from fastdiag.grokking.config import RunConfig
 from fastdiag.grokking.ensemble_train import default_ensemble_size
 from fastdiag.core.kernels import head_stats_ref
-from fastdiag.core.kernels import report as _report
+from fastdiag import kernel_report as _report
 from fastdiag.models import count_parameters
 from fastdiag.core.monitor import attach
 from fastdiag.core.stats import summarize

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastdiag.bench import KERNEL_SHAPES
-from fastdiag.core.kernels import report
+from fastdiag import kernel_report as report
 
 pytest.importorskip("triton", reason="the kernel report compiles Triton kernels")
 MISSING = report.tools_missing()
@@ -44,19 +44,28 @@ def test_counts_come_from_the_compile(rows):
         assert r.instructions_per_element == pytest.approx(
             r.loop_instructions * 32 * r.num_warps / r.elements_per_iteration)
         element_bytes = {"float32": 4, "float64": 8}.get(r.dtype, 2)
-        assert r.issue_ceiling == pytest.approx(report.issue_ceiling(r.instructions_per_element, element_bytes))
-        assert r.shared_ceiling == pytest.approx(report.shared_ceiling(r.shared_bytes_per_element, element_bytes))
-        assert r.ceiling_fraction_of_copy == pytest.approx(min(r.issue_ceiling, r.shared_ceiling))
+        instructions = r.tile_instructions_per_element or r.instructions_per_element
+        assert r.issue_ceiling == pytest.approx(report.issue_ceiling(instructions, element_bytes))
+        assert r.shared_ceiling == pytest.approx(report.shared_ceiling(r.wavefronts_per_element, element_bytes))
+        assert r.ceiling_fraction_of_copy == pytest.approx(min(r.issue_ceiling, r.shared_ceiling, r.dram_ceiling))
+        assert r.wavefronts_per_element > 0 and r.conflict_factor >= 1
         if r.kernel == "head_stats":    # persistent: the tile loop is found, and costs at least its steps
             assert r.tile_instructions_per_element >= r.instructions_per_element
 
 
-def test_issue_ceiling_formula():
+def test_ceiling_formulas():
+    """Against a device copy of the same bf16 tensor (2 bytes read and 2 written per element at the
+    copy bandwidth): the issue and wavefront rates derated by the calibrated efficiency."""
     g = report.GPU
-    per_element = g["sms"] * 4 * 32 * g["clock_hz"] / (g["copy_bandwidth"] / 2)   # exactly at copy speed (bf16)
+    copy_rate = g["copy_bandwidth"] / 4                                   # bf16 elements per second
+    per_element = g["sms"] * 4 * 32 * g["clock_hz"] * report.EFFICIENCY / copy_rate   # exactly at copy speed
     assert report.issue_ceiling(per_element, 2) == pytest.approx(1.0)
     assert report.issue_ceiling(2 * per_element, 2) == pytest.approx(0.5)
-    assert report.issue_ceiling(per_element / 3, 2) == 1.0
+    assert report.issue_ceiling(per_element / 3, 2) == pytest.approx(3.0)
+    wavefronts = g["sms"] * g["clock_hz"] * report.EFFICIENCY / copy_rate
+    assert report.shared_ceiling(wavefronts, 2) == pytest.approx(1.0)
+    assert report.shared_ceiling(2 * wavefronts, 2) == pytest.approx(0.5)
+    assert report.dram_ceiling(2, 2) == pytest.approx(2 * g["read_bandwidth"] / g["copy_bandwidth"])
 
 
 def test_shared_memory_bytes_of_the_hot_loop():
@@ -73,24 +82,22 @@ def test_shared_memory_bytes_of_the_hot_loop():
     # STS.128 512 + LDSM x4 512 + narrow LDS one 128-B wavefront + HGMMA (A and B shared: (64 + 32)·16·2 / 4
     # warps) + HGMMA (B shared: 32·16·2 / 4)
     assert report.hot_loop_shared_bytes(sass) == 512 + 512 + 128 + 768 + 256
-    g = report.GPU
-    exact = g["sms"] * 128 * g["clock_hz"] / (g["copy_bandwidth"] / 2)
-    assert report.shared_ceiling(exact, 2) == pytest.approx(1.0)
-    assert report.shared_ceiling(2 * exact, 2) == pytest.approx(0.5)
 
 
 def test_every_generation_compiles_with_its_own_limits():
     """A launch captured for an sm_86 target sizes pass 2 by that target's 99 KB, and the row says which
     target and limit it was compiled for."""
+    from fastdiag.core.kernels import device
     from fastdiag.core.kernels import qk_stats_triton as qk
+    from fastdiag.kernel_report import cases
 
     seen = {}
     for arch in (80, 86):
         with report._capture_compiles([qk], report.GPUS[arch]):
-            seen[arch] = report.device_limits(None)
+            seen[arch] = qk.device_limits(None)     # the launcher's probe, replaced while captured
     assert seen == {80: {"shared_bytes": 163 * 1024, "sms": 108, "arch": 80},
                     86: {"shared_bytes": 99 * 1024, "sms": 72, "arch": 86}}
-    assert report.device_limits(None) is None
+    assert qk.device_limits is device.device_limits and qk.device_limits(None) is None
     configs = qk.pass2_configs(12, 12, 64, torch.bfloat16, 99 * 1024)
     estimates = [qk._tile_config_and_shared(12, 12, 64, b, n, 2, 99 * 1024)[1]
                  for b, n in ((8192, 32), (4096, 32), (2048, 16), (1024, 16))]
@@ -101,8 +108,8 @@ def test_every_generation_compiles_with_its_own_limits():
     assert qk.pass2_configs(12, 12, 64, torch.float32, 227 * 1024) == []
     assert qk.pass2_configs(32, 32, 128, torch.bfloat16, 99 * 1024) == []
     assert qk.pass2_configs(32, 32, 128, torch.bfloat16, 227 * 1024)
-    assert "sm_86 llama-7b bfloat16 pass 2" in qk.torch_path_cases(archs=(86,))
-    assert "sm_86 gpt2-small float32 passes 1 + 2" in qk.torch_path_cases(archs=(86,))
+    assert "sm_86 llama-7b bfloat16 pass 2" in cases.torch_path_cases(archs=(86,))
+    assert "sm_86 gpt2-small float32 passes 1 + 2" in cases.torch_path_cases(archs=(86,))
     assert not qk.pass1_fits(torch.float32, 99 * 1024) and qk.pass1_fits(torch.float32, 227 * 1024)
     assert qk.pass1_fits(torch.bfloat16, 99 * 1024) and qk.pass1_fits(torch.float32, None)
     with pytest.raises(ValueError, match="archs"):
@@ -113,7 +120,8 @@ def test_every_generation_compiles_with_its_own_limits():
 # subprocess without TRITON_INTERPRET (kernels cannot be compiled under it).
 _EMITTED = r"""
 import json, re, torch
-from fastdiag.core.kernels import head_stats_triton as hs, qk_stats_triton as qk, report
+from fastdiag.core.kernels import head_stats_triton as hs, qk_stats_triton as qk
+from fastdiag import kernel_report as report
 head = report.compiled_launch(lambda: hs.head_stats_triton(torch.empty(1, 1, 12, 64, 64, dtype=torch.bfloat16)))
 q, mask = torch.empty(1, 2, 64, 16, dtype=torch.bfloat16), torch.empty(1, 1, 64, 64, dtype=torch.bfloat16)
 lse = report.compiled_launch(lambda: qk.row_lse_triton(q, q, mask, False, 0.25))
@@ -152,7 +160,8 @@ def test_additive_mask_max_keeps_nan(emitted):
 
 _HEAD_BLOCKS = r"""
 import json, torch
-from fastdiag.core.kernels import qk_stats_triton as qk, report
+from fastdiag.kernel_report import cases as qk
+from fastdiag import kernel_report as report
 h, hk, d, t = qk.REPORT_SHAPES["llama-7b"]
 cases = [c for c in qk._cases("llama-7b", 1, h, hk, t, d, torch.bfloat16, "additive-mask") if c.kernel == "qk_stats"]
 rows = [report.report_case(c) for c in cases]
@@ -226,7 +235,7 @@ def test_cli_kernel_report_writes_json(tmp_path):
     result = subprocess.run([sys.executable, "-m", "fastdiag.cli", "bench", "--kernel-report", "--shapes", "grokking",
                              "--json", str(out)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert "instr/elem" in result.stdout and "ceiling" in result.stdout
+    assert "instr/elem" in result.stdout and "wavefr/elem" in result.stdout and "PREDICTED" in result.stdout
     payload = json.loads(out.read_text())
     assert payload["kind"] == "kernel-report" and len(payload["kernels"]) == 3
 
@@ -248,3 +257,67 @@ def test_fp32_qk_on_a_99kb_gpu_runs_the_torch_path_and_matches_the_reference():
     assert rel_err(got[0], want[0]) <= TOLERANCE[torch.float32]
     assert rel_err(got[1], want[1]) <= TOLERANCE[torch.float32]
     assert got[2].item() == want[2].item() and got[3].item() == 0
+
+
+def test_wavefronts_count_bank_conflicts():
+    """The bank model on hand-made lane addresses: 8 ldmatrix rows 512 bytes apart share their 4 banks
+    (8 wavefronts a matrix); XOR-swizzled 16-byte columns or a 16-byte pitch take one."""
+    from fastdiag.kernel_report.wavefronts import access_wavefronts, matrix_wavefronts
+
+    lanes = range(32)
+    assert matrix_wavefronts([512 * (i % 8) + 4096 * (i // 8) for i in lanes], 4) == 32      # unswizzled, 8-way
+    assert matrix_wavefronts([128 * (i % 8) + 16 * ((i % 8) ^ (i // 8)) for i in lanes], 4) == 4   # swizzled
+    assert matrix_wavefronts([16 * i for i in lanes], 4) == 4
+    assert access_wavefronts([4 * i for i in lanes], 4) == 1              # 32 consecutive words
+    assert access_wavefronts([128 * i for i in lanes], 4) == 32           # one bank, 32 words
+    assert access_wavefronts([0] * 32, 4) == 1                            # broadcast
+    assert access_wavefronts([16 * i for i in lanes], 16) == 4            # 128-bit: a quarter-warp a phase
+    assert access_wavefronts([2 * i for i in lanes], 2) == 1              # 16-bit, 64 bytes
+
+
+def test_wavefronts_read_the_lane_addresses_of_the_ptx():
+    """A hand-written PTX loop: the address of each access computed from %tid.x (an XOR swizzle, a
+    512-byte pitch) and counted per lane; global loads one wavefront per 128 bytes."""
+    from fastdiag.kernel_report.wavefronts import loop_wavefronts
+
+    ptx = """
+	mov.u32 	%r1, %tid.x;
+	and.b32 	%r2, %r1, 7;
+	shl.b32 	%r3, %r2, 9;
+	shr.u32 	%r4, %r1, 3;
+	shl.b32 	%r5, %r4, 4;
+	mov.b32 	%r9, global_smem;
+	add.s32 	%r6, %r9, %r3;
+	add.s32 	%r7, %r6, %r5;
+	shl.b32 	%r10, %r2, 7;
+	xor.b32 	%r11, %r4, %r2;
+	shl.b32 	%r12, %r11, 4;
+	or.b32 	%r13, %r10, %r12;
+$L__BB0_2:                              // =>This Inner Loop Header: Depth=1
+	ld.global.v4.b32 	{%r20, %r21, %r22, %r23}, [%rd1];
+	ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r30, %r31, %r32, %r33}, [%r7];
+	ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r30, %r31, %r32, %r33}, [%r13+1024];
+	@%p1 bra 	$L__BB0_2;
+$L__BB0_3:
+	ret;
+"""
+    w = loop_wavefronts(ptx)
+    assert [a.wavefronts for a in w.accesses] == [4, 32, 4]
+    assert (w.shared, w.shared_ideal, w.global_) == (36, 8, 4)
+
+
+def test_the_calibrated_report_reproduces_the_measured_h200_rows():
+    """Commit 0c79385's head_stats launch (what the H200 measured, benchmarks/measured/) recompiled for
+    sm_90: the predicted time of each of RESULTS.md's four head_stats rows within ±25 % of the measured
+    graph time (benchmarks/predict_measured.py; a subprocess, as TRITON_INTERPRET=1 cannot compile)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "predict_measured.py"), "--measured-only",
+                           "--json"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 4
+    for r in rows:
+        assert 0.75 <= r["ratio"] <= 1.25, r
+        assert r["bound"] == "shared" and r["conflicts"] > 4, r      # the mechanism: bank conflicts

@@ -339,11 +339,11 @@ def test_sm90_compile_has_no_spills_and_fits_shared_memory(shape):
     import subprocess
     import sys
 
-    from fastdiag.core.kernels.report import tools_missing
+    from fastdiag.kernel_report import tools_missing
 
     if tools_missing():
         pytest.skip(f"sm_90 compile report needs the CUDA tools of the triton wheel: {tools_missing()}")
-    code = ("import json; from fastdiag.core.kernels.qk_stats_triton import REPORT_SHAPES, kernel_report; "
+    code = ("import json; from fastdiag.kernel_report.cases import REPORT_SHAPES, qk_report as kernel_report; "
             f"print(json.dumps([r.row() for r in kernel_report({{{shape!r}: REPORT_SHAPES[{shape!r}]}})]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"

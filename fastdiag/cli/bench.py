@@ -11,7 +11,7 @@ import click
 import torch
 
 from fastdiag import bench
-from fastdiag.core.kernels import report
+from fastdiag import kernel_report as report
 from fastdiag.cli.app import CLIError, os_error_text
 from fastdiag.grokking.build import TRAINING_BYTES_PER_PARAMETER, parameter_count
 from fastdiag.grokking.config import RunConfig

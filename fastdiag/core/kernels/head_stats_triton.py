@@ -38,7 +38,6 @@ from triton.language.extra import libdevice
 from .constants import MAX_REGISTERS
 from .head_stats_ref import causal_keys
 from .head_stats_torch import head_stats_torch
-from .report import ReportCase, register
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _TINY = tl.constexpr(2.0 ** -126)   # the smallest normal fp32
@@ -398,43 +397,3 @@ def _head_stats_fake(probs, query_mask, causal=False):
     f32 = dict(dtype=torch.float32, device=probs.device)
     return (probs.new_empty((n, h, h), **f32), probs.new_empty((n, h), dtype=torch.float64, device=probs.device),
             probs.new_empty((n,), **f32), probs.new_empty((n,), **f32))
-
-
-# ---- the kernel report (`fastdiag bench --kernel-report`): this launcher at the benchmark shapes --
-
-# Variants a launch can take: (causal, query mask). Causal with a query mask is the heaviest loop
-# (per-element key bound and row validity).
-REPORT_VARIANTS = {"plain": (False, False), "causal+qmask": (True, True)}
-
-
-def report_cases(shapes: dict, quick: bool = True) -> list[ReportCase]:
-    """This launcher at ``shapes`` ``{name: (N, B, H, T)}``: fp32, fp16, bf16 plain (``quick``), or every
-    variant of `REPORT_VARIANTS` in fp32, fp16, bf16 and fp64 (the IEEE Gram dot)."""
-    cases = []
-    dtypes = (torch.float32, torch.float16, torch.bfloat16) + (() if quick else (torch.float64,))
-    variants = ("plain",) if quick else tuple(REPORT_VARIANTS)
-    for shape, (n, b, h, t) in shapes.items():
-        for variant in variants:
-            causal, qmask = REPORT_VARIANTS[variant]
-            for dtype in dtypes:
-                def launch(dims=(n, b, h, t, t), dtype=dtype, causal=causal, qmask=qmask):
-                    mask = torch.empty(1, dims[1], dims[3], dtype=torch.bool) if qmask else None
-                    head_stats_triton(torch.empty(dims, dtype=dtype), mask, causal)  # captured, never run
-
-                def elements_per_iteration(constexprs, h=h):
-                    return h * constexprs["BLOCK_R"] * constexprs["BLOCK_K"]
-
-                def tile(constexprs, h=h, t=t):     # a tile: BLOCK_R rows of all keys (not causal)
-                    return h * constexprs["BLOCK_R"] * t, triton.cdiv(t, constexprs["BLOCK_K"])
-
-                label = shape if variant == "plain" else f"{shape} {variant}"
-                cases.append(ReportCase("head_stats", label, str(dtype).replace("torch.", ""),
-                                        dtype.itemsize, launch, elements_per_iteration, tile))
-    return cases
-
-
-def _report_cases(shapes: dict) -> list[ReportCase]:
-    return report_cases(shapes, quick=True)
-
-
-register("head_stats", _report_cases)

@@ -26,7 +26,7 @@ device (`_launch_without_spills`). Every program writes partial sums; torch adds
 
 Layout: kernels -> launcher (`qk_stats_triton`) -> `torch.library` op (`fastdiag::qk_head_stats`,
 CUDA kernel registered, fake for tracing) so `torch.compile(fullgraph=True)` holds it as one node.
-`kernel_report` compiles both kernels for any target of `report.GPUS` without a GPU, as a launch would.
+`fastdiag.kernel_report` compiles both kernels for any target of `device.GPUS` without a GPU, as a launch would.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import triton.language as tl
 from .constants import LN2, LOG2E, MASKED_SCORE, MASS_TOLERANCE
 from .qk_stats_ref import qk_stats_ref
 from .qk_stats_torch import CHUNK_BYTES, qk_stats_torch
-from .report import GPUS, KernelReport, ReportCase, device_limits, register, report_case, spill_bytes
+from .device import GPUS, device_limits, spill_bytes
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -301,7 +301,7 @@ NUM_WARPS = 8
 # Head-dimension columns per score dot: wider batched operands spill at sm_90 (D = 128 is two dots).
 _DOT_COLUMNS = 64
 # Shared memory per block where no device says (CPU, interpreter): sm_90's 227 KB. On a GPU the
-# launcher reads the device's own opt-in limit (`report.device_limits`): 163 KB on an A100, 99 KB on
+# launcher reads the device's own opt-in limit (`device.device_limits`): 163 KB on an A100, 99 KB on
 # sm_86 / sm_89 / sm_120.
 SHARED_LIMIT = GPUS[90]["shared_bytes"]
 
@@ -379,7 +379,7 @@ def dot_width_candidates(cfg: dict) -> list[dict]:
 def lse_tile_config(h: int, hk: int, d: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Pass 1's blocks: one key head (its query group folded into M) and 128 query rows per program,
     as a flash forward does. Pass 1 needs nothing across heads, and this layout takes fewer
-    instructions per score than pass 2's head blocks at every report shape (``kernel_report``)."""
+    instructions per score than pass 2's head blocks at every report shape (`fastdiag.kernel_report`)."""
     block_g = triton.next_power_of_2(h // hk)
     block_d = max(16, triton.next_power_of_2(d))
     # float32 (TF32×3) dots of 128 columns spilled 444–556 B at head dim 128 on sm_100; 64 do not
@@ -488,7 +488,7 @@ def _launch_without_spills(grid, args: tuple, flags: dict, candidates: list[dict
 
 
 def _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, limits=None):
-    """Pass 2 with tiles ``cfg`` on a device of ``limits`` (`report.device_limits`; None: no GPU)."""
+    """Pass 2 with tiles ``cfg`` on a device of ``limits`` (`device.device_limits`; None: no GPU)."""
     b, h, tq, d = q4.shape
     hk = k4.shape[1]
     device = q4.device
@@ -618,114 +618,3 @@ def _qk_stats_fake(q, k, mask, is_causal, scale, rows_ok, lse):
     h = q.shape[1]
     f64 = dict(dtype=torch.float64, device=q.device)
     return q.new_empty((h, h), **f64), q.new_empty((h,), **f64), q.new_empty((), **f64), q.new_empty((), **f64)
-
-
-# ---- the kernel report: what a GPU launch of these launchers compiles, for each target -----------
-
-# Model shapes of `kernel_report`, (H, Hk, D, T): GPT-2-small, Llama-7B, Llama-3-8B (grouped-query) and a 4k context.
-REPORT_SHAPES = {
-    "gpt2-small": (12, 12, 64, 1024),
-    "llama-7b": (32, 32, 128, 1024),
-    "llama-3-8b": (32, 8, 128, 1024),
-    "long-context": (16, 16, 128, 4096),
-}
-# Every variant a launch can take: (causal, query rows mask, explicit mask kind).
-REPORT_VARIANTS = {
-    "causal": (True, False, None),               # what the zoo and HF causal models call
-    "plain": (False, False, None),
-    "causal+rows": (True, True, None),           # a query mask (padding): pass 2 only reads it
-    "bool-mask": (False, False, "bool"),
-    "additive-mask": (False, False, "additive"),
-}
-REPORT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)     # float64 runs as float32 (`_dot_inputs`)
-# Head dims of the models behind the benchmark shapes (`fastdiag bench --kernel-report`).
-_BENCH_HEAD_DIM = {"gpt2-small": 64, "long-context": 128}
-
-
-def _scores_per_iteration(constexprs: dict) -> int:
-    return constexprs["BLOCK_HK"] * constexprs["BLOCK_G"] * constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
-
-
-def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dtype = torch.bfloat16,
-           variant: str = "causal", shared_limit: int = SHARED_LIMIT) -> list[ReportCase]:
-    """Pass 1 and pass 2 (diagonal head blocks) of one variant. An "element" is one score (one query
-    row, key and head), so the ceiling reads: how fast these kernels cover the probabilities
-    compared with the probabilities kernel streaming a materialised P at copy bandwidth. A variant
-    that changes only pass 2 (query rows) reports pass 2 alone; pass 2 is left out where no tile fits
-    ``shared_limit`` (it runs on `qk_stats_torch` there: `torch_pass2_cases`)."""
-    causal, rows, mask_kind = REPORT_VARIANTS[variant]
-    q = torch.empty(b, h, t, d, dtype=dtype)
-    k = torch.empty(b, hk, t, d, dtype=dtype)
-    mask = None if mask_kind is None else torch.empty(b, 1, t, t, dtype=torch.bool if mask_kind == "bool" else dtype)
-    rows_ok = torch.empty(b, t, dtype=torch.bool) if rows else None
-    label = shape if variant == "causal" else f"{shape} {variant}"
-    name = str(dtype).replace("torch.", "")
-
-    def pass1():
-        row_lse_triton(q, k, mask, causal, d ** -0.5)                # captured, never run
-
-    def pass2():
-        lse = torch.empty(q.shape[:3], dtype=torch.float32)          # a given LSE: pass 2 launches first
-        qk_stats_triton(q, k, mask, causal, d ** -0.5, rows_ok=rows_ok, lse=lse)
-
-    cases = []
-    configs = pass2_configs(h, hk, d, dtype, shared_limit, mask_kind is not None)
-    if configs:
-        cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, _scores_per_iteration))
-    if configs and configs[0]["BLOCK_HK"] < hk:
-        # heads in blocks: the off-diagonal programs are a second launch, of two blocks' scores each
-        # (per score of one block, as the diagonal's)
-        cases.append(ReportCase("qk_stats", f"{label} off-diagonal", name, dtype.itemsize, pass2,
-                                _scores_per_iteration, launch_index=1))
-    if not rows and pass1_fits(dtype, shared_limit):
-        cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, _scores_per_iteration))
-    return cases
-
-
-def torch_path_cases(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,),
-                     dtypes=REPORT_DTYPES) -> list[str]:
-    """``"sm_86 llama-7b bfloat16 pass 2"`` for each target, shape, dtype and pass that no Triton tile
-    fits: it runs on `qk_stats_torch` there (exact, slower), so the report has no row for it."""
-    out = []
-    for arch in archs:
-        limit = GPUS[arch]["shared_bytes"]
-        for shape, (h, hk, d, _t) in shapes.items():
-            for dtype in dtypes:
-                name = f"sm_{arch} {shape} {str(dtype).replace('torch.', '')}"
-                if not pass1_fits(dtype, limit):
-                    out.append(f"{name} passes 1 + 2")
-                elif not pass2_configs(h, hk, d, dtype, limit):
-                    out.append(f"{name} pass 2")
-    return out
-
-
-def _report_cases(shapes: dict) -> list[ReportCase]:
-    """At the benchmark shapes, bf16 causal; those too short for a key loop (the grokking task's T = 3,
-    whose zoo model never calls SDPA) are left out."""
-    return [case for shape, (_n, b, h, t) in shapes.items() if t >= 256
-            for case in _cases(shape, b, h, h, t, _BENCH_HEAD_DIM.get(shape, 64))]
-
-
-def kernel_report(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,), variants=("causal",),
-                  dtypes=(torch.bfloat16,), progress=lambda _: None) -> list[KernelReport]:
-    """Pass 1 and pass 2 at model shapes ``{name: (H, Hk, D, T)}`` (B 1), for each target of ``archs``
-    (`report.GPUS`), variant and dtype, compiled without a GPU exactly as a launch on that target would
-    compile them (its shared memory chooses the tiles, specialisation included): registers, spill
-    bytes, shared memory, hot-loop instructions and shared-memory bytes per score."""
-    if INTERPRETING:
-        raise ValueError("kernel_report: kernels cannot be compiled under TRITON_INTERPRET=1; unset it")
-    unknown = [a for a in archs if a not in GPUS]
-    if unknown:
-        raise ValueError(f"archs: must be some of {sorted(GPUS)}, got {list(archs)}")
-    rows = []
-    for arch in archs:
-        for shape, (h, hk, d, t) in shapes.items():
-            for variant in variants:
-                for dtype in dtypes:
-                    for case in _cases(shape, 1, h, hk, t, d, dtype, variant, GPUS[arch]["shared_bytes"]):
-                        progress(f"sm_{arch} {case.kernel} {case.shape} {case.dtype}")
-                        rows.append(report_case(case, GPUS[arch]))
-    return rows
-
-
-register("qk_stats", _report_cases)

@@ -18,8 +18,9 @@ kernel is then compiled for sm_90 and reported:
   ``SMs × 4 × 32 × f / (instructions per element)`` elements/s; copy bandwidth streams
   ``BW / bytes per element``. ceiling = min(1, the first / the second).
 
-A kernel module registers itself with `register` (see the end of ``head_stats_triton.py``) and adds
-its module name to `KERNEL_MODULES`.
+The launches reported live in `cases` (the kernels never import the report); while a launch is
+captured, the launcher modules' `device_limits` and `spill_bytes` (`fastdiag.core.kernels.device`)
+are replaced by the target's limits and a ptxas probe.
 """
 from __future__ import annotations
 
@@ -34,32 +35,14 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 
-# One GPU per NVIDIA generation a launch may compile for: SM count, sustained clock and copy
-# bandwidth (device to device, read + write counted once each) from the vendors' spec sheets, the
-# bandwidth taken as 0.9 × the memory's peak (H200: 4.3 of 4.8 TB/s) — estimates, not measurements;
-# shared memory is the opt-in limit per block (what a kernel may use), registers 255 per thread and
-# 64 K per SM on all of them. Shared-memory bandwidth: 128 B per clock per SM.
-GPUS = {
-    80: {"name": "A100-SXM4-80GB", "arch": 80, "sms": 108, "copy_bandwidth": 0.9 * 2.04e12, "clock_hz": 1.41e9,
-         "shared_bytes": 163 * 1024},
-    86: {"name": "A10", "arch": 86, "sms": 72, "copy_bandwidth": 0.9 * 600e9, "clock_hz": 1.695e9,
-         "shared_bytes": 99 * 1024},
-    89: {"name": "RTX 4090", "arch": 89, "sms": 128, "copy_bandwidth": 0.9 * 1008e9, "clock_hz": 2.52e9,
-         "shared_bytes": 99 * 1024},
-    90: {"name": "H200", "arch": 90, "sms": 132, "copy_bandwidth": 4.3e12, "clock_hz": 1.755e9,
-         "shared_bytes": 227 * 1024},
-    100: {"name": "B200", "arch": 100, "sms": 148, "copy_bandwidth": 0.9 * 8.0e12, "clock_hz": 1.965e9,
-          "shared_bytes": 227 * 1024},
-    120: {"name": "RTX 5090", "arch": 120, "sms": 170, "copy_bandwidth": 0.9 * 1.792e12, "clock_hz": 2.407e9,
-          "shared_bytes": 99 * 1024},
-}
-for _gpu in GPUS.values():
-    _gpu.update(warp_instructions_per_clock=4, registers_per_thread=255, registers_per_sm=65536,
-                shared_bytes_per_clock=128)
-GPU = GPUS[90]          # the default target (the GPU lent to this project)
+from fastdiag.core.kernels.device import DEFAULT_ARCH, GPUS
 
+from .predict import EFFICIENCY, predict
+from .wavefronts import loop_wavefronts
+
+GPU = GPUS[DEFAULT_ARCH]          # the default target (the GPU lent to this project)
+# The launcher modules a capture patches (their device probes, interpreter flags)
 KERNEL_MODULES = ("fastdiag.core.kernels.head_stats_triton", "fastdiag.core.kernels.qk_stats_triton")
-
 
 @dataclass(frozen=True)
 class ReportCase:
@@ -77,25 +60,18 @@ class ReportCase:
     # Which of the launcher's kernel launches to compile, in launch order (0: the one that streams the
     # input first; Q/K pass 2's off-diagonal head-block programs are its second launch).
     launch_index: int = 0
-
-
-_REGISTRY: dict[str, Callable[[dict], list[ReportCase]]] = {}
-
-
-def register(name: str, cases: Callable[[dict], list[ReportCase]]) -> None:
-    """Add a kernel to the report. ``cases(shapes)`` returns its launches; ``shapes`` are the benchmark
-    shapes ``{name: (N, B, H, T)}`` of `fastdiag.bench` (a kernel may use its own instead)."""
-    _REGISTRY[name] = cases
+    # The whole launch: elements (loaded P elements, or scores) and the bytes it reads from memory,
+    # for the predicted time (0: per element only)
+    elements: float = 0.0
+    read_bytes: float = 0.0
 
 
 def registered_cases(shapes: dict) -> list[ReportCase]:
-    for module in KERNEL_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-    return [case for cases in _REGISTRY.values() for case in cases(shapes)]
+    """Every kernel's launches at the benchmark shapes ``{name: (N, B, H, T)}`` of `fastdiag.bench`
+    (`cases.BENCH_CASES`; a kernel may use its own shapes instead)."""
+    from .cases import BENCH_CASES
+
+    return [case for cases in BENCH_CASES for case in cases(shapes)]
 
 
 def tool(name: str, arch: int = 90) -> str | None:
@@ -138,48 +114,22 @@ class _TargetDriver:
         return self.target
 
 
-_CAPTURE_TARGET: list[dict] = []     # the GPU a launch is being captured for (report only)
-_CAPTURED: list[list] = []           # and the launches captured so far
-
-
-def device_limits(device) -> dict | None:
-    """What a launcher sizes its tiles by: ``{"shared_bytes": opt-in shared memory per block,
-    "sms": SM count, "arch": compute capability as 90 for sm_90}`` of the running CUDA device (``torch.cuda.get_device_properties``), of the report's
-    target while the report captures a launch, None elsewhere (CPU, interpreter: no limit applies)."""
-    if _CAPTURE_TARGET:
-        gpu = _CAPTURE_TARGET[-1]
+def _target_limits(gpu: dict):
+    """`device.device_limits` as the launchers see it while the report captures a launch for ``gpu``."""
+    def device_limits(_device) -> dict:
         return {"shared_bytes": gpu["shared_bytes"], "sms": gpu["sms"], "arch": gpu["arch"]}
-    if getattr(device, "type", None) != "cuda":
-        return None
-    import torch
-
-    props = torch.cuda.get_device_properties(device)
-    shared = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
-    return {"shared_bytes": int(shared), "sms": props.multi_processor_count, "arch": 10 * props.major + props.minor}
+    return device_limits
 
 
-def spill_bytes(kernel, grid, args: tuple, kwargs: dict) -> int | None:
-    """Bytes per thread that ``kernel[grid](*args, **kwargs)`` spills as compiled for the running CUDA
-    device, or for the report's target while the report captures a launch; None where nothing
-    compiles for a GPU (CPU tensors, the interpreter). Compiles (cached by Triton), never runs."""
-    if _CAPTURE_TARGET:
-        gpu, captured = _CAPTURE_TARGET[-1], _CAPTURED[-1]
-        kernel.warmup(*args, grid=grid, **kwargs)      # the capture hook records it: nothing compiles
-        fn, compile_args = captured.pop()              # a probe, not a launch of the report's case
+def _target_spill_probe(gpu: dict, captured: list):
+    """`device.spill_bytes` while capturing: the probe's launch is compiled for ``gpu`` and read by
+    ptxas (the capture hook records it; it is not one of the report's cases)."""
+    def spill_bytes(kernel, grid, args: tuple, kwargs: dict) -> int:
+        kernel.warmup(*args, grid=grid, **kwargs)
+        fn, compile_args = captured.pop()
         compiled, _ = _compile(fn, compile_args, gpu)
         return _ptxas_usage(compiled.asm["ptx"], gpu["arch"])[1]
-    if not all(getattr(a, "is_cuda", True) for a in args) or os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    from triton.runtime.errors import OutOfResources
-
-    try:
-        compiled = kernel.warmup(*args, grid=grid, **kwargs)
-        compiled._init_handles()      # the driver reads the local-memory size when it loads the binary
-        return compiled.n_spills
-    except OutOfResources:
-        raise                         # the launcher's cue for smaller tiles
-    except Exception:                 # noqa: BLE001 — a probe that fails says nothing; the launch itself will
-        return None
+    return spill_bytes
 
 
 @contextlib.contextmanager
@@ -199,6 +149,11 @@ def _capture_compiles(modules, gpu: dict = GPU):
     saved_active, saved_hook = driver._active, knobs.runtime.jit_cache_hook
     patched = []   # (module, name, old value)
     for module in modules:
+        stand_ins = {"device_limits": _target_limits(gpu), "spill_bytes": _target_spill_probe(gpu, captured)}
+        for name, value in stand_ins.items():
+            if hasattr(module, name):
+                patched.append((module, name, getattr(module, name)))
+                setattr(module, name, value)
         if getattr(module, "INTERPRETING", False):
             patched.append((module, "INTERPRETING", True))
             module.INTERPRETING = False
@@ -209,13 +164,9 @@ def _capture_compiles(modules, gpu: dict = GPU):
                 setattr(module, name, JITFunction(fn))     # triton.jit would interpret again
     driver.set_active(_TargetDriver(GPUTarget("cuda", gpu["arch"], 32)))
     knobs.runtime.jit_cache_hook = hook
-    _CAPTURE_TARGET.append(gpu)
-    _CAPTURED.append(captured)
     try:
         yield captured
     finally:
-        _CAPTURE_TARGET.pop()
-        _CAPTURED.pop()
         driver._active, knobs.runtime.jit_cache_hook = saved_active, saved_hook
         for module, name, value in patched:
             setattr(module, name, value)
@@ -223,8 +174,8 @@ def _capture_compiles(modules, gpu: dict = GPU):
 
 def _captured_launches(case: ReportCase, gpu: dict = GPU) -> list:
     """[(JIT function, compile arguments)] of every kernel the launcher launches on ``gpu``, in order."""
-    module = importlib.import_module(case.launch.__module__)
-    with _capture_compiles([module], gpu) as captured:
+    modules = {importlib.import_module(m) for m in (*KERNEL_MODULES, case.launch.__module__)}
+    with _capture_compiles(sorted(modules, key=lambda m: m.__name__), gpu) as captured:
         case.launch()
     if not captured:
         raise RuntimeError(f"{case.kernel}: the launcher launched no Triton kernel")
@@ -253,8 +204,15 @@ class KernelReport:
     gpu: str = "H200"
     shared_limit: int = GPU["shared_bytes"]
     shared_bytes_per_element: float = 0.0   # shared-memory traffic of the hot loop per element
-    issue_ceiling: float = 0.0               # the two bounds the ceiling is the smaller of
+    issue_ceiling: float = 0.0               # the bounds the ceiling is the smallest of
     shared_ceiling: float = 0.0
+    # shared-memory wavefronts of the hot loop per element (global-load wavefronts included), and
+    # how many times the conflict-free count they are
+    wavefronts_per_element: float = 0.0
+    conflict_factor: float = 1.0
+    dram_ceiling: float = 0.0                # the bytes read per element at copy bandwidth
+    predicted_ms: float | None = None        # the whole launch (`predict`), None where the case gives no size
+    predicted_bound: str = ""
 
     def row(self) -> dict:
         return asdict(self)
@@ -366,20 +324,33 @@ def hot_loop_shared_bytes(sass: str) -> int:
     return sum(_shared_bytes_of(t) for t in instructions[first:last + 1])
 
 
-def shared_ceiling(shared_bytes_per_element: float, element_bytes: int, gpu: dict = GPU) -> float:
-    """Fraction of copy bandwidth shared memory can serve: SMs × 128 B/clock × clock / the hot loop's
-    shared bytes per element, against the elements/s copy bandwidth streams."""
-    if shared_bytes_per_element <= 0:
-        return 1.0
-    served = gpu["sms"] * gpu["shared_bytes_per_clock"] * gpu["clock_hz"] / shared_bytes_per_element
-    return min(1.0, served / (gpu["copy_bandwidth"] / element_bytes))
+def _copy_seconds_per_element(element_bytes: float, gpu: dict) -> float:
+    """A device copy of one element: its bytes read and written at the copy bandwidth."""
+    return 2 * element_bytes / gpu["copy_bandwidth"]
 
 
-def issue_ceiling(instructions_per_element: float, element_bytes: int, gpu: dict = GPU) -> float:
-    """Fraction of copy bandwidth the SMs can issue for: min(1, issue rate / needed rate)."""
-    issue = gpu["sms"] * gpu["warp_instructions_per_clock"] * 32 * gpu["clock_hz"] / instructions_per_element
-    needed = gpu["copy_bandwidth"] / element_bytes
-    return min(1.0, issue / needed)
+def shared_ceiling(wavefronts_per_element: float, element_bytes: float, gpu: dict = GPU) -> float:
+    """Fraction of the measured copy's speed shared memory allows: one wavefront per SM per clock,
+    derated by `predict.EFFICIENCY`."""
+    if wavefronts_per_element <= 0:
+        return float("inf")
+    per_element = wavefronts_per_element / (gpu["sms"] * gpu["clock_hz"] * EFFICIENCY)
+    return _copy_seconds_per_element(element_bytes, gpu) / per_element
+
+
+def issue_ceiling(instructions_per_element: float, element_bytes: float, gpu: dict = GPU) -> float:
+    """Fraction of the measured copy's speed the SMs can issue for: 4 warp-instructions per SM per
+    clock (``instructions_per_element`` counts lanes: / 32), derated by `predict.EFFICIENCY`."""
+    rate = gpu["sms"] * gpu["warp_instructions_per_clock"] * 32 * gpu["clock_hz"] * EFFICIENCY
+    return _copy_seconds_per_element(element_bytes, gpu) / (instructions_per_element / rate)
+
+
+def dram_ceiling(read_bytes_per_element: float, element_bytes: float, gpu: dict = GPU) -> float:
+    """Fraction of the copy's speed the memory allows a kernel that reads ``read_bytes_per_element``
+    at the target's read-only bandwidth (P read once: half a copy's bytes)."""
+    if read_bytes_per_element <= 0:
+        return float("inf")
+    return _copy_seconds_per_element(element_bytes, gpu) / (read_bytes_per_element / gpu["read_bandwidth"])
 
 
 def _compile(fn, args: dict, gpu: dict):
@@ -431,13 +402,23 @@ def report_case(case: ReportCase, gpu: dict = GPU) -> KernelReport:
     if case.tile is not None and around is not None:
         tile_elements, iterations = case.tile(constexprs)
         per_element_with_tile = (iterations * loop + around - loop) * lanes / tile_elements
-    issue = issue_ceiling(per_element, case.element_bytes, gpu)
-    served = shared_ceiling(shared_per_element, case.element_bytes, gpu)
+    waves = loop_wavefronts(compiled.asm["ptx"])
+    wavefronts = waves.total * options["num_warps"] / elements
+    conflicts = waves.shared / waves.shared_ideal if waves.shared_ideal else 1.0
+    read_per_element = case.read_bytes / case.elements if case.elements else float(case.element_bytes)
+    issue = issue_ceiling(per_element_with_tile or per_element, case.element_bytes, gpu)
+    served = shared_ceiling(wavefronts, case.element_bytes, gpu)
+    dram = dram_ceiling(read_per_element, case.element_bytes, gpu)
+    ceiling, bound = min((dram, "dram"), (served, "shared"), (issue, "issue"))
+    predicted_ms = None
+    if case.elements:
+        predicted_ms = 1e3 * predict(gpu, case.elements, wavefronts, (per_element_with_tile or per_element) / 32,
+                                     case.read_bytes).seconds
     return KernelReport(case.kernel, case.shape, case.dtype, fn.fn.__name__, options["num_warps"],
                         {k: v for k, v in constexprs.items() if k.isupper()},
-                        registers, spills, shared, loop, elements, per_element, min(issue, served),
+                        registers, spills, shared, loop, elements, per_element, ceiling,
                         per_element_with_tile, gpu["arch"], gpu["name"], gpu["shared_bytes"], shared_per_element,
-                        issue, served)
+                        issue, served, wavefronts, conflicts, dram, predicted_ms, bound)
 
 
 def kernel_report(shapes: dict, progress: Callable[[str], None] = lambda _: None,
@@ -460,31 +441,38 @@ def kernel_report(shapes: dict, progress: Callable[[str], None] = lambda _: None
     return rows
 
 
+def _percent(x: float) -> str:
+    return "-" if x == float("inf") else f"{100 * x:.0f}%"
+
+
 def format_report(rows: list[KernelReport]) -> str:
     head = (f"{'arch':<6} {'kernel':<11} {'shape':<22} {'dtype':<9} {'warps':>5} {'regs':>5} {'spill B':>7} "
-            f"{'smem/limit KB':>13} {'loop':>5} {'elem/it':>7} {'instr/elem':>10} {'smem B/elem':>11} "
-            f"{'issue':>6} {'smem':>5} {'ceiling':>8} {'with tile':>9}")
+            f"{'smem/limit KB':>13} {'instr/elem':>10} {'wavefr/elem':>11} {'conflicts':>9} "
+            f"{'issue':>6} {'smem':>6} {'dram':>6} {'predicted':>9} {'bound':>6} {'pred. ms':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         over = " OVER" if r.shared_bytes > r.shared_limit else ""
+        ms = f"{r.predicted_ms:.3f}" if r.predicted_ms else "-"
         lines.append(f"sm_{r.arch:<3} {r.kernel:<11} {r.shape:<22} {r.dtype:<9} {r.num_warps:>5} {r.registers:>5} "
                      f"{r.spill_bytes:>7} {f'{r.shared_bytes / 1024:.0f}/{r.shared_limit // 1024}{over}':>13} "
-                     f"{r.loop_instructions:>5} {r.elements_per_iteration:>7} {r.instructions_per_element:>10.1f} "
-                     f"{r.shared_bytes_per_element:>11.1f} {100 * r.issue_ceiling:>5.0f}% {100 * r.shared_ceiling:>4.0f}% "
-                     f"{100 * r.ceiling_fraction_of_copy:>7.0f}% "
-                     + (f"{r.tile_instructions_per_element:>9.1f}" if r.tile_instructions_per_element else f"{'-':>9}"))
+                     f"{(r.tile_instructions_per_element or r.instructions_per_element):>10.1f} "
+                     f"{r.wavefronts_per_element:>11.3f} {r.conflict_factor:>8.1f}x "
+                     f"{_percent(r.issue_ceiling):>6} {_percent(r.shared_ceiling):>6} {_percent(r.dram_ceiling):>6} "
+                     f"{_percent(r.ceiling_fraction_of_copy):>9} {r.predicted_bound:>6} {ms:>8}")
     for arch in sorted({r.arch for r in rows}):
         g = GPUS[arch]
-        lines.append(f"sm_{arch}: {g['name']}, {g['sms']} SMs, {g['clock_hz'] / 1e9:.3f} GHz, copy "
-                     f"{g['copy_bandwidth'] / 1e12:.2f} TB/s, shared memory {g['shared_bytes'] // 1024} KB per block")
+        copy = "measured" if g["copy_measured"] else "estimated, 0.85 x peak"
+        lines.append(f"sm_{arch}: {g['name']}, {g['sms']} SMs, {g['clock_hz'] / 1e9:.3f} GHz, device copy "
+                     f"{g['copy_bandwidth'] / 1e12:.2f} TB/s read + write ({copy}), shared memory "
+                     f"{g['shared_bytes'] // 1024} KB per block")
     lines.append(
-        "instr/elem = hot-loop SASS × 32 lanes × warps / elements loaded per iteration; issue = min(1, SMs × 4 "
-        "warp-instr/clk × 32 × clock / instr/elem ÷ (copy bandwidth / bytes per element)); smem = the same with "
-        "SMs × 128 B/clk × clock / (hot-loop shared-memory bytes per element: LDS/STS/LDGSTS lanes × width, "
-        "LDSM/STSM 128 B per matrix, HGMMA shared operands); ceiling = min(issue, smem). Estimates from the "
-        "compile and spec-sheet numbers, not measurements: bank conflicts, TMA and tcgen05 (sm_100) operand "
-        "traffic, latency and occupancy are left out. with tile = instr/elem counting also the work done once "
-        "per tile of a persistent kernel (the loop around the hot loop)")
+        "PREDICTED, not measured. instr/elem = hot-loop SASS x 32 lanes x warps / elements loaded per iteration "
+        "(with the once-per-tile work where known); wavefr/elem = shared-memory wavefronts of the hot loop "
+        "per element, lane addresses of the compiled PTX evaluated (bank conflicts counted; conflicts = x the "
+        "conflict-free count); issue / smem / dram = the speed each allows as a fraction of a device copy of "
+        "the same tensor (read + write, RESULTS.md's measured column): 4 warp-instr and 1 wavefront per SM per "
+        f"clock derated by {EFFICIENCY:.3f} (ncu, the measured H200 launch), the bytes read at copy bandwidth; "
+        "predicted = the smallest; bound = which. Latency and occupancy are not modelled.")
     return "\n".join(lines)
 
 
@@ -494,17 +482,8 @@ def _report_in_subprocess(shapes: dict, archs: tuple[int, ...] = (90,)) -> list[
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "fastdiag.core.kernels.report", json.dumps(shapes), json.dumps(list(archs))],
+    out = subprocess.run([sys.executable, "-m", "fastdiag.kernel_report", json.dumps(shapes), json.dumps(list(archs))],
                          capture_output=True, text=True, env=env)
     if out.returncode:
         raise RuntimeError(f"kernel report subprocess failed: {out.stderr.strip().splitlines()[-1:]}")
     return [KernelReport(**row) for row in json.loads(out.stdout)]
-
-
-if __name__ == "__main__":
-    import sys
-
-    from fastdiag.core.kernels import report   # the module kernels register with, not this __main__ copy
-
-    archs = tuple(json.loads(sys.argv[2])) if len(sys.argv) > 2 else (90,)
-    print(json.dumps([r.row() for r in report.kernel_report(json.loads(sys.argv[1]), archs=archs)]))

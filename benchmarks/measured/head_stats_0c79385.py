@@ -1,0 +1,334 @@
+"""The head_stats kernel and launcher measured on the H200 (benchmarks/RESULTS.md, run 4): ``git show 0c79385:fastdiag/core/kernels/head_stats_triton.py``
+with its torch.library op and report registration left out and its imports made absolute, nothing else changed.
+
+benchmarks/predict_measured.py recompiles this launch to check the kernel report's prediction against
+what the GPU measured. Not part of the package: never launched on data.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from fastdiag.core.kernels.head_stats_ref import causal_keys
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_TINY = tl.constexpr(2.0 ** -126)   # the smallest normal fp32
+# The Gram's fp32 chain (tensor-core accumulator) covers at most this many keys of a row tile before
+# it is added to the float64 sums.
+GRAM_FLUSH_KEYS = 512
+
+
+@triton.jit
+def _log2(x, ON_GPU: tl.constexpr):
+    # The hardware lg2 (MUFU.LG2) on the GPU; the interpreter has no libdevice.
+    if ON_GPU:
+        return libdevice.fast_log2f(x)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _to_float32(x, ON_GPU: tl.constexpr):
+    # bf16 -> fp32 is a 16-bit shift: one instruction per element from each packed pair (the generic
+    # conversion spends a second one on the odd half)
+    if ON_GPU and x.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;", "=r,=r,r", [x],
+                                         dtype=tl.uint32, is_pure=True, pack=2).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _quarters(t):
+    """The four quarters of the head axis of ``t [BLOCK_H, S]``: ``[BLOCK_H // 4, S]`` each, heads
+    g·BLOCK_H/4 ... for g = 0..3. A reshape and two splits of a register dimension: no data moves."""
+    Q: tl.constexpr = t.shape[0] // 4
+    S: tl.constexpr = t.shape[1]
+    t = tl.reshape(tl.permute(tl.reshape(t, (4, Q, S)), (1, 2, 0)), (Q, S, 2, 2))
+    even, odd = tl.split(t)            # quarters (0, 2) and (1, 3)
+    t0, t2 = tl.split(even)
+    t1, t3 = tl.split(odd)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _accumulate(entropy, highest, xf, ok, n_f, log2_n, c, PARTIAL_KEYS: tl.constexpr, ON_GPU: tl.constexpr):
+    # n x + 2^-126 (one FFMA): log2 finite at x = 0, where the term is 0 · finite; NaN for
+    # x < -2^-126 / n, which makes the program's entropy non-finite, counted as a bad entry (negative
+    # values closer to 0 change no sum by more than 1e-38 and are not flagged)
+    log2_nx = _log2(tl.fma(xf, n_f, _TINY), ON_GPU)
+    term = tl.fma(-xf, log2_nx, tl.fma(xf, log2_n, -c))
+    if PARTIAL_KEYS:
+        entropy += tl.where(ok, term, 0.0)
+    else:
+        entropy += term          # 0 in invalid rows; padded heads are not stored
+    # x > 1, +inf and NaN (the NaN-propagating max keeps it); x < 0 shows as a NaN entropy
+    highest = tl.maximum(highest, xf, propagate_nan=tl.PropagateNan.ALL)
+    return entropy, highest
+
+
+@triton.jit
+def _worst(highest):
+    """The largest entry of a register tile, 2 for NaN."""
+    return tl.max(tl.max(tl.where(highest == highest, highest, 2.0), axis=1), axis=0)
+
+
+@triton.jit
+def _head_stats_kernel(
+    gram_part_ptr, entropy_part_ptr, worst_part_ptr,    # outputs: [N, P, H, H], [N, P, H], [N, P]
+    probs_ptr, mask_ptr, row_ref_ptr,                   # row_ref: [3, Tq] fp32 n, log2 n, log2(n)/n per row
+    H, Tq, Tk, rows_per_problem, tiles_per_problem, causal_offset,      # program grid: [P, N]
+    stride_pn, stride_pb, stride_ph, stride_pq, stride_pk,
+    stride_mn, stride_mb, stride_mq,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_K: tl.constexpr, GRAM_DOT: tl.constexpr,
+    ON_GPU: tl.constexpr, QUARTERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    GRAM_FLUSH_STEPS: tl.constexpr,
+):
+    # Persistent: program p of a problem takes its row tiles p, p + P, p + 2P, ... and keeps its sums
+    # in registers across them; one store per program at the end.
+    program = tl.program_id(0)                     # rows: 32-bit arithmetic (no 64-bit division per tile)
+    problem = tl.program_id(1).to(tl.int64)
+    programs = tl.num_programs(0)
+    PARTIAL_KEYS: tl.constexpr = CAUSAL or not EVEN_K
+    head = tl.arange(0, BLOCK_H)
+    # Column j of the slab is (row r, key offset kk); BLOCK_K is a power of two, so // and % are shifts.
+    j = tl.arange(0, BLOCK_R * BLOCK_K)
+    key_offset = j % BLOCK_K
+
+    # Gram sums: fp32 (the tensor cores' accumulator) within a row tile, float64 across a program's
+    # tiles. One fp32 chain over every tile of a program lost 1.3e-5 relative at GPT-2-small fp32 on an
+    # H200 (benchmarks/RESULTS.md); a tile's chain is Tk / BLOCK_K dots long.
+    gram = tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float32)
+    split_gram = tl.zeros((2 * BLOCK_H, BLOCK_H), dtype=tl.float32)   # [hi·hiᵀ; lo·hiᵀ] of the TF32 split
+    gram64 = tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float64)
+    split_gram64 = tl.zeros((2 * BLOCK_H, BLOCK_H), dtype=tl.float64)
+    # Register tiles, reduced once after the loop: no cross-thread reduction per iteration. The
+    # elementwise work runs on the QUARTERS quarters of the head axis that hold real heads (H = 12:
+    # three of four), only the dot sees the padded slab.
+    Q: tl.constexpr = BLOCK_H // 4
+    S: tl.constexpr = BLOCK_R * BLOCK_K
+    e0 = tl.zeros((Q, S), dtype=tl.float32)
+    e1 = tl.zeros((Q, S), dtype=tl.float32)
+    e2 = tl.zeros((Q, S), dtype=tl.float32)
+    e3 = tl.zeros((Q, S), dtype=tl.float32)
+    m0 = tl.zeros((Q, S), dtype=tl.float32)
+    m1 = tl.zeros((Q, S), dtype=tl.float32)
+    m2 = tl.zeros((Q, S), dtype=tl.float32)
+    m3 = tl.zeros((Q, S), dtype=tl.float32)
+    s0 = tl.zeros((Q,), dtype=tl.float64)
+    s1 = tl.zeros((Q,), dtype=tl.float64)
+    s2 = tl.zeros((Q,), dtype=tl.float64)
+    s3 = tl.zeros((Q,), dtype=tl.float64)
+    for tile in range(program, tiles_per_problem, programs):
+        row = tile * BLOCK_R + j // BLOCK_K
+        b = row // Tq
+        q = row % Tq
+        row_ok = row < rows_per_problem
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + problem * stride_mn + b.to(tl.int64) * stride_mb + q * stride_mq,
+                           mask=row_ok, other=0)
+            row_ok = row_ok & (keep != 0)
+
+        # The row's reference key count n: its entropy is accumulated relative to log n (see
+        # head_stats_ref), small terms for rows near uniform over their n keys. Keys past n are not
+        # read. In log2 units, term = (x log2 n - c) - x log2(n x) with c = log2(n) / n in fp32, one
+        # rounding each near zero; the launcher adds n c back (the same fp32 c, in float64) and
+        # multiplies by ln 2. Invalid rows read x = 0 and get log2 n = c = 0: their terms are 0.
+        n_f = tl.load(row_ref_ptr + q, mask=row_ok, other=1.0)[None, :]
+        log2_n = tl.load(row_ref_ptr + Tq + q, mask=row_ok, other=0.0)[None, :]
+        c = tl.load(row_ref_ptr + 2 * Tq + q, mask=row_ok, other=0.0)[None, :]
+        if CAUSAL:
+            n_keys = tl.minimum(tl.maximum(q + causal_offset + 1, 0), Tk)
+            key_end = tl.max(tl.where(row_ok, n_keys, 0), axis=0)
+        else:
+            n_keys = Tk
+            key_end = Tk
+
+        slab_ok = (head < H)[:, None] & row_ok[None, :]
+        # 64-bit: (H - 1) · stride_ph passes 2^31 at H = 40, T = 8192 (a 32-bit product wraps)
+        ptrs = (probs_ptr + problem * stride_pn + head.to(tl.int64)[:, None] * stride_ph
+                + (b.to(tl.int64) * stride_pb + q.to(tl.int64) * stride_pq)[None, :] + key_offset[None, :] * stride_pk)
+        for k0 in range(0, key_end, BLOCK_K):
+            if PARTIAL_KEYS:
+                ok = slab_ok & (k0 + key_offset < n_keys)[None, :]
+            else:
+                ok = slab_ok
+            x = tl.load(ptrs + tl.cast(k0, tl.int64) * stride_pk, mask=ok, other=0.0)   # transposed P: k0 · stride wraps
+            xf = _to_float32(x, ON_GPU)
+            if GRAM_DOT == "input":
+                # 16-bit products are exact in fp32; the tensor cores accumulate in fp32
+                gram += tl.dot(x, tl.trans(x))
+            elif GRAM_DOT == "tf32-split":
+                # fp32 on tensor cores: hi = x with the low 13 mantissa bits cleared (exact in TF32),
+                # lo = x - hi; G = hi·hiᵀ + M + Mᵀ with M = hi·loᵀ (lo·loᵀ, ~2^-22 relative, dropped).
+                hi = (xf.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+                lo = xf - hi
+                # One dot [hi; lo]·hiᵀ = [hi·hiᵀ; lo·hiᵀ]: two dots sharing an operand would make Triton
+                # give every warp the whole 16-row tile (4 warps: 4 times the tensor-core work)
+                stacked = tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), (2 * BLOCK_H, BLOCK_R * BLOCK_K))
+                split_gram += tl.dot(stacked, tl.trans(hi), input_precision="tf32")
+            else:
+                gram += tl.dot(xf, tl.trans(xf), input_precision="ieee")
+            if (k0 // BLOCK_K) % GRAM_FLUSH_STEPS == GRAM_FLUSH_STEPS - 1:
+                # fp32 chains of at most GRAM_FLUSH_KEYS keys: 64 steps of 64 keys lost 1.0e-5 (fp32)
+                # and 1.4e-5 (bf16) relative at T = 4096 on an H200, 16 steps 3.7e-6 / 4.9e-6
+                if GRAM_DOT == "tf32-split":
+                    split_gram64, split_gram = split_gram64 + split_gram.to(tl.float64), tl.zeros_like(split_gram)
+                else:
+                    gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
+            x0, x1, x2, x3 = _quarters(xf)
+            ok0, ok1, ok2, ok3 = _quarters(ok)
+            e0, m0 = _accumulate(e0, m0, x0, ok0, n_f, log2_n, c, PARTIAL_KEYS, ON_GPU)
+            if QUARTERS > 1:
+                e1, m1 = _accumulate(e1, m1, x1, ok1, n_f, log2_n, c, PARTIAL_KEYS, ON_GPU)
+            if QUARTERS > 2:
+                e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, c, PARTIAL_KEYS, ON_GPU)
+            if QUARTERS > 3:
+                e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, c, PARTIAL_KEYS, ON_GPU)
+        if GRAM_DOT == "tf32-split":
+            split_gram64, split_gram = split_gram64 + split_gram.to(tl.float64), tl.zeros_like(split_gram)
+        else:
+            gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
+        # Each tile's entropy sums go to float64 per-head sums: terms of rows far from uniform over
+        # their n keys (masked keys without the causal hint) are not small, and fp32 sums over all
+        # of a program's tiles lose σ_H (6.6e-4 instead of 1.4e-4 at near-uniform causal [2,2,8,64,64])
+        s0, e0 = s0 + tl.sum(e0, axis=1).to(tl.float64), tl.zeros((Q, S), dtype=tl.float32)
+        if QUARTERS > 1:
+            s1, e1 = s1 + tl.sum(e1, axis=1).to(tl.float64), tl.zeros((Q, S), dtype=tl.float32)
+        if QUARTERS > 2:
+            s2, e2 = s2 + tl.sum(e2, axis=1).to(tl.float64), tl.zeros((Q, S), dtype=tl.float32)
+        if QUARTERS > 3:
+            s3, e3 = s3 + tl.sum(e3, axis=1).to(tl.float64), tl.zeros((Q, S), dtype=tl.float32)
+
+    if GRAM_DOT == "tf32-split":
+        hi_hi, lo_hi = tl.split(tl.permute(tl.reshape(split_gram64, (2, BLOCK_H, BLOCK_H)), (1, 2, 0)))
+        gram64 = hi_hi + lo_hi + tl.trans(lo_hi)
+    w0 = _worst(m0)
+    w1 = _worst(m1)
+    w2 = _worst(m2)
+    w3 = _worst(m3)
+    # One number per program, > 1 when it saw a bad entry: the largest entry, 2 for NaN or a
+    # non-finite entropy
+    worst = tl.maximum(tl.maximum(w0, w1), tl.maximum(w2, w3))
+    total = tl.sum(s0, axis=0) + tl.sum(s1, axis=0) + tl.sum(s2, axis=0) + tl.sum(s3, axis=0)
+    worst = tl.where(total - total == 0, worst, 2.0)
+    part = problem * programs + program.to(tl.int64)
+    quarter_h = tl.arange(0, Q)
+    tl.store(entropy_part_ptr + part * H + quarter_h, s0, mask=quarter_h < H)
+    tl.store(entropy_part_ptr + part * H + Q + quarter_h, s1, mask=Q + quarter_h < H)
+    tl.store(entropy_part_ptr + part * H + 2 * Q + quarter_h, s2, mask=2 * Q + quarter_h < H)
+    tl.store(entropy_part_ptr + part * H + 3 * Q + quarter_h, s3, mask=3 * Q + quarter_h < H)
+    out_h = tl.arange(0, BLOCK_H)
+    gram_ptrs = gram_part_ptr + part * H * H + out_h[:, None] * H + out_h[None, :]
+    tl.store(gram_ptrs, gram64, mask=(out_h[:, None] < H) & (out_h[None, :] < H))
+    tl.store(worst_part_ptr + part, worst)
+
+
+# Slab of about this many elements per program: enough work per load, few enough registers for the
+# slab, its two register-tile accumulators and the dot operands (checked: `fastdiag bench --kernel-report`).
+_SLAB_ELEMENTS = 4096
+# Keys per step: a tile of BLOCK_R rows takes Tk / BLOCK_K steps, and the per-tile work (row data,
+# pipeline start) is paid once per tile. 64 keys (128 B of bf16 per head row) and several rows per
+# slab: GPT-2-small bf16 costs 11.3 instructions per element in the loop, 11.8 with the per-tile work
+# (256 keys, one row per slab: 11.5 and 13.2; `fastdiag bench --kernel-report`).
+_MAX_BLOCK_K = 64
+
+
+def _block_sizes(h: int, rows: int, tk: int, element_bytes: int) -> tuple[int, int, int]:
+    block_h = max(16, triton.next_power_of_2(h))               # tl.dot needs >= 16
+    slab = _SLAB_ELEMENTS // block_h
+    if element_bytes == 4:
+        slab //= 2   # fp32: the TF32 split's stacked [hi; lo] operand doubles the dot's registers
+    if tk < 64:
+        slab //= 2   # short rows: many rows per slab, each column carries its row's data
+    block_k = min(_MAX_BLOCK_K, max(1, triton.next_power_of_2(tk)), slab)
+    block_r = max(1, min(slab // block_k, triton.next_power_of_2(rows)))
+    block_r = max(block_r, triton.cdiv(16, block_k))           # slab width >= 16 for tl.dot
+    return block_h, block_r, block_k
+
+
+def row_references(tq: int, tk: int, causal: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row: the kernel's table ``[3, Tq]`` fp32 (n, log2 n, c = log2(n) / n; n = the keys the
+    row may see, at least 1) and, float64 ``[Tq]``, the reference ``n · c`` computed from that same fp32
+    c, which the kernel leaves out of each row's entropy (log2 units)."""
+    n_keys = torch.full((tq,), tk, dtype=torch.float64, device=device)
+    if causal:
+        q = torch.arange(tq, dtype=torch.float64, device=device)
+        n_keys = (q + causal_keys(tq, tk) + 1).clamp(0, tk)
+    n_keys = n_keys.clamp_min(1)
+    table = torch.stack([n_keys, n_keys.log2(), n_keys.log2() / n_keys]).float()
+    return table, n_keys * table[2].double()
+
+
+def _gram_dot(dtype: torch.dtype) -> str:
+    if dtype in (torch.float16, torch.bfloat16) and not INTERPRETING:
+        return "input"
+    if dtype == torch.float32:
+        return "tf32-split"       # under the interpreter too: the split's arithmetic is tested there
+    return "ieee"
+
+
+_NUM_WARPS = 4            # Triton's default; 8 would repeat the 16x16 dot in every warp
+_INTERPRETER_PROGRAMS = 3  # few programs under the interpreter, so that each takes several tiles
+_RESIDENT: dict = {}       # (device, constexprs) -> programs the GPU holds at once
+
+
+def _resident_programs(device: torch.device, args: tuple, constexprs: dict) -> int:
+    """SMs × programs per SM (registers, shared memory and threads of the compiled kernel), as in the
+    Triton softmax tutorial: a grid that is resident all at once, no tail wave."""
+    if device.type != "cuda":
+        return _INTERPRETER_PROGRAMS
+    key = (device.index, tuple(sorted(constexprs.items())))
+    if key not in _RESIDENT:
+        props = torch.cuda.get_device_properties(device)
+        kernel = _head_stats_kernel.warmup(*args, grid=(1, 1), num_warps=_NUM_WARPS, **constexprs)
+        kernel._init_handles()
+        threads = 32 * _NUM_WARPS
+        registers = triton.cdiv(kernel.n_regs, 8) * 8 * threads      # allocated per warp in steps of 256
+        per_sm = min(props.regs_per_multiprocessor // registers, props.max_threads_per_multi_processor // threads)
+        if kernel.metadata.shared:
+            shared = getattr(props, "shared_memory_per_multiprocessor", 0) or props.shared_memory_per_block_optin
+            per_sm = min(per_sm, shared // kernel.metadata.shared)
+        _RESIDENT[key] = props.multi_processor_count * max(1, per_sm)
+    return _RESIDENT[key]
+
+
+def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = None, causal: bool = False):
+    """Launch the fused kernel. ``probs [N, B, H, Tq, Tk]``, ``query_mask`` bool ``[N or 1, B, Tq]``.
+    ``causal``: keys after the causal diagonal are zero and are not read."""
+    n, b, h, tq, tk = probs.shape
+    rows = b * tq
+    block_h, block_r, block_k = _block_sizes(h, rows, tk, probs.element_size())
+    tiles = triton.cdiv(rows, block_r)
+    device = probs.device
+    constexprs = dict(
+        HAS_MASK=query_mask is not None, CAUSAL=causal, EVEN_K=tk % block_k == 0,
+        GRAM_DOT=_gram_dot(probs.dtype), ON_GPU=not INTERPRETING,
+        QUARTERS=triton.cdiv(h, block_h // 4), BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_K=block_k,
+        GRAM_FLUSH_STEPS=max(1, GRAM_FLUSH_KEYS // block_k))
+    if query_mask is not None:
+        valid = query_mask.expand(n, b, tq)
+        mask, mask_strides = valid.view(torch.uint8), valid.stride()
+    else:
+        valid = torch.ones(1, 1, 1, dtype=torch.bool, device=device).expand(n, b, tq)
+        mask, mask_strides = probs, (0, 0, 0)   # never read
+    row_table, row_reference = row_references(tq, tk, causal, device)
+    inputs = (probs, mask, row_table, h, tq, tk, rows, tiles, causal_keys(tq, tk), *probs.stride(), *mask_strides)
+    f32 = dict(dtype=torch.float32, device=device)
+    outputs = [torch.empty(0, dtype=dtype, device=device) for dtype in (torch.float64, torch.float64, torch.float32)]
+    programs = min(tiles, max(1, _resident_programs(device, (*outputs, *inputs), constexprs) // n))
+    gram_part = torch.empty(n, programs, h, h, dtype=torch.float64, device=device)
+    entropy_part = torch.empty(n, programs, h, dtype=torch.float64, device=device)
+    worst_part = torch.empty(n, programs, **f32)         # per program: > 1 when it saw a bad entry
+    _head_stats_kernel[(programs, n)](gram_part, entropy_part, worst_part, *inputs, num_warps=_NUM_WARPS, **constexprs)
+    gram = gram_part.sum(1).float()
+    reference = (valid.to(torch.float64) * row_reference).sum(dim=(1, 2))
+    entropy_sum = (entropy_part.sum(1, dtype=torch.float64) + reference[:, None]) * math.log(2)
+    invalid = (worst_part > 1).sum(1).to(torch.float32)    # programs that saw a bad entry
+    valid_rows = valid.sum(dim=(1, 2)).to(torch.float32)
+    return gram, entropy_sum, valid_rows, invalid

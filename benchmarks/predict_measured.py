@@ -1,0 +1,171 @@
+"""The kernel report's prediction beside what the H200 measured (benchmarks/RESULTS.md, run 4).
+
+    python benchmarks/predict_measured.py [--qk] [--json]
+
+Recompiles, without a GPU, the launches that were measured — commit 0c79385's head_stats and Q/K
+launchers (benchmarks/measured/, ``git show 0c79385:...``) at the measured shapes, for sm_90 — and
+prints predicted against measured time (graph ms) and the ratio. The same for today's launchers
+(``now``) at the same shapes: predicted only. Under TRITON_INTERPRET=1 nothing compiles: unset it.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+import triton
+
+from fastdiag import kernel_report as report
+from fastdiag.core.kernels import head_stats_triton, qk_stats_triton
+from fastdiag.kernel_report.predict import predict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# (shape, dims [N, B, H, T, T], dtype, graph ms, copy ms): RESULTS.md, "Speed", the H200 rows
+HEAD_STATS_MEASURED = [
+    ("gpt2-small", (1, 8, 12, 1024, 1024), torch.bfloat16, 0.567, 0.106),
+    ("gpt2-small", (1, 8, 12, 1024, 1024), torch.float32, 1.65, 0.203),
+    ("long-context", (1, 1, 16, 4096, 4096), torch.bfloat16, 1.13, 0.265),
+    ("long-context", (1, 1, 16, 4096, 4096), torch.float32, 3.17, 0.529),
+]
+# (shape, [B, H, T, D], pass 1 + 2 graph ms, SDPA flash ms): bf16 causal
+QK_MEASURED = [
+    ("gpt2-small", (8, 12, 1024, 64), 0.394, 0.124),
+    ("long-context", (1, 16, 4096, 128), 1.02, 0.376),
+]
+# The issue-38 targets (predicted): Q/K pass 2 at the flash forward's cost, and a Llama-size 4k layer
+QK_TARGETS = [("gpt2-small", (8, 12, 1024, 64), 0.124), ("llama-4k", (1, 32, 4096, 128), 0.5)]
+
+
+def measured_module(name: str):
+    """benchmarks/measured/<name>.py, the launcher as it was measured."""
+    full = f"measured_{name}"
+    if full not in sys.modules:
+        spec = importlib.util.spec_from_file_location(full, os.path.join(HERE, "measured", f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+    return sys.modules[full]
+
+
+def _predict(row, elements: float, read_bytes: float, copy_bytes: float | None = None, arch: int = 90):
+    instructions = (row.tile_instructions_per_element or row.instructions_per_element) / 32
+    return predict(report.GPUS[arch], elements, row.wavefronts_per_element, instructions, read_bytes, copy_bytes)
+
+
+def head_stats_rows(module, arch: int = 90) -> list[dict]:
+    """Each measured head_stats shape launched by ``module``'s launcher, compiled and predicted."""
+    out = []
+    for shape, dims, dtype, graph_ms, copy_ms in HEAD_STATS_MEASURED:
+        n, b, h, t, _ = dims
+
+        def launch(dims=dims, dtype=dtype):
+            module.head_stats_triton(torch.empty(dims, dtype=dtype), None, False)
+
+        case = report.ReportCase("head_stats", shape, str(dtype).replace("torch.", ""), dtype.itemsize, launch,
+                                 lambda c, h=h: h * c["BLOCK_R"] * c["BLOCK_K"])
+        row = report.report_case(case, report.GPUS[arch])
+        elements = n * b * h * t * t
+        p = _predict(row, elements, elements * dtype.itemsize, arch=arch)
+        out.append(dict(kernel="head_stats", shape=shape, dtype=case.dtype, measured_ms=graph_ms,
+                        predicted_ms=1e3 * p.seconds, ratio=1e3 * p.seconds / graph_ms, bound=p.bound,
+                        measured_pct_of_copy=100 * copy_ms / graph_ms, predicted_pct_of_copy=100 * p.fraction_of_copy,
+                        wavefronts_per_element=row.wavefronts_per_element, conflicts=row.conflict_factor,
+                        registers=row.registers, spill_bytes=row.spill_bytes))
+    return out
+
+
+def _qk_launches(module, dims, lse_given: bool):
+    """Pass 1 (unless ``lse_given``) and pass 2's launches of ``module`` at ``dims``, bf16 causal."""
+    b, h, t, d = dims
+    q = torch.empty(b, h, t, d, dtype=torch.bfloat16)
+
+    def pass1():
+        module.row_lse_triton(q, q, None, True, d ** -0.5)
+
+    def pass2():
+        module.qk_stats_triton(q, q, None, True, d ** -0.5, lse=torch.empty(b, h, t))
+
+    launches = [] if lse_given else [("qk_lse", pass1, 0)]
+    cfg = module.pass2_configs(h, h, d, torch.bfloat16, report.GPU["shared_bytes"])[0] \
+        if "explicit_mask" in module.pass2_configs.__code__.co_varnames else None
+    launches.append(("qk_stats", pass2, 0))
+    if cfg is not None and cfg["BLOCK_HK"] * cfg["BLOCK_G"] < h:
+        launches.append(("qk_stats off-diagonal", pass2, 1))
+    return launches
+
+
+def qk_rows(module, shapes, lse_given: bool = False, arch: int = 90) -> list[dict]:
+    """Pass 1 + 2 of ``module`` (bf16 causal) at ``shapes`` [(name, dims, measured or target ms, ...)]:
+    per launch, scores = the programs' padded head blocks x rows x keys of the causal triangle."""
+    out = []
+    for shape, dims, reference_ms, *_ in shapes:
+        b, h, t, d = dims
+        total = 0.0
+        parts = []
+        for kernel, launch, index in _qk_launches(module, dims, lse_given):
+            case = report.ReportCase(kernel, shape, "bfloat16", 2, launch,
+                                     lambda c: c["BLOCK_HK"] * c["BLOCK_G"] * c["BLOCK_M"] * c["BLOCK_N"],
+                                     launch_index=index)
+            row = report.report_case(case, report.GPUS[arch])
+            c = row.constexprs
+            block = c["BLOCK_HK"] * c["BLOCK_G"]
+            blocks = triton.cdiv(h, block)
+            held = blocks * block if index == 0 else blocks * (blocks - 1) // 2 * 2 * block   # off-diagonal: two blocks
+            if kernel == "qk_lse":
+                held = h
+            rows_tile, keys_tile = c["BLOCK_M"], c["BLOCK_N"]
+            tiles = triton.cdiv(t, rows_tile)
+            # causal: query tile i reads keys up to its last row, whole key tiles
+            keys = sum(min(t, triton.cdiv((i + 1) * rows_tile, keys_tile) * keys_tile) for i in range(tiles))
+            scores = b * held * rows_tile * keys
+            p = _predict(row, scores, 2 * b * h * t * d * 2)
+            total += p.seconds
+            parts.append(f"{kernel} {1e3 * p.seconds:.3f} ms ({p.bound}, {row.wavefronts_per_element:.3f} wavefr/score, "
+                         f"{row.conflict_factor:.1f}x conflicts, {row.registers} regs, {row.spill_bytes} B spilled)")
+        out.append(dict(kernel="qk pass 1 + 2" if not lse_given else "qk pass 2", shape=shape, dims=list(dims),
+                        reference_ms=reference_ms, predicted_ms=1e3 * total, ratio=1e3 * total / reference_ms,
+                        parts=parts))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--qk", action="store_true", help="also the Q/K launches")
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--json", action="store_true", help="JSON lines instead of the table")
+    ap.add_argument("--measured-only", action="store_true", help="only the launches that were measured")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        sys.exit("predict_measured: kernels cannot be compiled under TRITON_INTERPRET=1; unset it")
+    rows = [dict(r, launcher="0c79385") for r in head_stats_rows(measured_module("head_stats_0c79385"))]
+    if not args.measured_only:
+        rows += [dict(r, launcher="now") for r in head_stats_rows(head_stats_triton, args.arch)]
+    if args.qk and args.measured_only:
+        rows += [dict(r, launcher="0c79385") for r in qk_rows(measured_module("qk_stats_0c79385"), QK_MEASURED)]
+    elif args.qk:
+        rows += [dict(r, launcher="0c79385") for r in qk_rows(measured_module("qk_stats_0c79385"), QK_MEASURED)]
+        rows += [dict(r, launcher="now") for r in qk_rows(qk_stats_triton, QK_MEASURED + QK_TARGETS[1:], arch=args.arch)]
+        rows += [dict(r, launcher="now, LSE given") for r in qk_rows(qk_stats_triton, QK_TARGETS, lse_given=True,
+                                                                     arch=args.arch)]
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    print(f"triton {triton.__version__}, sm_{args.arch}; PREDICTED (kernel report) beside the H200's measured graph ms")
+    for r in rows:
+        if r["kernel"] == "head_stats":
+            print(f"{r['launcher']:<8} head_stats {r['shape']:<13} {r['dtype']:<9} measured {r['measured_ms']:.3f} ms "
+                  f"({r['measured_pct_of_copy']:.1f} % of copy)  predicted {r['predicted_ms']:.3f} ms "
+                  f"({r['predicted_pct_of_copy']:.1f} %, {r['bound']})  predicted/measured {r['ratio']:.2f}  "
+                  f"{r['wavefronts_per_element']:.3f} wavefr/elem, {r['conflicts']:.1f}x conflicts, "
+                  f"{r['registers']} regs, {r['spill_bytes']} B spilled")
+        else:
+            print(f"{r['launcher']:<8} {r['kernel']} {r['shape']} {r['dims']}: reference {r['reference_ms']:.3f} ms, "
+                  f"predicted {r['predicted_ms']:.3f} ms ({r['ratio']:.2f}x); " + "; ".join(r["parts"]))
+
+
+if __name__ == "__main__":
+    main()

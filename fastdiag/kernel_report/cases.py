@@ -1,0 +1,162 @@
+"""The launches the kernel report compiles: each launcher called on CPU tensors of a benchmark or
+model shape (captured, never run), for every variant and dtype a caller can reach."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from fastdiag.core.kernels.device import DEFAULT_ARCH, GPUS
+from fastdiag.core.kernels.head_stats_triton import head_stats_triton
+from fastdiag.core.kernels.qk_stats_triton import (pass1_fits, pass2_configs, qk_stats_triton,
+                                                    row_lse_triton)
+
+from . import KernelReport, ReportCase, report_case
+
+# ---- the kernel report (`fastdiag bench --kernel-report`): this launcher at the benchmark shapes --
+
+# Variants a launch can take: (causal, query mask). Causal with a query mask is the heaviest loop
+# (per-element key bound and row validity).
+HEAD_STATS_VARIANTS = {"plain": (False, False), "causal+qmask": (True, True)}
+
+
+def head_stats_cases(shapes: dict, quick: bool = True) -> list[ReportCase]:
+    """This launcher at ``shapes`` ``{name: (N, B, H, T)}``: fp32, fp16, bf16 plain (``quick``), or every
+    variant of `HEAD_STATS_VARIANTS` in fp32, fp16, bf16 and fp64 (the IEEE Gram dot)."""
+    cases = []
+    dtypes = (torch.float32, torch.float16, torch.bfloat16) + (() if quick else (torch.float64,))
+    variants = ("plain",) if quick else tuple(HEAD_STATS_VARIANTS)
+    for shape, (n, b, h, t) in shapes.items():
+        for variant in variants:
+            causal, qmask = HEAD_STATS_VARIANTS[variant]
+            for dtype in dtypes:
+                def launch(dims=(n, b, h, t, t), dtype=dtype, causal=causal, qmask=qmask):
+                    mask = torch.empty(1, dims[1], dims[3], dtype=torch.bool) if qmask else None
+                    head_stats_triton(torch.empty(dims, dtype=dtype), mask, causal)  # captured, never run
+
+                def elements_per_iteration(constexprs, h=h):
+                    return h * constexprs["BLOCK_R"] * constexprs["BLOCK_K"]
+
+                def tile(constexprs, h=h, t=t):     # a tile: BLOCK_R rows of all keys (not causal)
+                    return h * constexprs["BLOCK_R"] * t, triton.cdiv(t, constexprs["BLOCK_K"])
+
+                label = shape if variant == "plain" else f"{shape} {variant}"
+                cases.append(ReportCase("head_stats", label, str(dtype).replace("torch.", ""),
+                                        dtype.itemsize, launch, elements_per_iteration, tile))
+    return cases
+
+
+def _head_stats_bench_cases(shapes: dict) -> list[ReportCase]:
+    return head_stats_cases(shapes, quick=True)
+
+
+# ---- the kernel report: what a GPU launch of these launchers compiles, for each target -----------
+
+# Model shapes of `kernel_report`, (H, Hk, D, T): GPT-2-small, Llama-7B, Llama-3-8B (grouped-query) and a 4k context.
+REPORT_SHAPES = {
+    "gpt2-small": (12, 12, 64, 1024),
+    "llama-7b": (32, 32, 128, 1024),
+    "llama-3-8b": (32, 8, 128, 1024),
+    "long-context": (16, 16, 128, 4096),
+}
+# Every variant a launch can take: (causal, query rows mask, explicit mask kind).
+REPORT_VARIANTS = {
+    "causal": (True, False, None),               # what the zoo and HF causal models call
+    "plain": (False, False, None),
+    "causal+rows": (True, True, None),           # a query mask (padding): pass 2 only reads it
+    "bool-mask": (False, False, "bool"),
+    "additive-mask": (False, False, "additive"),
+}
+REPORT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)     # float64 runs as float32 (`_dot_inputs`)
+# Head dims of the models behind the benchmark shapes (`fastdiag bench --kernel-report`).
+_BENCH_HEAD_DIM = {"gpt2-small": 64, "long-context": 128}
+
+
+def _scores_per_iteration(constexprs: dict) -> int:
+    return constexprs["BLOCK_HK"] * constexprs["BLOCK_G"] * constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
+
+
+def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dtype = torch.bfloat16,
+           variant: str = "causal", shared_limit: int = GPUS[DEFAULT_ARCH]["shared_bytes"]) -> list[ReportCase]:
+    """Pass 1 and pass 2 (diagonal head blocks) of one variant. An "element" is one score (one query
+    row, key and head), so the ceiling reads: how fast these kernels cover the probabilities
+    compared with the probabilities kernel streaming a materialised P at copy bandwidth. A variant
+    that changes only pass 2 (query rows) reports pass 2 alone; pass 2 is left out where no tile fits
+    ``shared_limit`` (it runs on `qk_stats_torch` there: `torch_pass2_cases`)."""
+    causal, rows, mask_kind = REPORT_VARIANTS[variant]
+    q = torch.empty(b, h, t, d, dtype=dtype)
+    k = torch.empty(b, hk, t, d, dtype=dtype)
+    mask = None if mask_kind is None else torch.empty(b, 1, t, t, dtype=torch.bool if mask_kind == "bool" else dtype)
+    rows_ok = torch.empty(b, t, dtype=torch.bool) if rows else None
+    label = shape if variant == "causal" else f"{shape} {variant}"
+    name = str(dtype).replace("torch.", "")
+
+    def pass1():
+        row_lse_triton(q, k, mask, causal, d ** -0.5)                # captured, never run
+
+    def pass2():
+        lse = torch.empty(q.shape[:3], dtype=torch.float32)          # a given LSE: pass 2 launches first
+        qk_stats_triton(q, k, mask, causal, d ** -0.5, rows_ok=rows_ok, lse=lse)
+
+    cases = []
+    configs = pass2_configs(h, hk, d, dtype, shared_limit, mask_kind is not None)
+    if configs:
+        cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, _scores_per_iteration))
+    if configs and configs[0]["BLOCK_HK"] < hk:
+        # heads in blocks: the off-diagonal programs are a second launch, of two blocks' scores each
+        # (per score of one block, as the diagonal's)
+        cases.append(ReportCase("qk_stats", f"{label} off-diagonal", name, dtype.itemsize, pass2,
+                                _scores_per_iteration, launch_index=1))
+    if not rows and pass1_fits(dtype, shared_limit):
+        cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, _scores_per_iteration))
+    return cases
+
+
+def torch_path_cases(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,),
+                     dtypes=REPORT_DTYPES) -> list[str]:
+    """``"sm_86 llama-7b bfloat16 pass 2"`` for each target, shape, dtype and pass that no Triton tile
+    fits: it runs on `qk_stats_torch` there (exact, slower), so the report has no row for it."""
+    out = []
+    for arch in archs:
+        limit = GPUS[arch]["shared_bytes"]
+        for shape, (h, hk, d, _t) in shapes.items():
+            for dtype in dtypes:
+                name = f"sm_{arch} {shape} {str(dtype).replace('torch.', '')}"
+                if not pass1_fits(dtype, limit):
+                    out.append(f"{name} passes 1 + 2")
+                elif not pass2_configs(h, hk, d, dtype, limit):
+                    out.append(f"{name} pass 2")
+    return out
+
+
+def _qk_bench_cases(shapes: dict) -> list[ReportCase]:
+    """At the benchmark shapes, bf16 causal; those too short for a key loop (the grokking task's T = 3,
+    whose zoo model never calls SDPA) are left out."""
+    return [case for shape, (_n, b, h, t) in shapes.items() if t >= 256
+            for case in _cases(shape, b, h, h, t, _BENCH_HEAD_DIM.get(shape, 64))]
+
+
+def qk_report(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,), variants=("causal",),
+                  dtypes=(torch.bfloat16,), progress=lambda _: None) -> list[KernelReport]:
+    """Pass 1 and pass 2 at model shapes ``{name: (H, Hk, D, T)}`` (B 1), for each target of ``archs``
+    (`device.GPUS`), variant and dtype, compiled without a GPU exactly as a launch on that target would
+    compile them (its shared memory chooses the tiles, specialisation included): registers, spill
+    bytes, shared memory, hot-loop instructions and shared-memory bytes per score."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise ValueError("qk_report: kernels cannot be compiled under TRITON_INTERPRET=1; unset it")
+    unknown = [a for a in archs if a not in GPUS]
+    if unknown:
+        raise ValueError(f"archs: must be some of {sorted(GPUS)}, got {list(archs)}")
+    rows = []
+    for arch in archs:
+        for shape, (h, hk, d, t) in shapes.items():
+            for variant in variants:
+                for dtype in dtypes:
+                    for case in _cases(shape, 1, h, hk, t, d, dtype, variant, GPUS[arch]["shared_bytes"]):
+                        progress(f"sm_{arch} {case.kernel} {case.shape} {case.dtype}")
+                        rows.append(report_case(case, GPUS[arch]))
+    return rows
+
+# What `registered_cases` (``fastdiag bench --kernel-report``) reports at the benchmark shapes
+BENCH_CASES = (_head_stats_bench_cases, _qk_bench_cases)
