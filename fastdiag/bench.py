@@ -118,7 +118,7 @@ def bench_kernel(shape_name: str, dims: tuple, dtype: torch.dtype, device: torch
 # ---- kernel report: compiled for the GPU here, no GPU needed ------------------------------------
 
 def kernel_report(shape_names: list[str], progress: Callable[[str], None] = print) -> list:
-    """`fastdiag.core.kernels.report` of every registered Triton kernel at these benchmark shapes."""
+    """`fastdiag.kernel_report` of every Triton kernel at these benchmark shapes."""
     return _report.kernel_report({name: KERNEL_SHAPES[name] for name in shape_names}, progress=progress)
 
 
