@@ -52,7 +52,8 @@ def measured_module(name: str):
 
 def _predict(row, elements: float, read_bytes: float, copy_bytes: float | None = None, arch: int = 90):
     instructions = (row.tile_instructions_per_element or row.instructions_per_element) / 32
-    return predict(report.GPUS[arch], elements, row.wavefronts_per_element, instructions, read_bytes, copy_bytes)
+    return predict(report.GPUS[arch], elements, row.wavefronts_per_element, instructions, read_bytes, copy_bytes,
+                   row.in_flight_per_sm)
 
 
 def head_stats_rows(module, arch: int = 90) -> list[dict]:
@@ -73,7 +74,8 @@ def head_stats_rows(module, arch: int = 90) -> list[dict]:
                         predicted_ms=1e3 * p.seconds, ratio=1e3 * p.seconds / graph_ms, bound=p.bound,
                         measured_pct_of_copy=100 * copy_ms / graph_ms, predicted_pct_of_copy=100 * p.fraction_of_copy,
                         wavefronts_per_element=row.wavefronts_per_element, conflicts=row.conflict_factor,
-                        registers=row.registers, spill_bytes=row.spill_bytes))
+                        registers=row.registers, spill_bytes=row.spill_bytes,
+                        in_flight_kb_per_sm=row.in_flight_per_sm / 1024, latency_ms=1e3 * p.latency_s))
     return out
 
 
@@ -161,7 +163,8 @@ def main() -> None:
                   f"({r['measured_pct_of_copy']:.1f} % of copy)  predicted {r['predicted_ms']:.3f} ms "
                   f"({r['predicted_pct_of_copy']:.1f} %, {r['bound']})  predicted/measured {r['ratio']:.2f}  "
                   f"{r['wavefronts_per_element']:.3f} wavefr/elem, {r['conflicts']:.1f}x conflicts, "
-                  f"{r['registers']} regs, {r['spill_bytes']} B spilled")
+                  f"{r['registers']} regs, {r['spill_bytes']} B spilled, {r['in_flight_kb_per_sm']:.0f} KB in flight/SM "
+                  f"(latency bound {r['latency_ms']:.3f} ms)")
         else:
             print(f"{r['launcher']:<8} {r['kernel']} {r['shape']} {r['dims']}: reference {r['reference_ms']:.3f} ms, "
                   f"predicted {r['predicted_ms']:.3f} ms ({r['ratio']:.2f}x); " + "; ".join(r["parts"]))

@@ -47,7 +47,8 @@ def test_counts_come_from_the_compile(rows):
         instructions = r.tile_instructions_per_element or r.instructions_per_element
         assert r.issue_ceiling == pytest.approx(report.issue_ceiling(instructions, element_bytes))
         assert r.shared_ceiling == pytest.approx(report.shared_ceiling(r.wavefronts_per_element, element_bytes))
-        assert r.ceiling_fraction_of_copy == pytest.approx(min(r.issue_ceiling, r.shared_ceiling, r.dram_ceiling))
+        assert r.ceiling_fraction_of_copy == pytest.approx(min(r.issue_ceiling, r.shared_ceiling, r.dram_ceiling,
+                                                               r.latency_ceiling))
         assert r.wavefronts_per_element > 0 and r.conflict_factor >= 1
         if r.kernel == "head_stats":    # persistent: the tile loop is found, and costs at least its steps
             assert r.tile_instructions_per_element >= r.instructions_per_element

@@ -37,7 +37,7 @@ from typing import Callable
 
 from fastdiag.core.kernels.device import DEFAULT_ARCH, GPUS
 
-from .predict import EFFICIENCY, predict
+from .predict import EFFICIENCY, LATENCY_S, predict, resident_warps
 from .wavefronts import loop_wavefronts
 
 GPU = GPUS[DEFAULT_ARCH]          # the default target (the GPU lent to this project)
@@ -213,6 +213,8 @@ class KernelReport:
     dram_ceiling: float = 0.0                # the bytes read per element at copy bandwidth
     predicted_ms: float | None = None        # the whole launch (`predict`), None where the case gives no size
     predicted_bound: str = ""
+    in_flight_per_sm: float = 0.0            # bytes requested and not yet arrived, per SM (`predict`)
+    latency_ceiling: float = 0.0
 
     def row(self) -> dict:
         return asdict(self)
@@ -353,6 +355,16 @@ def dram_ceiling(read_bytes_per_element: float, element_bytes: float, gpu: dict 
     return _copy_seconds_per_element(element_bytes, gpu) / (read_bytes_per_element / gpu["read_bandwidth"])
 
 
+def latency_ceiling(read_bytes_per_element: float, in_flight_per_sm: float, element_bytes: float,
+                    gpu: dict = GPU) -> float:
+    """Fraction of the copy's speed that ``in_flight_per_sm`` bytes per SM sustain at one memory
+    latency (`predict.LATENCY_S`) each."""
+    if read_bytes_per_element <= 0 or in_flight_per_sm <= 0:
+        return float("inf")
+    per_element = read_bytes_per_element * LATENCY_S / (gpu["sms"] * in_flight_per_sm)
+    return _copy_seconds_per_element(element_bytes, gpu) / per_element
+
+
 def _compile(fn, args: dict, gpu: dict):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -409,16 +421,19 @@ def report_case(case: ReportCase, gpu: dict = GPU) -> KernelReport:
     issue = issue_ceiling(per_element_with_tile or per_element, case.element_bytes, gpu)
     served = shared_ceiling(wavefronts, case.element_bytes, gpu)
     dram = dram_ceiling(read_per_element, case.element_bytes, gpu)
-    ceiling, bound = min((dram, "dram"), (served, "shared"), (issue, "issue"))
+    warps = resident_warps(registers, options["num_warps"], shared, gpu, gpu["blocks_per_sm"])
+    in_flight = warps * waves.global_bytes * max(1, options["num_stages"] - 1)
+    latency = latency_ceiling(read_per_element, in_flight, case.element_bytes, gpu)
+    ceiling, bound = min((dram, "dram"), (served, "shared"), (issue, "issue"), (latency, "latency"))
     predicted_ms = None
     if case.elements:
         predicted_ms = 1e3 * predict(gpu, case.elements, wavefronts, (per_element_with_tile or per_element) / 32,
-                                     case.read_bytes).seconds
+                                     case.read_bytes, in_flight_per_sm=in_flight).seconds
     return KernelReport(case.kernel, case.shape, case.dtype, fn.fn.__name__, options["num_warps"],
                         {k: v for k, v in constexprs.items() if k.isupper()},
                         registers, spills, shared, loop, elements, per_element, ceiling,
                         per_element_with_tile, gpu["arch"], gpu["name"], gpu["shared_bytes"], shared_per_element,
-                        issue, served, wavefronts, conflicts, dram, predicted_ms, bound)
+                        issue, served, wavefronts, conflicts, dram, predicted_ms, bound, in_flight, latency)
 
 
 def kernel_report(shapes: dict, progress: Callable[[str], None] = lambda _: None,
@@ -448,7 +463,7 @@ def _percent(x: float) -> str:
 def format_report(rows: list[KernelReport]) -> str:
     head = (f"{'arch':<6} {'kernel':<11} {'shape':<22} {'dtype':<9} {'warps':>5} {'regs':>5} {'spill B':>7} "
             f"{'smem/limit KB':>13} {'instr/elem':>10} {'wavefr/elem':>11} {'conflicts':>9} "
-            f"{'issue':>6} {'smem':>6} {'dram':>6} {'predicted':>9} {'bound':>6} {'pred. ms':>8}")
+            f"{'issue':>6} {'smem':>6} {'dram':>6} {'latency':>7} {'predicted':>9} {'bound':>7} {'pred. ms':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         over = " OVER" if r.shared_bytes > r.shared_limit else ""
@@ -458,7 +473,8 @@ def format_report(rows: list[KernelReport]) -> str:
                      f"{(r.tile_instructions_per_element or r.instructions_per_element):>10.1f} "
                      f"{r.wavefronts_per_element:>11.3f} {r.conflict_factor:>8.1f}x "
                      f"{_percent(r.issue_ceiling):>6} {_percent(r.shared_ceiling):>6} {_percent(r.dram_ceiling):>6} "
-                     f"{_percent(r.ceiling_fraction_of_copy):>9} {r.predicted_bound:>6} {ms:>8}")
+                     f"{_percent(r.latency_ceiling):>7} {_percent(r.ceiling_fraction_of_copy):>9} {r.predicted_bound:>7} "
+                     f"{ms:>8}")
     for arch in sorted({r.arch for r in rows}):
         g = GPUS[arch]
         copy = "measured" if g["copy_measured"] else "estimated, 0.85 x peak"
@@ -471,8 +487,9 @@ def format_report(rows: list[KernelReport]) -> str:
         "per element, lane addresses of the compiled PTX evaluated (bank conflicts counted; conflicts = x the "
         "conflict-free count); issue / smem / dram = the speed each allows as a fraction of a device copy of "
         "the same tensor (read + write, RESULTS.md's measured column): 4 warp-instr and 1 wavefront per SM per "
-        f"clock derated by {EFFICIENCY:.3f} (ncu, the measured H200 launch), the bytes read at copy bandwidth; "
-        "predicted = the smallest; bound = which. Latency and occupancy are not modelled.")
+        f"clock derated by {EFFICIENCY:.3f} (ncu, the measured H200 launch), the bytes read at the read-only "
+        f"bandwidth, the bytes in flight per SM (occupancy x per-warp loads x stages ahead) per {LATENCY_S * 1e6:.1f} us "
+        "of memory latency (assumed, not calibrated); predicted = the smallest; bound = which.")
     return "\n".join(lines)
 
 

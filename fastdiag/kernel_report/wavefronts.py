@@ -272,6 +272,7 @@ class LoopWavefronts:
     shared_ideal: int    # the same accesses without bank conflicts
     global_: int         # global-load wavefronts (128 B each)
     accesses: list[SharedAccess]
+    global_bytes: int = 0   # bytes the warp requests from global memory (loads and cp.async)
 
     @property
     def total(self) -> int:
@@ -297,5 +298,6 @@ def loop_wavefronts(ptx: str) -> LoopWavefronts:
                     accesses.append(access)
             lanes.run(stmt)
     shared = [a for a in accesses if a.kind != "ld.global"]
+    loaded = sum(LANES * a.bytes_per_lane for a in accesses if a.kind in ("ld.global", "cp.async"))
     return LoopWavefronts(sum(a.wavefronts for a in shared), sum(a.ideal for a in shared),
-                          sum(a.wavefronts for a in accesses if a.kind == "ld.global"), accesses)
+                          sum(a.wavefronts for a in accesses if a.kind == "ld.global"), accesses, loaded)

@@ -32,6 +32,8 @@ GPUS = {
 }
 for _gpu in GPUS.values():
     _gpu.setdefault("read_bandwidth", 0.875 * _gpu["copy_bandwidth"])
+    # resident blocks per SM (CUDA C programming guide, technical specifications)
+    _gpu.setdefault("blocks_per_sm", {86: 16, 89: 24}.get(_gpu["arch"], 32))
     # an SM issues 4 warp-instructions and serves one 128-byte shared-memory wavefront per clock
     _gpu.update(warp_instructions_per_clock=4, registers_per_thread=255, registers_per_sm=65536,
                 shared_bytes_per_clock=128)
