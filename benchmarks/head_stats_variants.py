@@ -30,7 +30,8 @@ def main() -> None:
     for knob in sys.argv[2:]:
         name, value = knob.split("=")
         setattr(head_stats_triton, name, float(value) if "." in value else int(value))
-    spilling = 0
+    spilling = over = 0
+    worst: dict = {}            # (variant kind, dtype kind) -> lowest predicted % of copy
     for arch in archs:
         for case in cases.head_stats_cases(SHAPES, quick=False):
             if case.dtype not in DTYPES:
@@ -38,11 +39,16 @@ def main() -> None:
             r = report.report_case(case, report.GPUS[arch])
             c = r.constexprs
             spilling += r.spill_bytes > 0
+            over += r.shared_bytes > r.shared_limit
+            key = ("causal" if "causal" in r.shape else "plain", "fp32" if r.dtype == "float32" else "16-bit")
+            worst[key] = min(worst.get(key, float("inf")), r.ceiling_fraction_of_copy)
             print(f"sm_{arch:<4} {r.shape:<26} {r.dtype:<9} warps {r.num_warps} R{c['BLOCK_R']} K{c['BLOCK_K']:<3} "
                   f"regs {r.registers:>3} spill {r.spill_bytes:>4} smem {r.shared_bytes / 1024:5.1f} KB "
-                  f"instr/elem {r.instructions_per_element:5.1f} shared B/elem {r.shared_bytes_per_element:5.1f} "
-                  f"ceiling {100 * r.ceiling_fraction_of_copy:3.0f}%", flush=True)
-    print(f"rows with spills: {spilling}")
+                  f"instr/elem {(r.tile_instructions_per_element or r.instructions_per_element):5.1f} "
+                  f"wavefr/elem {r.wavefronts_per_element:5.3f} conflicts {r.conflict_factor:3.1f}x "
+                  f"predicted {100 * r.ceiling_fraction_of_copy:3.0f}% of copy ({r.predicted_bound})", flush=True)
+    print(f"rows with spills: {spilling}; rows over the target's shared memory: {over}")
+    print("lowest predicted % of copy: " + ", ".join(f"{v} {d} {100 * x:.0f}%" for (v, d), x in sorted(worst.items())))
 
 
 if __name__ == "__main__":
