@@ -238,39 +238,59 @@ def stage_int64(dev: torch.device, dry: bool) -> None:
          last_head_entropy_rel=_rel(full.entropy_sum[..., [0, h - 1]], pair.entropy_sum))
 
 
+def _measured_head_stats():
+    """Commit 0c79385's head_stats launcher, the one the H200 measured (benchmarks/measured/)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from predict_measured import measured_module
+
+    return measured_module("head_stats_0c79385")
+
+
 def stage_tune(dev: torch.device, dry: bool) -> None:
-    """head_stats' tiles on this GPU: CUDA-graph time of the launcher per (slab elements per warp, keys
-    per step, Gram tiles per warp), bf16, against the same device copy. The launcher's constants are
-    set for each row and restored after; the first row is the launcher's default."""
+    """head_stats' launches on this GPU: CUDA-graph time of the launcher per (slab elements per warp,
+    keys per step, Gram tiles per warp, pipeline stages), bf16 and fp32, against the same device copy,
+    beside commit 0c79385's launcher (the one measured before, ``launcher: 0c79385``). The launcher's
+    constants are set for each row and restored after; the first row is today's default, the second
+    the same tiles pipelined as before (3 stages: an unswizzled buffer read with 8-way bank conflicts,
+    predicted 3x slower). Rows alternate old and new so clock drift does not favour either."""
     from fastdiag.core.kernels import head_stats_triton as hs
 
     repeats = 1 if dry else 20
     shapes = {"tiny": (1, 1, 4, 32, 32)} if dry else {"gpt2-small": (1, 8, 12, 1024, 1024),
                                                       "long-context": (1, 1, 16, 4096, 4096),
                                                       "llama-7b": (1, 1, 32, 4096, 4096)}
-    default = (hs._SLAB_PER_WARP, hs._MAX_BLOCK_K, hs._GRAM_TILES_PER_WARP)
-    # a 16-head Gram is two tiles: 1 tile per warp = two warps, 0.5 = four (the launcher of runs 1-4)
-    configs = [default] if dry else [default, (2048, 64, 2), (512, 64, 2), (1024, 128, 2), (1024, 64, 1),
-                                     (1024, 64, 0.5)]
-    dtype = torch.float32 if dry else torch.bfloat16
+    default = (hs._SLAB_PER_WARP, hs._MAX_BLOCK_K, hs._GRAM_TILES_PER_WARP, hs.NUM_STAGES)
+    configs = [default] if dry else [default, default[:3] + (3,), (2048, 64, 2, 1), (512, 64, 2, 1),
+                                     (1024, 128, 2, 1), (1024, 64, 1, 1), (1024, 64, 2, 2)]
+    old = _measured_head_stats()
+    dtypes = (torch.float32,) if dry else (torch.bfloat16, torch.float32)
     try:
         for name, dims in shapes.items():
-            probs = random_probs(dims, dtype=dtype, seed=0, device=dev)
-            out = torch.empty_like(probs)
-            copy = median_ms(lambda: out.copy_(probs), dev, repeats)
-            for slab, block_k, tiles_per_warp in configs:
-                hs._SLAB_PER_WARP, hs._MAX_BLOCK_K, hs._GRAM_TILES_PER_WARP = slab, block_k, tiles_per_warp
-                block_h, block_r, bk, warps = hs._tiles(dims[2], dims[1] * dims[3], dims[4], probs.element_size(), False)
-                row = dict(shape=name, slab_per_warp=slab, block_k=bk, block_r=block_r, warps=warps)
-                try:
-                    t = graph_ms(lambda: hs.head_stats_triton(probs), dev, repeats) or median_ms(
-                        lambda: hs.head_stats_triton(probs), dev, repeats)
-                    emit("tune", dry, **row, graph_ms=t, copy_ms=copy, pct_of_copy=100 * copy / t)
-                except Exception as e:   # a configuration that does not compile or launch: say so, go on
-                    emit("tune", dry, **row, failed=f"{type(e).__name__}: {e}"[:200])
-            del probs, out
+            for dtype in dtypes:
+                probs = random_probs(dims, dtype=dtype, seed=0, device=dev)
+                out = torch.empty_like(probs)
+                copy = median_ms(lambda: out.copy_(probs), dev, repeats)
+                for slab, block_k, tiles_per_warp, stages in configs:
+                    hs._SLAB_PER_WARP, hs._MAX_BLOCK_K, hs._GRAM_TILES_PER_WARP, hs.NUM_STAGES = (
+                        slab, block_k, tiles_per_warp, stages)
+                    block_h, block_r, bk, warps = hs._tiles(dims[2], dims[1] * dims[3], dims[4], probs.element_size(),
+                                                            False)
+                    row = dict(shape=name, dtype=str(dtype), slab_per_warp=slab, block_k=bk, block_r=block_r,
+                               warps=warps, num_stages=stages, launcher="now")
+                    for launcher, run in (("0c79385", lambda: old.head_stats_triton(probs)),
+                                          ("now", lambda: hs.head_stats_triton(probs))):
+                        if launcher == "0c79385" and (slab, block_k, tiles_per_warp, stages) != default:
+                            continue       # the old launcher once per shape and dtype, beside the default
+                        fields = dict(row, launcher=launcher) if launcher == "now" else dict(
+                            shape=name, dtype=str(dtype), launcher=launcher)
+                        try:
+                            t = graph_ms(run, dev, repeats) or median_ms(run, dev, repeats)
+                            emit("tune", dry, **fields, graph_ms=t, copy_ms=copy, pct_of_copy=100 * copy / t)
+                        except Exception as e:   # a configuration that does not compile or launch: say so, go on
+                            emit("tune", dry, **fields, failed=f"{type(e).__name__}: {e}"[:200])
+                del probs, out
     finally:
-        hs._SLAB_PER_WARP, hs._MAX_BLOCK_K, hs._GRAM_TILES_PER_WARP = default
+        hs._SLAB_PER_WARP, hs._MAX_BLOCK_K, hs._GRAM_TILES_PER_WARP, hs.NUM_STAGES = default
 
 
 def stage_probe(dev: torch.device, dry: bool) -> None:
@@ -301,17 +321,21 @@ def stage_probe(dev: torch.device, dry: bool) -> None:
 
 
 def stage_ncu(dev: torch.device, dry: bool) -> None:
-    """One launch of each fused kernel at GPT-2-small bf16, for `ncu` to profile (gpu_check.sh's ncu stage)."""
+    """One launch of each fused kernel at GPT-2-small bf16, for `ncu` to profile (gpu_check.sh's ncu
+    stage): today's head_stats, then commit 0c79385's (the launch measured before, whose shared-memory
+    wavefronts per ldmatrix the kernel report predicts at 8 per matrix), then Q/K pass 1 and 2."""
     from fastdiag.core.kernels.head_stats_triton import head_stats_triton
     from fastdiag.core.kernels.qk_stats_triton import qk_stats_triton
 
     dims = (1, 1, 4, 32, 32) if dry else (1, 8, 12, 1024, 1024)
     probs = random_probs(dims, dtype=torch.float32 if dry else torch.bfloat16, seed=0, device=dev)
     head_stats_triton(probs)
+    _measured_head_stats().head_stats_triton(probs)
     b, h, t, d = (1, 2, 32, 16) if dry else (8, 12, 1024, 64)
     q, k = (torch.randn(b, h, t, d, device=dev, dtype=torch.float32 if dry else torch.bfloat16) for _ in range(2))
     qk_stats_triton(q, k, None, True, d ** -0.5)
-    emit("ncu", dry, launched=["_head_stats_kernel", "_qk_lse_kernel", "_qk_stats_kernel"])
+    emit("ncu", dry, launched=["_head_stats_kernel (now)", "_head_stats_kernel (0c79385)", "_qk_lse_kernel",
+                               "_qk_stats_kernel"])
 
 
 STAGES = {"kernels": stage_kernels, "accuracy": stage_accuracy, "attach": stage_attach, "int64": stage_int64,
