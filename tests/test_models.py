@@ -383,7 +383,8 @@ def test_triton_scan_rejects_what_it_does_not_compute():
 
 _SCAN_TARGETS = r"""
 import json, torch
-from fastdiag.core.kernels import report, selective_scan_triton as scan
+from fastdiag import kernel_report as report
+from fastdiag.core.kernels import selective_scan_triton as scan
 K, b, l, d, n = 64, 512, 3, 512, 16        # 64 canonical Mamba members (d_inner 512, d_state 16, T = 3)
 e = lambda *s: torch.empty(*s)
 args = (e(K, b, l, d), e(K, b, l, d), e(K, d, n), e(K, b, l, n), e(K, b, l, n))
@@ -406,7 +407,7 @@ def test_triton_scan_compiles_for_every_target_without_spills():
     import os
     import subprocess
 
-    from fastdiag.core.kernels import report
+    from fastdiag import kernel_report as report
 
     if report.tools_missing():
         pytest.skip(f"CUDA tools missing: {report.tools_missing()}")
