@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test bench bench-test lean clean
+.PHONY: setup demo test bench bench-test lean clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ test: $(STAMP)
 # first, so a benchmark that drifted from the library fails here (CI runs it after `make test`).
 bench-test: $(STAMP)
 	FASTDIAG_BENCH_SHAPES=grokking $(PY) -m pytest -q -p no:cacheprovider benchmarks/ --benchmark-disable
+
+# What README.md shows, regenerated from data committed in the repository (docs/generate.py says which
+# block comes from where; tests/test_readme_snippets.py checks the fast ones).
+docs: $(STAMP)
+	$(PY) docs/generate.py
 
 bench: $(STAMP)
 	$(VENV)/bin/fastdiag bench

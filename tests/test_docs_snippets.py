@@ -243,3 +243,18 @@ def test_docs_commands_run_at_tiny_sizes(name, index, lines, tmp_path, monkeypat
             assert exc.code in (0, None), f"{line}\n -> exit {exc.code}: {capsys.readouterr().err[-2000:]}"
         if args[0] == "intervene":          # the whole experiment ran, not an empty comparison
             assert re.search(r"experiment \S+: [1-9]\d* seed\(s\) with all arms", capsys.readouterr().out), line
+
+
+# ------------------------------------------------------------------------------ links
+
+def test_readme_and_docs_link_only_inside_the_repository():
+    """A fresh clone has no ../shared/ beside it and no /work/: every relative link and image resolves
+    inside the repository, and no path outside it is quoted as something to open."""
+    for path in [ROOT / "README.md", *DOCS]:
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"\.\./shared|/work/|\]\(/", text), path.name
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            resolved = (path.parent / target).resolve()
+            assert resolved.is_relative_to(ROOT) and resolved.exists(), (path.name, target)

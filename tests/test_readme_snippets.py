@@ -34,12 +34,26 @@ PREAMBLES = {
     "monitor = fastdiag.attach(": ATTACH_SNIPPET_PREAMBLE,
 }
 
+
+def printed_latest() -> dict:
+    """The `monitor.latest()` the README prints in its comment (keys and values; `...` left out)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    comment = re.search(r"^print\(monitor\.latest\(\)\)\s+# (\{.*\})$", text, flags=re.M).group(1)
+    return {k: (v.strip('"') if v.startswith('"') else float(v))
+            for k, v in re.findall(r'"([^"]+)": ("[^"]*"|[-0-9.e]+)', comment)}
+
+
 # After the snippet: what it promised is there.
 CHECKS = {
-    "monitor = fastdiag.attach(": """
+    "monitor = fastdiag.attach(": f"""
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
         latest = monitor.latest()
         assert latest["step"] == 10 and 0 <= latest["s_bar"] <= 1, latest
+        # the README's comment shows the real keys and (seeded, to its printed digits) values
+        for key, value in {printed_latest()!r}.items():
+            assert key in latest, (key, latest)
+            got = latest[key]
+            assert got == value if isinstance(value, str) else float(f"{{got:.2g}}") == value, (key, got, value)
         events = EventAccumulator("runs/x")
         events.Reload()
         tags = events.Tags()["scalars"]
@@ -96,3 +110,29 @@ def test_readme_command_parses_as_pasted(line):
         sub_command = command.get_command(sub, args[1])
         assert sub_command is not None, line
         sub_command.make_context(args[1], args[2:], parent=sub)
+
+
+def test_generated_gpu_paragraph_is_what_the_raw_gpu_runs_give():
+    """The README's GPU paragraph is generated from benchmarks/gpu_runs/ (`python docs/generate.py gpu`):
+    every range there is over all runs, dtypes and launch modes that measured it."""
+    from fastdiag.analysis.docs_blocks import read_block
+    from fastdiag.analysis.gpu_runs import gpu_paragraph, load_gpu_runs
+
+    assert read_block("gpu") == gpu_paragraph(load_gpu_runs())
+
+
+def test_gpu_paragraph_gives_the_full_range_of_synthetic_runs(tmp_path):
+    import json
+
+    from fastdiag.analysis.gpu_runs import gpu_paragraph, load_gpu_runs
+
+    def kern(dtype, python, graph):
+        return {"stage": "kernels", "kernel": "head_stats", "dims": [1, 1, 2, 8, 8], "dtype": dtype,
+                "pct_of_copy": python, "pct_of_copy_graph": graph}
+    for n, rows in ((1, [kern("torch.bfloat16", 11.0, 20.0), kern("torch.float32", 9.0, 12.0)]),
+                    (2, [{"stage": "tests", "summary": "7 passed, 1 warning in 3s"}, kern("torch.bfloat16", 13.0, 24.0)])):
+        (tmp_path / f"x-run{n}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{truncated")
+    text = "\n".join(gpu_paragraph(load_gpu_runs(tmp_path)))
+    assert "run 2: 7 passed" in text and "warning" not in text
+    assert ("streams 9–24 % of device-copy bandwidth" in text and "graph bf16 20–24 %, fp32 12 %" in text
+            and "from Python bf16 11–13 %, fp32 9 %" in text), text
