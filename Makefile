@@ -6,13 +6,20 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: setup demo test bench bench-test lean clean docs
 
+# The set-up says what it is doing, step by step, and pip lists what it collects and installs (a first
+# set-up downloads torch and the dev tools: minutes, not a silent wait).
 $(STAMP): pyproject.toml
+	@echo "== setup 1/4: the virtual environment $(VENV) (once; later commands reuse it)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	@echo "== setup 2/4: pip itself"
+	$(PY) -m pip install --upgrade pip
+	@echo "== setup 3/4: torch 2.13.0 (the CPU build, the largest download), unless this Python has a torch"
 	# torch is pinned to the CPU build these machines carry; a GPU machine keeps its own torch.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
+	@echo "== setup 4/4: fastdiag (editable) and its dependencies, with the dev extra (pytest, xdist, ...)"
+	$(PY) -m pip install -e ".[dev]"
 	touch $(STAMP)
+	@echo "== setup done: $(VENV)"
 
 setup: $(STAMP)
 

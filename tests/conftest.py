@@ -3,6 +3,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 # The fused kernel runs in Triton's interpreter on machines without CUDA; this must be set before
@@ -189,3 +190,59 @@ def small_grok_runs():
         return [train_run(RunConfig(seed=0, weight_decay=wd, **SMALL_GROK)) for wd in (1.0, 0.0)]
     finally:
         torch.set_num_threads(previous)
+
+
+# ---------------------------------------------------------------- progress with an estimate
+# `make test` prints, besides pytest's dots, a line every PROGRESS_EVERY finished tests (and at most a
+# minute apart while tests finish): done/total, elapsed, and an estimate of the rest from the pace so
+# far (rough: the slow end-to-end tests are spread over the run). A run of fewer than PROGRESS_FROM
+# tests (one file, `-k`) prints nothing extra.
+PROGRESS_EVERY, PROGRESS_FROM, PROGRESS_SECONDS = 100, 200, 60.0
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+class SuiteProgress:
+    def __init__(self, config) -> None:
+        self.config = config
+        self.total = 0
+        self.done = 0
+        self.started = time.perf_counter()
+        self.last_line = (0, self.started)
+
+    def count(self, n: int) -> None:
+        self.total = max(self.total, n)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session) -> None:
+        self.count(len(session.items))
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids) -> None:
+        self.count(len(ids))               # the controller: every worker collects the whole suite
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.when != "teardown":
+            return
+        self.done += 1
+        now = time.perf_counter()
+        if self.total < PROGRESS_FROM or self.done >= self.total:
+            return
+        if self.done - self.last_line[0] < PROGRESS_EVERY and now - self.last_line[1] < PROGRESS_SECONDS:
+            return
+        self.last_line = (self.done, now)
+        elapsed = now - self.started
+        left = elapsed * (self.total - self.done) / self.done
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            if reporter._tw.width_of_current_line:          # after a row of dots
+                reporter.write("\n")
+            reporter.write_line(f"[{self.done}/{self.total} tests, {_minutes(elapsed)} elapsed, "
+                                f"about {_minutes(left)} left at this pace]")
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):            # the controller (or a run without workers) only
+        config.pluginmanager.register(SuiteProgress(config), "fastdiag-suite-progress")
