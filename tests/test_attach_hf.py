@@ -56,9 +56,10 @@ def test_hf_trainer_callback(tmp_path):
     trainer.train()
     history = callback.monitor.history()
     assert all(s.rows.item() == 4 * 6 for s in callback.monitor.latest_stats().values())
-    assert [r["step"] for r in history] == [0, 2]
+    assert [r["step"] for r in history] == [2, 4]            # numbered as the Trainer's steps
     logged = [log for log in recorder.logs if "fastdiag/s_bar" in log]
     assert logged and "fastdiag/sync/transformer.h.1.attn" in logged[-1]
-    assert logged[-1]["fastdiag/s_bar"] == pytest.approx(history[-1]["s_bar"])
+    # each log line (steps 2 and 4) carries the values measured at its own step
+    assert [log["fastdiag/s_bar"] for log in logged] == pytest.approx([r["s_bar"] for r in history])
     assert any("fastdiag/s_bar" in entry for entry in trainer.state.log_history)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # detached

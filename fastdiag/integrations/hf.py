@@ -1,9 +1,13 @@
 """Hugging Face ``Trainer``: ``Trainer(..., callbacks=[FastdiagCallback(every=10)])``.
 
 The callback attaches to the model when training begins and detaches when it ends. A step is one
-training forward pass of the model (with gradient accumulation, one micro-batch). Whenever the
-Trainer logs, the latest measured values are added to its ``logs`` (so callbacks and integrations
-after this one, and ``trainer.state.log_history``, see them) as ``fastdiag/s_bar``,
+training forward pass of the model (with gradient accumulation, one micro-batch), counted from 1 as
+the Trainer counts its steps (``state.global_step`` after that step): steps ``every``, ``2·every``, ...
+are measured, so with ``logging_steps`` a multiple of ``every`` each log line carries the values of
+the step it is logged at (with gradient accumulation G, the step's last micro-batch is measured when
+``every`` is a multiple of G). Whenever the Trainer logs, the latest measured values are added to its
+``logs`` (so callbacks and integrations after this one, and ``trainer.state.log_history``, see them)
+as ``fastdiag/s_bar``,
 ``fastdiag/sigma_h``, ``fastdiag/sync/<layer>`` and ``fastdiag/spread/<layer>``. Every record is in
 ``callback.monitor.history()``; pass ``log=SummaryWriter(...)`` to write each one to TensorBoard.
 Each forward's ``attention_mask`` is handed to `Monitor.set_padding`, so padded positions are left
@@ -31,6 +35,9 @@ class FastdiagCallback(TrainerCallback):
         if model is None:
             raise ValueError("FastdiagCallback: the Trainer passed no model to on_train_begin")
         self.monitor = attach(model, every=self.every, **self.attach_kwargs)
+        # The next forward is micro-batch `global_step · G + 1`: numbered as the Trainer numbers its steps,
+        # so a log at step k reads the step measured at k, not the one `every` steps before it.
+        self.monitor.set_step(state.global_step * max(1, args.gradient_accumulation_steps) + 1)
         self._records_seen = 0
         monitor = self.monitor
         # An encoder-decoder's attention_mask is the encoder's: handed to the encoder's attention only
