@@ -13,7 +13,10 @@
 #   medians) · int64 40 (last: it may fault) · clocks after 10.
 # STAGES="name:seconds ..." replaces the stage list after the tests; besides the four above: tune (head_stats
 # tiles timed on the device), probe (the SDPA backend chosen, cuDNN's LSE), ncu (Nsight Compute on
-# one launch of each fused kernel, report in $OUT/ncu.txt).
+# one launch of each fused kernel, report in $OUT/ncu.txt), experiments (benchmarks/gpu_experiments.py, a call
+# of its own: STAGES="experiments:400" — the canonical step eager / graphed / bare loop, ensemble packs of
+# 1/8/64/256 in runs per hour, the Mamba step with the Triton and the PyTorch scan against a parameter-matched
+# transformer).
 # --dry-run: the same stages on CPU, tiny shapes, kernels under TRITON_INTERPRET=1 — CI runs it
 # (tests/test_gpu_check.py) so the script is proven before any GPU sees it.
 set -uo pipefail
@@ -51,7 +54,7 @@ versions=$(timeout 15 $PY -c "import torch, triton, sys; print(f'python {sys.ver
 line machine "versions=\"$versions\"" "clocks_before=\"$(clocks)\"" "date=\"$(date -u +%FT%TZ)\""
 
 echo "== tests (five failures stop them; the summary line is kept)"
-TESTS="tests/test_gpu.py tests/test_qk_gpu.py tests/test_attach_gpu.py"   # the device tests; the interpreter ones ran in CI
+TESTS="tests/test_gpu.py tests/test_qk_gpu.py tests/test_attach_gpu.py tests/test_gpu_experiments.py"   # the device tests; the interpreter ones ran in CI
 # on the GPU machine (16 cores) pytest-xdist spreads the Triton and inductor compiles over 8 workers
 PARALLEL=""
 [ -z "$DRY" ] && $PY -c "import xdist" 2>/dev/null && PARALLEL="-n 8"
@@ -85,6 +88,9 @@ l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__inst_executed.sum,sm__cycle
       timeout "$limit" $PY benchmarks/gpu_stages.py ncu $DRY 2> "$OUT/ncu.err"
       rc=$?
     fi
+  elif [ "$name" = experiments ]; then
+    timeout "$limit" $PY benchmarks/gpu_experiments.py $DRY 2> "$OUT/$name.err"
+    rc=$?
   else
     timeout "$limit" $PY benchmarks/gpu_stages.py "$name" $DRY 2> "$OUT/$name.err"
     rc=$?

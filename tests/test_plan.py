@@ -80,3 +80,67 @@ def test_the_cli_waits_passively_and_keeps_a_users_choice():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ACTIVE"
+
+
+# ---- the dry run's time estimate -------------------------------------------------------------------
+
+from fastdiag.sweep.plan import LAW, describe_estimate, estimate_sweep, expected_epochs, steps_per_epoch  # noqa: E402
+
+TINY = dict(preset="custom", n_layers=1, n_heads=2, d_model=16, d_ff=32, p=11, epochs=40, eval_every=5,
+            device="cpu")
+
+
+def test_run_lengths_come_from_the_papers_law_only_where_it_applies():
+    t1, how = expected_epochs(RunConfig(weight_decay=1.0, epochs=20000, eval_every=10))
+    assert how == "law" and t1 == 130                        # the law's own reference point
+    t01, _ = expected_epochs(RunConfig(weight_decay=0.1, epochs=20000, eval_every=10))
+    law = LAW["t_ref"] * ((0.1 - LAW["lambda_c"]) / (1 - LAW["lambda_c"])) ** -LAW["nu"]
+    assert t01 == 10 * -(-law // 10) == 840          # the law gives 836 (t(0.1) / t(1) = 6.43), to the evaluation
+    assert expected_epochs(RunConfig(weight_decay=0.1, epochs=500)) == (500, "law")        # capped at the horizon
+    assert expected_epochs(RunConfig(weight_decay=1.0, epochs=20000, patience=7)) == (137, "law")
+    for cfg in (RunConfig(weight_decay=0.01, epochs=900), RunConfig(weight_decay=10.0, epochs=900),
+                RunConfig(weight_decay=1.0, epochs=900, stop_at_grok=False), RunConfig(weight_decay=1.0, epochs=900, p=31),
+                RunConfig(arch="mlp", weight_decay=1.0, epochs=900)):
+        assert expected_epochs(cfg) == (900, "horizon"), cfg
+    assert steps_per_epoch(RunConfig()) == 10                 # 4,704 training pairs at batch 512
+    assert steps_per_epoch(RunConfig(op="/", p=7, train_frac=0.5, batch_size=4)) == 6   # 7·6 pairs, 21 train
+
+
+def test_estimate_measures_the_largest_pack_and_a_single_run(one_thread):
+    configs = [RunConfig(**TINY, weight_decay=w, seed=s) for w in (0.1, 1.0) for s in range(3)]
+    est = estimate_sweep(configs, ensemble=None, workers=1, steps=3)
+    assert est["runs"] == 6 and est["packs"] == 1 and est["pack_sizes"] == [6] and est["workers"] == 1
+    assert [m["members"] for m in est["measured"]] == [6, 1]
+    assert all(m["step_seconds"] > 0 and m["eval_seconds"] > 0 and m["steps"] == 3 for m in est["measured"])
+    assert est["member_steps"] == 6 * 40 * steps_per_epoch(configs[0]) and est["runs_to_horizon"] == 6
+    big, one = est["measured"]
+    per_epoch = steps_per_epoch(configs[0])
+    want = 40 * (per_epoch * big["step_seconds"] + big["eval_seconds"] / 5)       # every member to the horizon
+    assert est["seconds"] == pytest.approx(want, rel=1e-9)
+    lines = describe_estimate(est)
+    assert lines[0].startswith("estimate: ") and "on cpu" in lines[0]
+    assert sum(line.lstrip().startswith("measured: a step of") for line in lines) == 2
+    assert "extrapolated:" in lines[-1] and "to the horizon" in lines[-1]
+    one_by_one = estimate_sweep(configs, ensemble=1, workers=2, steps=2)
+    assert one_by_one["packs"] == 6 and [m["members"] for m in one_by_one["measured"]] == [1]
+    with pytest.raises(ValueError, match="steps"):
+        estimate_sweep(configs, ensemble=None, steps=0)
+
+
+def test_sweep_dry_run_prints_the_estimate(tmp_path):
+    from click.testing import CliRunner
+
+    from fastdiag.cli import cli
+
+    args = ["sweep", "--wd", "0.3,1", "--seeds", "2", "--preset", "custom", "--layers", "1", "--heads", "2",
+            "--d-model", "16", "--d-ff", "32", "--p", "11", "--epochs", "20", "--device", "cpu", "--threads", "1", "--workers", "2",
+            "--store", str(tmp_path / "s.sqlite"), "--dry-run"]
+    done = CliRunner().invoke(cli, [*args, "--calibrate-steps", "2"])
+    assert done.exit_code == 0, done.output
+    # 4 runs in one pack of 4, split in two as the local backend splits it for two workers
+    assert "estimate: " in done.output and "measured: a step of 2 member(s)" in done.output, done.output
+    assert "extrapolated:" in done.output and not (tmp_path / "s.sqlite").exists()
+    done = CliRunner().invoke(cli, [*args, "--calibrate-steps", "0"])
+    assert done.exit_code == 0 and "estimate" not in done.output
+    done = CliRunner().invoke(cli, [*args, "--calibrate-steps", "-1"])
+    assert done.exit_code == 2 and "--calibrate-steps: must be >= 0" in done.output

@@ -31,6 +31,9 @@ RUN_FIELDS = {
     "stop_at_grok": (("--stop-at-grok/--no-stop-at-grok",), "Stop once grokked (after --patience epochs)."),
     "patience": (("--patience",), "Epochs to keep training after grokking."),
     "device": (("--device",), "Where to train: auto (CUDA when available), cpu, cuda, cuda:N."),
+    "graphed": (("--graphed/--no-graphed",), "On CUDA, replay each training step as one CUDA graph (capturable "
+                                            "AdamW; traces equal the eager loop's within float32 rounding). "
+                                            "No effect on a CPU."),
 }
 _FIELDS = [f.name for f in dataclasses.fields(RunConfig)]
 if set(RUN_FIELDS) != set(_FIELDS):      # a new RunConfig field needs its flag here

@@ -8,15 +8,18 @@ import sys
 from pathlib import Path
 
 import click
+import torch
 
 from fastdiag.cli.app import CLIError, check_threads, create_store, open_store, option_errors
 from fastdiag.cli.options import QUIET_HELP, THREADS_DEFAULT, run_fields, run_options
 from fastdiag.cli.run import checkpoint_option, parse_checkpoint_every
+from fastdiag.grokking.build import uses_cuda
 from fastdiag.grokking.config import ARCHS, RunConfig
 from fastdiag.store import STATUSES
 from fastdiag.store.files import atomic_path, check_target
 from fastdiag.sweep.grid import SEEDS_HELP, build_grid, parse_list, parse_seeds, parse_shard, parse_wd
 from fastdiag.sweep.grid import shard as shard_grid
+from fastdiag.sweep.plan import describe_estimate, estimate_sweep
 from fastdiag.sweep.run import BACKENDS, check_devices, run_sweep
 
 _DEFAULTS = RunConfig()
@@ -61,13 +64,16 @@ def _parse_ensemble(spec: str) -> int | None:
               help="Rerun runs recorded as failed by an earlier invocation.")
 @click.option("--ensemble", default="auto", show_default=True, metavar="K|auto",
               help="Train up to K compatible runs (same all but seed and λ; transformer, mlp or PyTorch mamba) as one "
-                   "vectorised model; 1 = one by one; auto = 32 on a GPU; on a CPU 8 for models up to "
-                   "~0.45 M parameters, 4 for canonical, 1 from ~2.5 M.")
-@click.option("--dry-run", is_flag=True, help="Print the grid size and exit without running.")
+                   "vectorised model; 1 = one by one; auto = on a GPU 64-512 members, by measured memory and runs "
+                   "per second; on a CPU 8 for models up to ~0.45 M parameters, 4 for canonical, 1 from ~2.5 M.")
+@click.option("--dry-run", is_flag=True,
+              help="Print the grid size and the time it will take here (from a short measured calibration), and exit.")
+@click.option("--calibrate-steps", type=int, default=None, metavar="N",
+              help="Timed training steps of --dry-run's calibration; 0: no estimate [default: 200 on CUDA, 10 on a CPU].")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 @checkpoint_option
 def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, address, max_retries, shard,
-              retry_failed, ensemble, dry_run, quiet, checkpoint_every, **fields):
+              retry_failed, ensemble, dry_run, calibrate_steps, quiet, checkpoint_every, **fields):
     """Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."""
     if workers is not None and workers < 1:
         raise CLIError(f"--workers: must be >= 1, got {workers}")
@@ -94,6 +100,7 @@ def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, ad
                    f"{len(weight_decays)} λ × {len(seed_list)} seeds"
                    + (f", shard {shard}" if shard_spec else ""))
         click.echo("λ: " + ", ".join(f"{w:g}" for w in weight_decays))
+        _print_estimate(configs, ensemble_size, workers, threads, calibrate_steps)
         return
     with option_errors():
         check_devices(configs, backend)          # before the store exists: no runs recorded failed
@@ -121,6 +128,21 @@ def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, ad
         if len(summary.failures) > 10:
             click.echo(f"sweep: ... and {len(summary.failures) - 10} more failed runs", err=True)
         sys.exit(1)
+
+
+def _print_estimate(configs, ensemble_size, workers, threads, steps) -> None:
+    """The dry run's time estimate (`fastdiag.sweep.plan.estimate_sweep`), or why there is none."""
+    if steps is not None and steps < 0:
+        raise CLIError(f"--calibrate-steps: must be >= 0, got {steps}")
+    if steps == 0:
+        return
+    if any(uses_cuda(c) for c in configs) and not torch.cuda.is_available():
+        click.echo("estimate: none (the runs are for CUDA and this machine has no CUDA device to calibrate on; "
+                   "run the dry run where the sweep will run)")
+        return
+    with option_errors():
+        for line in describe_estimate(estimate_sweep(configs, ensemble_size, workers, threads, steps)):
+            click.echo(line)
 
 
 @click.command("merge")

@@ -32,6 +32,11 @@ GROKKED = ("grok", "anti-grok")          # reached t_grok within the horizon
 # The causal interventions at the Phase-2 peak: the arms, and the per-arm metrics (the tested ones
 # compared with the control by paired tests; every metric is listed in grokking/interventions.py).
 ARMS = ("control", "reinit", "clip")
+
+# RunConfig fields that say where and how a run executes, not what it computes: not part of run_id.
+EXECUTION_FIELDS = ("device", "graphed")
+# RunConfig fields newer than some stores: a stored config without them takes their defaults.
+ADDED_LATER = ("graphed",)
 TESTED_METRICS = ("peak_sigma_h_after", "final_test_acc")
 
 
@@ -57,6 +62,7 @@ class RunConfig:
     stop_at_grok: bool = True
     patience: int = 0                  # epochs to keep training after grokking when stop_at_grok
     device: str = "auto"
+    graphed: bool = True               # CUDA: each training step one replayed CUDA graph (CPU: no effect)
 
     def validate(self) -> "RunConfig":
         if self.arch not in ARCHS:
@@ -98,7 +104,7 @@ class RunConfig:
         if not isinstance(config, dict):
             raise ValueError(f"a JSON {type(config).__name__}, not an object")
         types = _field_types()
-        missing = sorted(set(types) - set(config))
+        missing = sorted(set(types) - set(config) - set(ADDED_LATER))
         if missing:
             raise ValueError(f"missing key(s) {', '.join(missing)}")
         for key, value in config.items():
@@ -118,9 +124,11 @@ class RunConfig:
         return cls(**d)
 
     def run_id(self) -> str:
-        """Stable identity of the run: a hash of the full configuration (device excluded)."""
+        """Stable identity of the run: a hash of the full configuration (where and how it executes,
+        `EXECUTION_FIELDS`, excluded)."""
         d = self.to_dict()
-        d.pop("device")
+        for name in EXECUTION_FIELDS:
+            d.pop(name)
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -10,6 +10,8 @@ diverged) are dropped from every stacked tensor at the next evaluation, so they 
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 import warnings
 import weakref
@@ -23,9 +25,10 @@ from fastdiag.core.monitor import attach
 from fastdiag.grokking import checkpoint as ckpt
 from fastdiag.grokking.build import build_model, parameter_count, resolve_device
 from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.graphed_step import WARMUP_STEPS, GraphedSteps, graphed_device
 from fastdiag.grokking.tasks import make_task
 from fastdiag.grokking.tracking import RunTracker, eval_chunk, evaluate, summary_values
-from fastdiag.grokking.train import RunOutcome
+from fastdiag.grokking.train import RunOutcome, Trainer
 from fastdiag.models import attention_modules, count_parameters, mamba_ssm_available
 from fastdiag.models.ensemble import VECTORISED, stack_models, vectorisable
 
@@ -55,38 +58,69 @@ class EnsembleAdamW:
     """AdamW over stacked ``[K, ...]`` parameters with a weight decay per member.
 
     The update is PyTorch's single-tensor AdamW written out, so a member follows the same arithmetic
-    as `torch.optim.AdamW` on the single run.
+    as `torch.optim.AdamW` on the single run. ``capturable=True`` (graphed steps on CUDA): its
+    capturable form, the step counter and bias corrections on the device, as
+    ``torch.optim.AdamW(capturable=True)`` computes them.
     """
 
     def __init__(self, params: list[torch.Tensor], lr: float, weight_decay: Sequence[float],
-                 betas=(0.9, 0.98), eps: float = 1e-8) -> None:
+                 betas=(0.9, 0.98), eps: float = 1e-8, capturable: bool = False) -> None:
         self.params, self.lr, self.betas, self.eps = params, lr, betas, eps
         self.decay = torch.tensor([1.0 - lr * wd for wd in weight_decay], dtype=torch.float64)
         self._decay_on: dict = {}     # (device, dtype) -> decay there: no host-to-device copy per step
         self.exp_avg = [torch.zeros_like(p) for p in params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in params]
+        self.capturable = capturable
+        self._step_t = torch.zeros((), dtype=torch.float32, device=params[0].device) if capturable else None
         self.step_count = 0
+
+    @property
+    def step_count(self) -> int:
+        return int(self._step_t.item()) if self.capturable else self._count     # capturable: a host read
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._count = int(value)
+        if self.capturable:
+            self._step_t.fill_(self._count)
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
 
+    def _decay(self, p: torch.Tensor) -> torch.Tensor:
+        key = (p.device, p.dtype)
+        if key not in self._decay_on:
+            self._decay_on[key] = self.decay.to(device=p.device, dtype=p.dtype)
+        return self._decay_on[key].view(-1, *([1] * (p.dim() - 1)))
+
     @torch.no_grad()
     def step(self) -> None:
+        if self.capturable:
+            return self._step_on_device()
         self.step_count += 1
         beta1, beta2 = self.betas
         bias_correction1 = 1 - beta1 ** self.step_count
         bias_correction2_sqrt = (1 - beta2 ** self.step_count) ** 0.5
         step_size = self.lr / bias_correction1
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
-            key = (p.device, p.dtype)
-            if key not in self._decay_on:
-                self._decay_on[key] = self.decay.to(device=p.device, dtype=p.dtype)
-            p.mul_(self._decay_on[key].view(-1, *([1] * (p.dim() - 1))))
+            p.mul_(self._decay(p))
             m.lerp_(p.grad, 1 - beta1)
             v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
             denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
             p.addcdiv_(m, denom, value=-step_size)
+
+    def _step_on_device(self) -> None:
+        """torch.optim.adam's capturable single-tensor branch, line for line (no host value per step)."""
+        self._step_t += 1
+        beta1, beta2 = self.betas
+        step_size_neg = (self.lr / (1 - beta1 ** self._step_t)).neg()
+        bias_correction2_sqrt = (1 - beta2 ** self._step_t).sqrt()
+        for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
+            p.mul_(self._decay(p))
+            m.lerp_(p.grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            p.addcdiv_(m, (v.sqrt() / (bias_correction2_sqrt * step_size_neg)).add_(self.eps / step_size_neg))
 
     def keep(self, index: torch.Tensor) -> None:
         self.decay = self.decay.index_select(0, index.cpu())
@@ -112,6 +146,7 @@ class _Members:
     """The stacked tensors of the members still training: the model, its optimiser, their data."""
 
     def __init__(self, cfgs: Sequence[RunConfig], device: torch.device) -> None:
+        graphed = graphed_device(cfgs[0].graphed, device)    # CUDA only: the CPU loop is as it was
         tasks, models = [], []
         for cfg in cfgs:   # each member exactly as its single run: task split, then seeded initialisation
             tasks.append(make_task(cfg.op, cfg.p, cfg.train_frac, seed=cfg.seed, device=device))
@@ -121,13 +156,31 @@ class _Members:
         self.n_params = count_parameters(models[0])
         self.model = stack_models(cfgs[0].arch, models).to(device)
         self.data = [torch.stack([getattr(t, name) for t in tasks]) for name in ("train_x", "train_y", "test_x", "test_y")]
-        self.opt = EnsembleAdamW(list(self.model.parameters()), cfgs[0].lr, [c.weight_decay for c in cfgs])
+        self.opt = EnsembleAdamW(list(self.model.parameters()), cfgs[0].lr, [c.weight_decay for c in cfgs],
+                                 capturable=graphed)
         self.loss_sum = torch.zeros(len(cfgs), device=device)
         # measures every diag_every-th step's attention, the members leading (`fastdiag.attach`)
         self.monitor = (attach(self.model, every=cfgs[0].diag_every, keep_records=False)
                         if self.layer_names else None)
         if self.monitor is not None:
             weakref.finalize(self, self.monitor.detach)   # the model is free once the pack is done
+        self.graphs = GraphedSteps(self.step, functools.partial(getattr, self, "monitor"), device) if graphed else None
+
+    def step(self, idx: torch.Tensor) -> None:
+        """One step of every member on its minibatch ``idx`` ``[K, b]`` (rows of its training half)."""
+        members = torch.arange(idx.shape[0], device=idx.device)[:, None]
+        logits = self.model(self.data[0][members, idx])                          # [K, b, vocab]
+        per_member = F.cross_entropy(logits.flatten(0, 1), self.data[1][members, idx].flatten(),
+                                     reduction="none").view(idx.shape[0], -1).mean(1)
+        self.opt.zero_grad()
+        per_member.sum().backward()
+        self.opt.step()
+        self.loss_sum += per_member.detach()
+
+    def merged_stats(self) -> dict:
+        """The head statistics since the last evaluation (the monitor's, plus the graphs'); resets them."""
+        stats = self.monitor.merged_stats(reset=True) if self.monitor else {}
+        return self.graphs.merged_stats(stats) if self.graphs is not None else stats
 
     def keep(self, index: torch.Tensor) -> None:
         """Drop every member not in ``index`` (slots) from every stacked tensor."""
@@ -136,23 +189,17 @@ class _Members:
         self.opt.keep(index)
         self.data = [t.index_select(0, index) for t in self.data]
         self.loss_sum = self.loss_sum.index_select(0, index)
+        if self.graphs is not None:     # every tensor the graphs captured is new
+            self.graphs.reset()
 
 
 def _train_epoch(m: _Members, perm: torch.Tensor, shared: RunConfig, step: int) -> int:
     """One epoch of every member over its own shuffle ``perm`` ``[K, n_train]``; returns the step count
     after it. The monitor measures the steps that are due."""
-    train_x, train_y = m.data[0], m.data[1]
     m.model.train()
-    members = torch.arange(perm.shape[0], device=perm.device)[:, None]
+    run_step = m.graphs or m.step
     for start in range(0, perm.shape[1], shared.batch_size):
-        idx = perm[:, start:start + shared.batch_size]
-        logits = m.model(train_x[members, idx])                          # [K, b, vocab]
-        per_member = F.cross_entropy(logits.flatten(0, 1), train_y[members, idx].flatten(),
-                                     reduction="none").view(perm.shape[0], -1).mean(1)
-        m.opt.zero_grad()
-        per_member.sum().backward()
-        m.opt.step()
-        m.loss_sum += per_member.detach()
+        run_step(perm[:, start:start + shared.batch_size])
         step += 1
     return step
 
@@ -162,7 +209,7 @@ def _evaluation_rows(m: _Members, chunk: int) -> list[dict[str, float]]:
     statistics merged over the measured steps since the last evaluation."""
     metrics = _evaluate(m.model, *m.data, chunk)
     metrics["loss_sum"] = m.loss_sum
-    metrics.update(summary_values(m.monitor.merged_stats(reset=True) if m.monitor else {}, m.layer_names))
+    metrics.update(summary_values(m.merged_stats(), m.layer_names))
     names = list(metrics)
     k = m.loss_sum.shape[0]
     host = torch.stack([metrics[name].detach().to(torch.float64).reshape(k) for name in names], 1).tolist()
@@ -193,6 +240,8 @@ def _restore_pack(m: _Members, state: dict, ids: list[str], shuffles, trackers, 
     m.opt.step_count = int(state["step_count"])
     m.opt.decay = state["decay"].index_select(0, slots)
     m.opt._decay_on = {}
+    if m.graphs is not None:       # the optimizer's moments are new tensors: capture again
+        m.graphs.reset()
     for slot, g, t in zip(slots.tolist(), shuffles, trackers):
         g.set_state(state["shuffles"][slot])
         ckpt.restore_tracker(t, state["trackers"][slot])
@@ -289,7 +338,7 @@ def pack_runs(cfgs: Sequence[RunConfig], size: int | None) -> list[list[RunConfi
         else:
             groups.setdefault(pack_key(cfg), []).append(cfg)
     for members in groups.values():   # ceil(n / k) packs of near-equal size, not k, k, …, rest
-        k = size or default_ensemble_size(members[0])
+        k = size or default_ensemble_size(members[0], most=len(members))
         n_packs = -(-len(members) // k)
         bounds = [round(i * len(members) / n_packs) for i in range(n_packs + 1)]
         packs += [members[a:b] for a, b in zip(bounds, bounds[1:])]
@@ -313,18 +362,111 @@ def describe_packs(packs: list[list[RunConfig]]) -> list[str]:
     return lines
 
 
-def default_ensemble_size(cfg: RunConfig) -> int:
+def default_ensemble_size(cfg: RunConfig, most: int | None = None) -> int:
     """The ensemble size ``--ensemble auto`` gives runs like ``cfg``.
 
-    A GPU is idle with one tiny model: pack 32. On a CPU a member-step costs about what a single run's
-    step costs (benchmarks/RESULTS.md), so ensembles only pay where per-op overhead is large, i.e. for
-    small models, and too many members push the activations out of the caches: 8 members up to
-    ~0.45 M parameters, fewer above (canonical 0.82 M: 4), one by one from ~2.5 M."""
-    if resolve_device(cfg.device).type == "cuda":
-        return 32
+    On CUDA: `gpu_ensemble_size`, from the device's free memory and measured throughput. On a CPU a
+    member-step costs about what a single run's step costs (benchmarks/RESULTS.md), so ensembles only
+    pay where per-op overhead is large, i.e. for small models, and too many members push the
+    activations out of the caches: 8 members up to ~0.45 M parameters, fewer above (canonical 0.82 M:
+    4), one by one from ~2.5 M."""
+    if resolve_device(cfg.device).type == "cuda":    # ``most``: the runs there are to pack (fewer sizes to time)
+        return gpu_ensemble_size(cfg, sizes=sorted({min(k, most or k) for k in GPU_PACKS}))
     n = parameter_count(cfg) or 1_000_000
     return max(1, min(8, round(3.5e6 / n)))
 
 
-__all__ = ["EnsembleAdamW", "can_vectorise", "default_ensemble_size", "describe_packs", "pack_key", "pack_runs",
-           "train_ensemble", "why_one_by_one"]
+# --ensemble auto on a GPU: the pack sizes tried (largest first fits the memory), the share of the free
+# device memory a pack may take (its graphs keep a memory pool per step shape: room for the tail
+# minibatch's), and what counts as as fast as the best (the smallest such pack is chosen: members that
+# finish early leave a large pack emptier).
+GPU_PACKS = (64, 128, 256, 512)
+GPU_MEMORY_SHARE = 0.5
+GPU_NEAR_BEST = 0.9
+_GPU_SIZES: dict[tuple, dict] = {}
+
+
+def calibration_members(cfg: RunConfig, k: int) -> list[RunConfig]:
+    """``k`` distinct runs like ``cfg`` (seeds cfg.seed, cfg.seed + 1, ...) to measure a pack with."""
+    return [dataclasses.replace(cfg, seed=cfg.seed + i) for i in range(k)]
+
+
+def gpu_ensemble_size(cfg: RunConfig, sizes: Sequence[int] = GPU_PACKS, steps: int = 30) -> int:
+    """Members per pack for runs like ``cfg`` on their CUDA device: a pack of 8 measures the memory a
+    member takes; of ``sizes``, those whose packs fit `GPU_MEMORY_SHARE` of the free memory are timed
+    (``steps`` steps each) and the smallest within `GPU_NEAR_BEST` of the best runs per second wins
+    (none fits: as many members as fit). Measured once per kind of run and device in a process;
+    `gpu_ensemble_choice` tells what was measured."""
+    key = _gpu_key(cfg, sizes)
+    if key not in _GPU_SIZES:
+        free = torch.cuda.mem_get_info(device)[0]
+        probe = measure_pack(calibration_members(cfg, 8), steps=3)
+        per_member = probe["peak_bytes"] / 8
+        fits = [k for k in sizes if k * per_member <= GPU_MEMORY_SHARE * free]
+        if not fits:
+            fits = [max(1, int(GPU_MEMORY_SHARE * free // per_member))]
+        rates = {}
+        for k in fits:
+            rates[k] = k / measure_pack(calibration_members(cfg, k), steps)["step_seconds"]
+            torch.cuda.empty_cache()
+        best = max(rates.values())
+        _GPU_SIZES[key] = {"size": min(k for k in fits if rates[k] >= GPU_NEAR_BEST * best),
+                           "member_steps_per_second": rates, "bytes_per_member": per_member, "free_bytes": free}
+    return _GPU_SIZES[key]["size"]
+
+
+def gpu_ensemble_choice(cfg: RunConfig, sizes: Sequence[int] = GPU_PACKS) -> dict | None:
+    """What `gpu_ensemble_size` measured for runs like ``cfg`` (None before it ran): the size chosen, the
+    member-steps per second of each pack size timed, the bytes per member and the free memory."""
+    return _GPU_SIZES.get(_gpu_key(cfg, sizes))
+
+
+def _gpu_key(cfg: RunConfig, sizes: Sequence[int]) -> tuple:
+    device = str(resolve_device(cfg.device))
+    return pack_key(dataclasses.replace(cfg, device=device)), device, tuple(sizes)
+
+
+__all__ = ["EnsembleAdamW", "can_vectorise", "default_ensemble_size", "describe_packs", "gpu_ensemble_size",
+           "measure_pack", "pack_key", "pack_runs", "train_ensemble", "why_one_by_one"]
+
+
+def measure_pack(cfgs: Sequence[RunConfig], steps: int, warmup: int = WARMUP_STEPS + 2) -> dict:
+    """Seconds per training step and per evaluation of the runs ``cfgs`` trained as the sweep trains
+    them (one run: its `Trainer`; several: one vectorised ensemble, graphed on CUDA when the configs
+    say so), on random minibatches: ``warmup`` steps first (graph captures, allocator), then ``steps``
+    timed ones, then two evaluations (the second timed). Also the peak device memory on CUDA."""
+    if steps < 1:
+        raise ValueError(f"steps: must be >= 1, got {steps}")
+    cfgs = [c.validate() for c in cfgs]
+    device = resolve_device(cfgs[0].device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    if len(cfgs) == 1:
+        trainer = Trainer(cfgs[0])
+        n_train, step, evaluate_once = trainer.task.train_x.shape[0], trainer._train_step, trainer._evaluate
+    else:
+        _check_pack(cfgs)
+        m = _Members(cfgs, device)
+        m.model.train()
+        n_train, step = m.data[0].shape[1], m.graphs or m.step
+        chunk = eval_chunk(device)
+        evaluate_once = lambda: _evaluation_rows(m, chunk)   # noqa: E731
+    batch = min(cfgs[0].batch_size, n_train)
+    shape = (len(cfgs), n_train) if len(cfgs) > 1 else (n_train,)
+    perm = torch.rand(shape, device=device).argsort(-1)[..., :batch]
+    sync = torch.cuda.synchronize if cuda else (lambda *_: None)
+    for _ in range(warmup):
+        step(perm)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(perm)
+    sync()
+    step_seconds = (time.perf_counter() - start) / steps
+    evaluate_once()
+    start = time.perf_counter()
+    evaluate_once()                  # ends in a host read: synchronised
+    eval_seconds = time.perf_counter() - start
+    return {"members": len(cfgs), "steps": steps, "step_seconds": step_seconds, "eval_seconds": eval_seconds,
+            "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None, "device": str(device)}

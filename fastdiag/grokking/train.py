@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from fastdiag.core.monitor import Monitor, attach
 from fastdiag.grokking import checkpoint as ckpt
 from fastdiag.grokking.build import build_model, resolve_device
 from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.graphed_step import GraphedSteps, graphed_device, make_adamw, make_capturable
 from fastdiag.grokking.tasks import make_task
 from fastdiag.grokking.tracking import RunTracker, eval_chunk, evaluate, summary_values
 from fastdiag.models import attention_modules, count_parameters
@@ -55,8 +57,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg, device=device).to(device)
         self.attn = attention_modules(self.model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
-                                     weight_decay=cfg.weight_decay)
+        graphed = graphed_device(cfg.graphed, device)   # CUDA only: the CPU loop is as it was
+        self.opt = make_adamw(self.model.parameters(), cfg.lr, cfg.weight_decay, graphed)
         self.shuffle = torch.Generator().manual_seed(cfg.seed)
         self.tracker = RunTracker(cfg, list(self.attn))
         self.eval_chunk = eval_chunk(device)
@@ -64,6 +66,7 @@ class Trainer:
         self.step = 0
         self.loss_sum = torch.zeros((), device=device)  # minibatch losses since the last evaluation
         self.monitor = self._attach()
+        self.graphs = GraphedSteps(self._step_body, functools.partial(getattr, self, "monitor"), device) if graphed else None
 
     @property
     def done(self) -> bool:
@@ -79,13 +82,16 @@ class Trainer:
         return monitor
 
     def _train_step(self, idx: torch.Tensor) -> None:
+        (self.graphs or self._step_body)(idx)
+        self.step += 1
+
+    def _step_body(self, idx: torch.Tensor) -> None:
         logits = self.model(self.task.train_x[idx])     # measured by the monitor when due
         loss = F.cross_entropy(logits, self.task.train_y[idx])
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
         self.loss_sum += loss.detach()
-        self.step += 1
 
     def run_epoch(self) -> dict | None:
         """Train one epoch; evaluate when due. Returns the new trace row, or None."""
@@ -112,11 +118,15 @@ class Trainer:
             weight_norm = torch.stack([p.detach().float().norm() for p in model.parameters()]).norm()
             values = {"train_loss": train_loss, "train_acc": train_acc, "test_loss": test_loss,
                       "test_acc": test_acc, "weight_norm": weight_norm, "loss_sum": self.loss_sum,
-                      **summary_values(self.monitor.merged_stats(reset=True) if self.monitor else {},
-                                       list(self.attn))}
+                      **summary_values(self._merged_stats(), list(self.attn))}
             host = torch.stack([v.detach().to(torch.float64).reshape(()) for v in values.values()]).tolist()
         self.loss_sum.zero_()
         return dict(zip(values, host))
+
+    def _merged_stats(self) -> dict:
+        """The head statistics since the last evaluation (the monitor's, plus the graphs' own); resets them."""
+        stats = self.monitor.merged_stats(reset=True) if self.monitor else {}
+        return self.graphs.merged_stats(stats) if self.graphs is not None else stats
 
     def outcome(self) -> RunOutcome:
         result = self.tracker.result(epochs_run=self.epoch, steps=self.step,
@@ -139,6 +149,9 @@ class Trainer:
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
+        if self.graphs is not None:   # the optimizer's state tensors are new: capture again
+            make_capturable(self.opt)
+            self.graphs.reset()
         self.shuffle.set_state(state["shuffle"])
         ckpt.set_rng_state(state["rng"], self.device)
         ckpt.restore_tracker(self.tracker, state["tracker"])

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from typing import Sequence
 
 import torch
 
-from fastdiag.grokking.build import parameter_count, uses_cuda
+from fastdiag.grokking.build import parameter_count, resolve_device, uses_cuda
 from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.ensemble_train import measure_pack, pack_runs
 from fastdiag.grokking.tasks import available_memory
 
 
@@ -121,3 +123,116 @@ def plan_packs(configs: Sequence[RunConfig], n_packs: int, workers: int | None =
     if threads is None:
         threads = plan_threads(configs, n_workers, members=members, cores=cores, load=load)
     return n_workers, threads
+
+
+# ---- how long a sweep will take (`fastdiag sweep --dry-run`) --------------------------------------
+
+# The paper's law of the grokking time of the canonical model on a + b mod 97 (SPEC §4: t_grok ≈ 130
+# epochs at λ = 1, λ_c = 0.0158, ν = 0.757), t = 130 ((λ − λ_c) / (1 − λ_c))^−ν epochs; at or below
+# λ_c (memorisation) and from λ = 10 (collapse) a run trains to its horizon.
+LAW = {"t_ref": 130.0, "lambda_c": 0.0158, "nu": 0.757, "collapse_from": 10.0}
+_LAW_SETUP = RunConfig()     # the setup the law was measured in (lr, batch, p, operation, split, model)
+# Timed steps of the calibration where the user does not say: a GPU step is ~1 ms and noisy at first;
+# a CPU step of a canonical pack is ~0.1-1 s.
+CALIBRATION_STEPS = {"cuda": 200, "cpu": 10}
+
+
+def law_applies(cfg: RunConfig) -> bool:
+    """Whether the paper's law gives ``cfg``'s grokking time: the canonical transformer in the paper's
+    setup (any seed, λ, horizon, evaluation interval)."""
+    same = ("arch", "preset", "n_layers", "n_heads", "d_model", "d_ff", "op", "p", "lr", "batch_size", "train_frac")
+    return all(getattr(cfg, k) == getattr(_LAW_SETUP, k) for k in same)
+
+
+def expected_epochs(cfg: RunConfig) -> tuple[float, str]:
+    """(epochs run ``cfg`` is expected to train, "law" or "horizon"): the law's t_grok plus the patience
+    where it applies and the run stops at grokking, capped at the horizon; else the horizon (an upper
+    bound for a run that stops at grokking)."""
+    lam, c = cfg.weight_decay, LAW
+    if cfg.stop_at_grok and law_applies(cfg) and c["lambda_c"] < lam < c["collapse_from"]:
+        t = c["t_ref"] * ((lam - c["lambda_c"]) / (1 - c["lambda_c"])) ** -c["nu"]
+        return min(float(cfg.epochs), math.ceil(t / cfg.eval_every) * cfg.eval_every + cfg.patience), "law"
+    return float(cfg.epochs), "horizon"
+
+
+def steps_per_epoch(cfg: RunConfig) -> int:
+    pairs = cfg.p * (cfg.p - 1) if cfg.op == "/" else cfg.p * cfg.p
+    return math.ceil(int(round(cfg.train_frac * pairs)) / cfg.batch_size)
+
+
+def estimate_sweep(configs: Sequence[RunConfig], ensemble: int | None, workers: int | None = None,
+                   threads: int | None = None, steps: int | None = None) -> dict:
+    """How long ``configs`` take as `fastdiag sweep` would run them here: packed as it packs them
+    (``ensemble``: K or None for auto), on its workers. Measured: a step and an evaluation of the
+    largest pack and of a single run (`measure_pack`, ``steps`` timed steps, default
+    `CALIBRATION_STEPS`), on this machine now. Extrapolated: every run's length (`expected_epochs`),
+    a pack's step time for fewer live members (linear between the two measured sizes), and the
+    workers sharing the packs evenly."""
+    if not configs:
+        raise ValueError("configs: expected at least one run configuration")
+    device = resolve_device(configs[0].device)
+    steps = CALIBRATION_STEPS[device.type] if steps is None else steps
+    if steps < 1:
+        raise ValueError(f"steps: must be >= 1, got {steps}")
+    packs = pack_runs(configs, ensemble)
+    if device.type == "cpu":      # as the local backend does: every worker a pack
+        packs = spread_packs(packs, plan_local(configs, workers)[0])
+    n_workers, n_threads = plan_packs(configs, len(packs), default_workers(configs, workers), threads,
+                                      members=max(map(len, packs)))
+    largest = max(packs, key=len)
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(n_threads)
+    try:
+        measured = [measure_pack(largest, steps)]
+        if len(largest) > 1:
+            measured.append(measure_pack(largest[:1], steps))
+    finally:
+        torch.set_num_threads(saved_threads)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    by_size = {m["members"]: m for m in measured}
+
+    def cost(live: int, what: str) -> float:        # seconds of a step / an evaluation of ``live`` members
+        if len(by_size) == 1 or live >= len(largest):
+            return by_size[len(largest) if live >= len(largest) else 1][what]
+        big, one = by_size[len(largest)][what], by_size[1][what]
+        return one + (big - one) * (live - 1) / (len(largest) - 1)
+
+    seconds = member_steps = 0.0
+    how = Counter()
+    for pack in packs:
+        ends = sorted(expected_epochs(c) for c in pack)
+        how.update(kind for _, kind in ends)
+        start = 0.0
+        for i, (end, _) in enumerate(ends):       # the members still training between two finishes
+            live = len(pack) - i
+            epochs = end - start
+            per_epoch = steps_per_epoch(pack[0])
+            seconds += epochs * (per_epoch * cost(live, "step_seconds") + cost(live, "eval_seconds") / pack[0].eval_every)
+            member_steps += epochs * per_epoch * live
+            start = end
+    return {"device": str(device), "runs": len(configs), "packs": len(packs), "pack_sizes": sorted({len(p) for p in packs}),
+            "workers": n_workers, "threads": n_threads, "measured": measured, "member_steps": member_steps,
+            "runs_by_law": how["law"], "runs_to_horizon": how["horizon"], "seconds": seconds / n_workers,
+            "load": os.getloadavg()[0]}
+
+
+def describe_estimate(est: dict) -> list[str]:
+    """The estimate as lines for the user: the total, what was measured, what was extrapolated."""
+    hours = est["seconds"] / 3600
+    total = (f"{hours:,.1f} h" if hours >= 1 else f"{est['seconds'] / 60:,.1f} min" if est["seconds"] >= 60
+             else f"{est['seconds']:.1f} s")
+    where = (f"{est['workers']} worker(s) × {est['threads']} thread(s)" if est["device"] == "cpu"
+             else f"{est['workers']} GPU worker(s)")
+    lines = [f"estimate: {total} on {est['device']} ({where}; {est['runs']} runs in {est['packs']} pack(s) of "
+             f"{'/'.join(map(str, est['pack_sizes']))})"]
+    for m in est["measured"]:
+        lines.append(f"  measured: a step of {m['members']} member(s) {1e3 * m['step_seconds']:,.2f} ms, an evaluation "
+                     f"{1e3 * m['eval_seconds']:,.1f} ms ({m['steps']} timed steps on {m['device']} now, load "
+                     f"{est['load']:.1f}" + (f", peak {m['peak_bytes'] / 2**30:.2f} GiB" if m["peak_bytes"] else "") + ")")
+    law = (f"{est['runs_by_law']} run(s) from the paper's law t = {LAW['t_ref']:g}·((λ − λ_c)/(1 − λ_c))^−ν "
+           f"(λ_c {LAW['lambda_c']}, ν {LAW['nu']}), " if est["runs_by_law"] else "")
+    lines.append(f"  extrapolated: {est['member_steps']:,.0f} member-steps; run lengths: {law}{est['runs_to_horizon']} "
+                 "run(s) to the horizon (an upper bound for a run that stops at grokking); fewer live members "
+                 "interpolated linearly between the measured sizes; the workers sharing the packs evenly")
+    return lines
