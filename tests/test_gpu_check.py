@@ -59,3 +59,19 @@ def test_gpu_check_dry_run_of_the_extra_stages(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert {"tune", "probe", "ncu"} <= {x["stage"] for x in lines}
     assert all("error" not in x and "failed" not in x for x in lines), lines
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_of_the_experiments_stage(tmp_path):
+    """The experiments stage (STAGES="experiments:..."): canonical step eager / graphed / bare, packs,
+    Mamba against the matched transformer, each a JSON line, here on CPU with a tiny model."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, STAGES="experiments:240")
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
+    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    got = [x for x in lines if x["stage"] == "experiments"]
+    assert [x["what"] for x in got] == ["canonical_step"] + ["ensemble"] * 4 + ["mamba_step"], got
+    assert all(x["eager_ms"] > 0 and x["graphed_ms"] > 0 and x["bare_loop_ms"] > 0 for x in got[:1])
+    assert [x["members"] for x in got[1:5]] == [1, 2, 4, 8] and all(x["runs_per_hour"] > 0 for x in got[1:5])
+    assert got[5]["mamba_triton_graphed_ms"] > 0 and got[5]["matched_transformer_graphed_ms"] > 0

@@ -84,24 +84,26 @@ def test_the_cli_waits_passively_and_keeps_a_users_choice():
 
 # ---- the dry run's time estimate -------------------------------------------------------------------
 
-from fastdiag.sweep.plan import LAW, describe_estimate, estimate_sweep, expected_epochs, steps_per_epoch  # noqa: E402
+from fastdiag.analysis.paper_data import PAPER, predicted_t_grok  # noqa: E402
+from fastdiag.sweep.plan import describe_estimate, estimate_sweep, expected_epochs, steps_per_epoch  # noqa: E402
 
 TINY = dict(preset="custom", n_layers=1, n_heads=2, d_model=16, d_ff=32, p=11, epochs=40, eval_every=5,
             device="cpu")
 
 
 def test_run_lengths_come_from_the_papers_law_only_where_it_applies():
-    t1, how = expected_epochs(RunConfig(weight_decay=1.0, epochs=20000, eval_every=10))
-    assert how == "law" and t1 == 130                        # the law's own reference point
-    t01, _ = expected_epochs(RunConfig(weight_decay=0.1, epochs=20000, eval_every=10))
-    law = LAW["t_ref"] * ((0.1 - LAW["lambda_c"]) / (1 - LAW["lambda_c"])) ** -LAW["nu"]
-    assert t01 == 10 * -(-law // 10) == 840          # the law gives 836 (t(0.1) / t(1) = 6.43), to the evaluation
-    assert expected_epochs(RunConfig(weight_decay=0.1, epochs=500)) == (500, "law")        # capped at the horizon
-    assert expected_epochs(RunConfig(weight_decay=1.0, epochs=20000, patience=7)) == (137, "law")
+    law = predicted_t_grok
+    t1, how = expected_epochs(RunConfig(weight_decay=1.0, epochs=20000, eval_every=10), law)
+    assert how == "law" and t1 == PAPER["t_grok_lambda1"] == 130     # the law's own reference point
+    t01, _ = expected_epochs(RunConfig(weight_decay=0.1, epochs=20000, eval_every=10), law)
+    assert t01 == 10 * -(-law(0.1) // 10) == 840     # the law gives 836 (t(0.1) / t(1) = 6.43), to the evaluation
+    assert expected_epochs(RunConfig(weight_decay=0.1, epochs=500), law) == (500, "law")     # capped at the horizon
+    assert expected_epochs(RunConfig(weight_decay=1.0, epochs=20000, patience=7), law) == (137, "law")
+    assert expected_epochs(RunConfig(weight_decay=1.0, epochs=900), None) == (900, "horizon")  # no law given
     for cfg in (RunConfig(weight_decay=0.01, epochs=900), RunConfig(weight_decay=10.0, epochs=900),
                 RunConfig(weight_decay=1.0, epochs=900, stop_at_grok=False), RunConfig(weight_decay=1.0, epochs=900, p=31),
                 RunConfig(arch="mlp", weight_decay=1.0, epochs=900)):
-        assert expected_epochs(cfg) == (900, "horizon"), cfg
+        assert expected_epochs(cfg, law) == (900, "horizon"), cfg
     assert steps_per_epoch(RunConfig()) == 10                 # 4,704 training pairs at batch 512
     assert steps_per_epoch(RunConfig(op="/", p=7, train_frac=0.5, batch_size=4)) == 6   # 7·6 pairs, 21 train
 

@@ -12,6 +12,7 @@ import torch
 
 from fastdiag.cli.app import CLIError, check_threads, create_store, open_store, option_errors
 from fastdiag.cli.options import QUIET_HELP, THREADS_DEFAULT, run_fields, run_options
+from fastdiag.analysis.paper_data import PAPER, predicted_t_grok
 from fastdiag.cli.run import checkpoint_option, parse_checkpoint_every
 from fastdiag.grokking.build import uses_cuda
 from fastdiag.grokking.config import ARCHS, RunConfig
@@ -140,9 +141,12 @@ def _print_estimate(configs, ensemble_size, workers, threads, steps) -> None:
         click.echo("estimate: none (the runs are for CUDA and this machine has no CUDA device to calibrate on; "
                    "run the dry run where the sweep will run)")
         return
+    law = (f"the paper's law t_grok = {PAPER['t_grok_lambda1']}·((λ − λ_c)/(1 − λ_c))^−ν (λ_c {PAPER['lambda_c']}, "
+           f"ν {PAPER['nu']}; canonical runs below λ = 10)")
     with option_errors():
-        for line in describe_estimate(estimate_sweep(configs, ensemble_size, workers, threads, steps)):
-            click.echo(line)
+        estimate = estimate_sweep(configs, ensemble_size, workers, threads, steps, predicted_t_grok, law)
+    for line in describe_estimate(estimate):
+        click.echo(line)
 
 
 @click.command("merge")

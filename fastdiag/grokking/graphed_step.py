@@ -78,6 +78,7 @@ class GraphedSteps:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._eager_steps: Counter = Counter()
         self._failed: set = set()
+        self._side = None                         # the stream of the eager (warm-up) steps
         self._acc: dict[str, HeadStats] = {}      # added into by the measured graphs
         self._carry: dict[str, HeadStats] = {}    # taken from the monitor before a capture
 
@@ -112,7 +113,9 @@ class GraphedSteps:
             self._capture(key, idx, monitor)
 
     def _eager(self, idx: torch.Tensor) -> None:
-        side = torch.cuda.Stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self.body(idx)

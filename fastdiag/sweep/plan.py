@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -127,31 +127,30 @@ def plan_packs(configs: Sequence[RunConfig], n_packs: int, workers: int | None =
 
 # ---- how long a sweep will take (`fastdiag sweep --dry-run`) --------------------------------------
 
-# The paper's law of the grokking time of the canonical model on a + b mod 97 (SPEC §4: t_grok ≈ 130
-# epochs at λ = 1, λ_c = 0.0158, ν = 0.757), t = 130 ((λ − λ_c) / (1 − λ_c))^−ν epochs; at or below
-# λ_c (memorisation) and from λ = 10 (collapse) a run trains to its horizon.
-LAW = {"t_ref": 130.0, "lambda_c": 0.0158, "nu": 0.757, "collapse_from": 10.0}
-_LAW_SETUP = RunConfig()     # the setup the law was measured in (lr, batch, p, operation, split, model)
+# From this λ on a run collapses (the paper's λ = 10: never fits) and trains to its horizon.
+COLLAPSE_FROM = 10.0
+_LAW_SETUP = RunConfig()     # the setup the paper's law was measured in (lr, batch, p, operation, split, model)
 # Timed steps of the calibration where the user does not say: a GPU step is ~1 ms and noisy at first;
 # a CPU step of a canonical pack is ~0.1-1 s.
 CALIBRATION_STEPS = {"cuda": 200, "cpu": 10}
 
 
 def law_applies(cfg: RunConfig) -> bool:
-    """Whether the paper's law gives ``cfg``'s grokking time: the canonical transformer in the paper's
+    """Whether the paper's law of t_grok is about ``cfg``: the canonical transformer in the paper's
     setup (any seed, λ, horizon, evaluation interval)."""
     same = ("arch", "preset", "n_layers", "n_heads", "d_model", "d_ff", "op", "p", "lr", "batch_size", "train_frac")
     return all(getattr(cfg, k) == getattr(_LAW_SETUP, k) for k in same)
 
 
-def expected_epochs(cfg: RunConfig) -> tuple[float, str]:
-    """(epochs run ``cfg`` is expected to train, "law" or "horizon"): the law's t_grok plus the patience
-    where it applies and the run stops at grokking, capped at the horizon; else the horizon (an upper
-    bound for a run that stops at grokking)."""
-    lam, c = cfg.weight_decay, LAW
-    if cfg.stop_at_grok and law_applies(cfg) and c["lambda_c"] < lam < c["collapse_from"]:
-        t = c["t_ref"] * ((lam - c["lambda_c"]) / (1 - c["lambda_c"])) ** -c["nu"]
-        return min(float(cfg.epochs), math.ceil(t / cfg.eval_every) * cfg.eval_every + cfg.patience), "law"
+def expected_epochs(cfg: RunConfig, t_grok_of: Callable[[float], float] | None) -> tuple[float, str]:
+    """(epochs run ``cfg`` is expected to train, "law" or "horizon"): ``t_grok_of(λ)`` (the paper's law,
+    `fastdiag.analysis.paper_data.predicted_t_grok`; inf: never groks) rounded up to an evaluation, plus
+    the patience, capped at the horizon, where the law is about ``cfg`` and the run stops at grokking;
+    else the horizon (an upper bound for a run that stops at grokking)."""
+    if t_grok_of is not None and cfg.stop_at_grok and law_applies(cfg) and cfg.weight_decay < COLLAPSE_FROM:
+        t = t_grok_of(cfg.weight_decay)
+        if math.isfinite(t):
+            return min(float(cfg.epochs), math.ceil(t / cfg.eval_every) * cfg.eval_every + cfg.patience), "law"
     return float(cfg.epochs), "horizon"
 
 
@@ -161,11 +160,13 @@ def steps_per_epoch(cfg: RunConfig) -> int:
 
 
 def estimate_sweep(configs: Sequence[RunConfig], ensemble: int | None, workers: int | None = None,
-                   threads: int | None = None, steps: int | None = None) -> dict:
+                   threads: int | None = None, steps: int | None = None,
+                   t_grok_of: Callable[[float], float] | None = None, law: str = "") -> dict:
     """How long ``configs`` take as `fastdiag sweep` would run them here: packed as it packs them
     (``ensemble``: K or None for auto), on its workers. Measured: a step and an evaluation of the
     largest pack and of a single run (`measure_pack`, ``steps`` timed steps, default
-    `CALIBRATION_STEPS`), on this machine now. Extrapolated: every run's length (`expected_epochs`),
+    `CALIBRATION_STEPS`), on this machine now. Extrapolated: every run's length (`expected_epochs`
+    with ``t_grok_of``, described to the user as ``law``),
     a pack's step time for fewer live members (linear between the two measured sizes), and the
     workers sharing the packs evenly."""
     if not configs:
@@ -201,7 +202,7 @@ def estimate_sweep(configs: Sequence[RunConfig], ensemble: int | None, workers: 
     seconds = member_steps = 0.0
     how = Counter()
     for pack in packs:
-        ends = sorted(expected_epochs(c) for c in pack)
+        ends = sorted(expected_epochs(c, t_grok_of) for c in pack)
         how.update(kind for _, kind in ends)
         start = 0.0
         for i, (end, _) in enumerate(ends):       # the members still training between two finishes
@@ -214,7 +215,7 @@ def estimate_sweep(configs: Sequence[RunConfig], ensemble: int | None, workers: 
     return {"device": str(device), "runs": len(configs), "packs": len(packs), "pack_sizes": sorted({len(p) for p in packs}),
             "workers": n_workers, "threads": n_threads, "measured": measured, "member_steps": member_steps,
             "runs_by_law": how["law"], "runs_to_horizon": how["horizon"], "seconds": seconds / n_workers,
-            "load": os.getloadavg()[0]}
+            "law": law, "load": os.getloadavg()[0]}
 
 
 def describe_estimate(est: dict) -> list[str]:
@@ -230,8 +231,7 @@ def describe_estimate(est: dict) -> list[str]:
         lines.append(f"  measured: a step of {m['members']} member(s) {1e3 * m['step_seconds']:,.2f} ms, an evaluation "
                      f"{1e3 * m['eval_seconds']:,.1f} ms ({m['steps']} timed steps on {m['device']} now, load "
                      f"{est['load']:.1f}" + (f", peak {m['peak_bytes'] / 2**30:.2f} GiB" if m["peak_bytes"] else "") + ")")
-    law = (f"{est['runs_by_law']} run(s) from the paper's law t = {LAW['t_ref']:g}·((λ − λ_c)/(1 − λ_c))^−ν "
-           f"(λ_c {LAW['lambda_c']}, ν {LAW['nu']}), " if est["runs_by_law"] else "")
+    law = f"{est['runs_by_law']} run(s) from {est['law'] or 'the law of t_grok'}, " if est["runs_by_law"] else ""
     lines.append(f"  extrapolated: {est['member_steps']:,.0f} member-steps; run lengths: {law}{est['runs_to_horizon']} "
                  "run(s) to the horizon (an upper bound for a run that stops at grokking); fewer live members "
                  "interpolated linearly between the measured sizes; the workers sharing the packs evenly")
