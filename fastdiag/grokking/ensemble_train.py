@@ -58,9 +58,9 @@ class EnsembleAdamW:
     """AdamW over stacked ``[K, ...]`` parameters with a weight decay per member.
 
     The update is PyTorch's single-tensor AdamW written out, so a member follows the same arithmetic
-    as `torch.optim.AdamW` on the single run. ``capturable=True`` (graphed steps on CUDA): its
-    capturable form, the step counter and bias corrections on the device, as
-    ``torch.optim.AdamW(capturable=True)`` computes them.
+    as `torch.optim.AdamW` on the single run. ``capturable=True`` (graphed steps on CUDA): the
+    capturable foreach form, the step counter and bias corrections on the device, as the graphed
+    single run's ``torch.optim.AdamW(capturable=True, foreach=True)`` computes them.
     """
 
     def __init__(self, params: list[torch.Tensor], lr: float, weight_decay: Sequence[float],
@@ -111,16 +111,23 @@ class EnsembleAdamW:
             p.addcdiv_(m, denom, value=-step_size)
 
     def _step_on_device(self) -> None:
-        """torch.optim.adam's capturable single-tensor branch, line for line (no host value per step)."""
+        """torch.optim.adam's capturable multi-tensor (foreach) branch, as the graphed single run's
+        ``AdamW(capturable=True, foreach=True)`` computes it, with a weight decay per member: a few
+        kernels for all parameters, no host value per step."""
         self._step_t += 1
         beta1, beta2 = self.betas
-        step_size_neg = (self.lr / (1 - beta1 ** self._step_t)).neg()
+        grads = [p.grad for p in self.params]
+        step_size = -self.lr / (1 - beta1 ** self._step_t)
         bias_correction2_sqrt = (1 - beta2 ** self._step_t).sqrt()
-        for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
-            p.mul_(self._decay(p))
-            m.lerp_(p.grad, 1 - beta1)
-            v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            p.addcdiv_(m, (v.sqrt() / (bias_correction2_sqrt * step_size_neg)).add_(self.eps / step_size_neg))
+        torch._foreach_mul_(self.params, [self._decay(p) for p in self.params])
+        torch._foreach_lerp_(self.exp_avg, grads, 1 - beta1)
+        torch._foreach_mul_(self.exp_avg_sq, beta2)
+        torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, 1 - beta2)
+        denom = torch._foreach_sqrt(self.exp_avg_sq)
+        torch._foreach_div_(denom, bias_correction2_sqrt)
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_div_(denom, step_size)
+        torch._foreach_addcdiv_(self.params, self.exp_avg, denom)
 
     def keep(self, index: torch.Tensor) -> None:
         self.decay = self.decay.index_select(0, index.cpu())
