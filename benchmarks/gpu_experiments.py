@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import fastdiag.models.mamba as mamba
 from fastdiag.grokking.build import build_model
 from fastdiag.grokking.config import RunConfig
-from fastdiag.grokking.ensemble_train import calibration_members, measure_pack
+from fastdiag.grokking.ensemble_train import calibration_members, measure_pack, release_cuda_memory
 from fastdiag.grokking.tasks import make_task
 from fastdiag.grokking.train import Trainer
 from fastdiag.models import count_parameters
@@ -108,7 +108,7 @@ def ensembles(base: RunConfig, dry: bool, steps: int, sizes: tuple[int, ...]) ->
         emit(dry, "ensemble", members=k, step_ms=1e3 * m["step_seconds"], eval_ms=1e3 * m["eval_seconds"],
              runs_per_hour=runs_per_hour, over_one_by_one=runs_per_hour / one, peak_bytes=m["peak_bytes"], steps=steps)
         if base.device == "cuda":
-            torch.cuda.empty_cache()
+            release_cuda_memory()
 
 
 def mamba_vs_transformer(base: RunConfig, dry: bool, steps: int, warmup: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import time
 import warnings
 import weakref
@@ -393,6 +394,13 @@ GPU_NEAR_BEST = 0.9
 _GPU_SIZES: dict[tuple, dict] = {}
 
 
+def release_cuda_memory() -> None:
+    """Give back what a measurement held: its graphs sit in reference cycles (trainer ↔ its step), so
+    they go only at a collection; then the allocator's cache."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def calibration_members(cfg: RunConfig, k: int) -> list[RunConfig]:
     """``k`` distinct runs like ``cfg`` (seeds cfg.seed, cfg.seed + 1, ...) to measure a pack with."""
     return [dataclasses.replace(cfg, seed=cfg.seed + i) for i in range(k)]
@@ -415,7 +423,7 @@ def gpu_ensemble_size(cfg: RunConfig, sizes: Sequence[int] = GPU_PACKS, steps: i
         rates = {}
         for k in fits:
             rates[k] = k / measure_pack(calibration_members(cfg, k), steps)["step_seconds"]
-            torch.cuda.empty_cache()
+            release_cuda_memory()
         best = max(rates.values())
         _GPU_SIZES[key] = {"size": min(k for k in fits if rates[k] >= GPU_NEAR_BEST * best),
                            "member_steps_per_second": rates, "bytes_per_member": per_member, "free_bytes": free}
@@ -433,22 +441,20 @@ def _gpu_key(cfg: RunConfig, sizes: Sequence[int]) -> tuple:
     return pack_key(dataclasses.replace(cfg, device=device)), device, tuple(sizes)
 
 
-__all__ = ["EnsembleAdamW", "can_vectorise", "default_ensemble_size", "describe_packs", "gpu_ensemble_size",
-           "measure_pack", "pack_key", "pack_runs", "train_ensemble", "why_one_by_one"]
-
-
 def measure_pack(cfgs: Sequence[RunConfig], steps: int, warmup: int = WARMUP_STEPS + 2) -> dict:
     """Seconds per training step and per evaluation of the runs ``cfgs`` trained as the sweep trains
     them (one run: its `Trainer`; several: one vectorised ensemble, graphed on CUDA when the configs
     say so), on random minibatches: ``warmup`` steps first (graph captures, allocator), then ``steps``
-    timed ones, then two evaluations (the second timed). Also the peak device memory on CUDA."""
+    timed ones, then two evaluations (the second timed). Also the peak device memory it took on CUDA."""
     if steps < 1:
         raise ValueError(f"steps: must be >= 1, got {steps}")
     cfgs = [c.validate() for c in cfgs]
     device = resolve_device(cfgs[0].device)
     cuda = device.type == "cuda"
     if cuda:
+        release_cuda_memory()
         torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device)      # not this measurement's
     if len(cfgs) == 1:
         trainer = Trainer(cfgs[0])
         n_train, step, evaluate_once = trainer.task.train_x.shape[0], trainer._train_step, trainer._evaluate
@@ -476,4 +482,8 @@ def measure_pack(cfgs: Sequence[RunConfig], steps: int, warmup: int = WARMUP_STE
     evaluate_once()                  # ends in a host read: synchronised
     eval_seconds = time.perf_counter() - start
     return {"members": len(cfgs), "steps": steps, "step_seconds": step_seconds, "eval_seconds": eval_seconds,
-            "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None, "device": str(device)}
+            "peak_bytes": torch.cuda.max_memory_allocated(device) - held if cuda else None, "device": str(device)}
+
+
+__all__ = ["EnsembleAdamW", "can_vectorise", "default_ensemble_size", "describe_packs", "gpu_ensemble_size",
+           "measure_pack", "release_cuda_memory", "pack_key", "pack_runs", "train_ensemble", "why_one_by_one"]

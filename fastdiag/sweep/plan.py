@@ -19,7 +19,7 @@ import torch
 
 from fastdiag.grokking.build import parameter_count, resolve_device, uses_cuda
 from fastdiag.grokking.config import RunConfig
-from fastdiag.grokking.ensemble_train import measure_pack, pack_runs
+from fastdiag.grokking.ensemble_train import measure_pack, pack_runs, release_cuda_memory
 from fastdiag.grokking.tasks import available_memory
 
 
@@ -190,7 +190,7 @@ def estimate_sweep(configs: Sequence[RunConfig], ensemble: int | None, workers: 
     finally:
         torch.set_num_threads(saved_threads)
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            release_cuda_memory()
     by_size = {m["members"]: m for m in measured}
 
     def cost(live: int, what: str) -> float:        # seconds of a step / an evaluation of ``live`` members
