@@ -349,10 +349,15 @@ def test_triton_scan_matches_mamba_ssm_reference_in_float32(last, monkeypatch):
 
 
 @needs_triton_run
-def test_triton_scan_members_are_independent_and_match_the_pytorch_scan():
+@pytest.mark.parametrize("target_programs", [1024, 2])
+def test_triton_scan_members_are_independent_and_match_the_pytorch_scan(target_programs, monkeypatch):
     """Three members at once (each its own A): the Triton forward and backward equal the PyTorch
-    scan's (the CPU path) member by member, including the last state's gradient."""
+    scan's (the CPU path) member by member, including the last state's gradient; with one row per
+    backward program, and with all of a member's rows in one (never more than a member has)."""
+    import fastdiag.core.kernels.selective_scan_triton as scan
     from fastdiag.core.kernels.selective_scan_triton import TritonSelectiveScan
+
+    monkeypatch.setattr(scan, "TARGET_PROGRAMS", target_programs)
 
     g = torch.Generator().manual_seed(5)
     K, b, l, d, n = 3, 4, 3, 40, 16
