@@ -40,16 +40,24 @@ def rows_for(arch: int, quick: bool, progress, qk_shapes: dict, variants: tuple,
     return rows + cases.qk_report(qk_shapes, (arch,), variants, dtypes, progress)
 
 
+def _pct(x: float) -> str:
+    return "-" if x == float("inf") else f"{100 * x:.0f}%"
+
+
 def markdown(rows: list[report.KernelReport]) -> list[str]:
+    """One line a row; the last columns are the kernel report's PREDICTION (`fastdiag.kernel_report.predict`):
+    the speed each bound allows as a % of a device copy of the same tensor, the smallest, and which."""
     lines = ["| arch | kernel | shape, variant | dtype | regs | spill B | smem / limit KB | instr/elem | "
-             "smem B/elem | issue | smem | ceiling |", "|" + "---|" * 12]
+             "wavefr/elem | conflicts | issue | smem | dram | latency | predicted | bound |", "|" + "---|" * 16]
     for r in rows:
         over = " **over**" if r.shared_bytes > r.shared_limit else ""
         spill = f"**{r.spill_bytes}**" if r.spill_bytes else "0"
         lines.append(f"| sm_{r.arch} | {r.kernel} | {r.shape} | {r.dtype} | {r.registers} | {spill} | "
-                     f"{r.shared_bytes / 1024:.0f} / {r.shared_limit // 1024}{over} | {r.instructions_per_element:.1f} | "
-                     f"{r.shared_bytes_per_element:.1f} | {100 * r.issue_ceiling:.0f}% | {100 * r.shared_ceiling:.0f}% | "
-                     f"{100 * r.ceiling_fraction_of_copy:.0f}% |")
+                     f"{r.shared_bytes / 1024:.0f} / {r.shared_limit // 1024}{over} | "
+                     f"{(r.tile_instructions_per_element or r.instructions_per_element):.1f} | "
+                     f"{r.wavefronts_per_element:.3f} | {r.conflict_factor:.1f}x | {_pct(r.issue_ceiling)} | "
+                     f"{_pct(r.shared_ceiling)} | {_pct(r.dram_ceiling)} | {_pct(r.latency_ceiling)} | "
+                     f"{_pct(r.ceiling_fraction_of_copy)} | {r.predicted_bound} |")
     return lines
 
 
@@ -92,6 +100,9 @@ def main() -> None:
     spills = [r for r in rows if r.spill_bytes]
     over = [r for r in rows if r.shared_bytes > r.shared_limit]
     print(f"rows with spills: {len(spills)}; rows over the target's shared memory: {len(over)}")
+    print("predicted % of copy, lowest per kernel: " + ", ".join(
+        f"{k} {100 * min(r.ceiling_fraction_of_copy for r in rows if r.kernel == k):.0f}%"
+        for k in sorted({r.kernel for r in rows})))
     torch_path = cases.torch_path_cases(shapes, tuple(archs), dtypes)
     print(f"Q/K passes on the chunked torch path (no Triton tile fits the target): {'; '.join(torch_path) or 'none'}")
     if args.json:

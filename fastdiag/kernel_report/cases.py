@@ -42,8 +42,10 @@ def head_stats_cases(shapes: dict, quick: bool = True) -> list[ReportCase]:
                     return h * constexprs["BLOCK_R"] * t, triton.cdiv(t, constexprs["BLOCK_K"])
 
                 label = shape if variant == "plain" else f"{shape} {variant}"
+                loaded = n * b * h * (t * (t + 1) // 2 if causal else t * t)   # causal: keys past the diagonal unread
                 cases.append(ReportCase("head_stats", label, str(dtype).replace("torch.", ""),
-                                        dtype.itemsize, launch, elements_per_iteration, tile))
+                                        dtype.itemsize, launch, elements_per_iteration, tile,
+                                        elements=loaded, read_bytes=loaded * dtype.itemsize))
     return cases
 
 
@@ -99,17 +101,21 @@ def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dty
         lse = torch.empty(q.shape[:3], dtype=torch.float32)          # a given LSE: pass 2 launches first
         qk_stats_triton(q, k, mask, causal, d ** -0.5, rows_ok=rows_ok, lse=lse)
 
+    # the scores of real heads (causal: the lower triangle) and the Q and K bytes read; the prediction's
+    # time leaves out padded heads' scores (benchmarks/predict_measured.py counts them)
+    size = dict(elements=b * h * (t * (t + 1) // 2 if causal else t * t),
+                read_bytes=(b * h * t * d + b * hk * t * d) * dtype.itemsize)
     cases = []
     configs = pass2_configs(h, hk, d, dtype, shared_limit, mask_kind is not None)
     if configs:
-        cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, _scores_per_iteration))
+        cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, _scores_per_iteration, **size))
     if configs and configs[0]["BLOCK_HK"] < hk:
         # heads in blocks: the off-diagonal programs are a second launch, of two blocks' scores each
         # (per score of one block, as the diagonal's)
         cases.append(ReportCase("qk_stats", f"{label} off-diagonal", name, dtype.itemsize, pass2,
-                                _scores_per_iteration, launch_index=1))
+                                _scores_per_iteration, launch_index=1, **size))
     if not rows and pass1_fits(dtype, shared_limit):
-        cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, _scores_per_iteration))
+        cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, _scores_per_iteration, **size))
     return cases
 
 
