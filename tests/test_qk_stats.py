@@ -405,3 +405,30 @@ def test_a_shared_mask_is_not_copied_per_batch_entry():
     assert mask4.untyped_storage().nbytes() == mask.untyped_storage().nbytes()   # a view, no copy
     ref = qk_head_stats(q.reshape(8, 3, 12, 8), q.reshape(8, 3, 12, 8), mask, backend="reference")
     _assert_close(qk_head_stats(q, q, mask, backend="torch"), ref, TOLERANCE[torch.float32])
+
+
+def test_fp32_sigma_h_within_1e_5_of_itself_at_a_small_spread():
+    """fp32 Q/K whose heads share most of their queries and keys: σ_H ≈ 1e-3 nats, and each fp32 route
+    gives it within 1e-5 *relative to σ_H* (not to the entropies, ~1000x larger): the Triton passes
+    1 + 2 (interpreted), and what a GPU runs for fp32 — the Triton pass 1 LSE and the chunked PyTorch
+    pass 2 (no Triton pass-2 tile fits fp32 on any GPU). Inputs inside +inf padding (an out-of-bounds
+    read would show)."""
+    _check_backend("triton")
+    from fastdiag.core.kernels import qk_stats_torch as torch_path
+    from fastdiag.core.kernels import qk_stats_triton as triton_path
+
+    g = torch.Generator().manual_seed(11)
+    b, h, t, d = 1, 12, 96, 64
+    shared = torch.randn(b, 1, t, d, generator=g)
+    q, k = ((shared + 1.5 * torch.randn(b, h, t, d, generator=g)) * 0.3 for _ in range(2))
+    ref = qk_head_stats(q.double(), k.double(), is_causal=True, backend="reference")
+    sigma = ref.entropy_spread().item()
+    assert 3e-4 < sigma < 1e-2, sigma
+    q, k = _in_inf_padding(q), _in_inf_padding(k)
+    fused = qk_head_stats(q, k, is_causal=True, backend="triton")
+    lse = triton_path.row_lse_triton(q, k, None, True, d ** -0.5)
+    gpu_route = HeadStats(*torch_path.qk_stats_torch(q, k, None, True, d ** -0.5, None, lse, torch_path.CHUNK_BYTES,
+                                                     check_lse=True))
+    for got in (fused, gpu_route):
+        assert got.invalid.item() == 0
+        assert abs(got.entropy_spread().item() - sigma) <= 1e-5 * sigma
