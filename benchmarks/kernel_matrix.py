@@ -40,10 +40,6 @@ def rows_for(arch: int, quick: bool, progress, qk_shapes: dict, variants: tuple,
     return rows + cases.qk_report(qk_shapes, (arch,), variants, dtypes, progress)
 
 
-def _pct(x: float) -> str:
-    return "-" if x == float("inf") else f"{100 * x:.0f}%"
-
-
 def markdown(rows: list[report.KernelReport]) -> list[str]:
     """One line a row; the last columns are the kernel report's PREDICTION (`fastdiag.kernel_report.predict`):
     the speed each bound allows as a % of a device copy of the same tensor, the smallest, and which."""
@@ -54,10 +50,7 @@ def markdown(rows: list[report.KernelReport]) -> list[str]:
         spill = f"**{r.spill_bytes}**" if r.spill_bytes else "0"
         lines.append(f"| sm_{r.arch} | {r.kernel} | {r.shape} | {r.dtype} | {r.registers} | {spill} | "
                      f"{r.shared_bytes / 1024:.0f} / {r.shared_limit // 1024}{over} | "
-                     f"{(r.tile_instructions_per_element or r.instructions_per_element):.1f} | "
-                     f"{r.wavefronts_per_element:.3f} | {r.conflict_factor:.1f}x | {_pct(r.issue_ceiling)} | "
-                     f"{_pct(r.shared_ceiling)} | {_pct(r.dram_ceiling)} | {_pct(r.latency_ceiling)} | "
-                     f"{_pct(r.ceiling_fraction_of_copy)} | {r.predicted_bound} |")
+                     + " | ".join(r.prediction_cells()) + " |")
     return lines
 
 

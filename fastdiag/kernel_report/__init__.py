@@ -219,6 +219,14 @@ class KernelReport:
     def row(self) -> dict:
         return asdict(self)
 
+    def prediction_cells(self) -> list[str]:
+        """instr/elem, wavefronts/elem, conflicts, then the issue / shared / DRAM / latency bounds and
+        the predicted speed as % of copy, and the bound: the columns every report table shows."""
+        return [f"{(self.tile_instructions_per_element or self.instructions_per_element):.1f}",
+                f"{self.wavefronts_per_element:.3f}", f"{self.conflict_factor:.1f}x",
+                *(_percent(x) for x in (self.issue_ceiling, self.shared_ceiling, self.dram_ceiling,
+                                        self.latency_ceiling, self.ceiling_fraction_of_copy)), self.predicted_bound]
+
 
 def _run(cmd: list[str]) -> str:
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -468,13 +476,11 @@ def format_report(rows: list[KernelReport]) -> str:
     for r in rows:
         over = " OVER" if r.shared_bytes > r.shared_limit else ""
         ms = f"{r.predicted_ms:.3f}" if r.predicted_ms else "-"
+        cells = r.prediction_cells()
+        widths = (10, 11, 9, 6, 6, 6, 7, 9, 7)
         lines.append(f"sm_{r.arch:<3} {r.kernel:<11} {r.shape:<22} {r.dtype:<9} {r.num_warps:>5} {r.registers:>5} "
                      f"{r.spill_bytes:>7} {f'{r.shared_bytes / 1024:.0f}/{r.shared_limit // 1024}{over}':>13} "
-                     f"{(r.tile_instructions_per_element or r.instructions_per_element):>10.1f} "
-                     f"{r.wavefronts_per_element:>11.3f} {r.conflict_factor:>8.1f}x "
-                     f"{_percent(r.issue_ceiling):>6} {_percent(r.shared_ceiling):>6} {_percent(r.dram_ceiling):>6} "
-                     f"{_percent(r.latency_ceiling):>7} {_percent(r.ceiling_fraction_of_copy):>9} {r.predicted_bound:>7} "
-                     f"{ms:>8}")
+                     + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths)) + f" {ms:>8}")
     for arch in sorted({r.arch for r in rows}):
         g = GPUS[arch]
         copy = "measured" if g["copy_measured"] else "estimated, 0.85 x peak"

@@ -3,8 +3,9 @@
 - `head_stats_ref`: pure PyTorch, the float64 ground truth and the "obvious" eager baseline.
 - `head_stats_torch`: the chunked single-pass PyTorch path (CPU default).
 - `head_stats_triton` (imported lazily, it needs triton): the fused kernel and its torch.library op.
-- `report`: every Triton kernel compiled for sm_90 and read with the CUDA tools, no GPU needed
-  (`fastdiag bench --kernel-report`).
+- `device`: the GPU table, the device limits a launcher sizes its tiles by and the spill probe. The
+  compile report (`fastdiag bench --kernel-report`) lives in `fastdiag.kernel_report` and imports
+  the kernels, never the reverse.
 """
 from .head_stats_ref import head_stats_ref
 from .head_stats_torch import head_stats_torch
