@@ -254,3 +254,108 @@ def test_leftovers_of_a_save_killed_midway_are_removed_with_the_checkpoint(tmp_p
     assert sorted(p.name for p in folder.iterdir()) == [".bbbb.ckpt.x2.tmp.pt", "bbbb.ckpt.pt"]
     SweepCheckpoints(folder, (300.0, None)).tidy([])
     assert not folder.exists()
+
+
+# ----------------------------------------------------------------------------- checkpoints that do not fit
+
+def _damaged(state, how):
+    """A real checkpoint state edited the way an upgrade, a hand or another tool leaves one."""
+    import torch
+    if how == "empty state":
+        return {}
+    if how == "no optimizer":
+        return {k: v for k, v in state.items() if k != "optimizer"}
+    if how == "weight of another shape":
+        name = next(iter(state["model"]))
+        return {**state, "model": {**state["model"], name: torch.zeros(3, 5)}}
+    if how == "moment of another shape":
+        opt = state["optimizer"]
+        first = next(iter(opt["state"]))
+        return {**state, "optimizer": {**opt, "state": {**opt["state"], first: {
+            **opt["state"][first], "exp_avg": torch.zeros(7)}}}}
+    if how == "wrong shuffle state":
+        return {**state, "shuffle": torch.zeros(16, dtype=torch.uint8)}
+    if how in ("epoch 1e9", "epoch -5"):
+        return {**state, "epoch": int(float(how.split()[1]))}
+    if how == "step off":
+        return {**state, "step": state["step"] + 1}
+    if how == "elapsed NaN":
+        return {**state, "elapsed": float("nan")}
+    if how == "trace cut":
+        return {**state, "tracker": {**state["tracker"], "trace": state["tracker"]["trace"][:-1]}}
+    raise AssertionError(how)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("how", ["empty state", "no optimizer", "weight of another shape", "moment of another shape",
+                                 "wrong shuffle state", "epoch 1e9", "epoch -5", "step off", "elapsed NaN", "trace cut"])
+def test_a_checkpoint_that_does_not_fit_is_moved_aside_and_the_run_starts_over(tmp_path, how):
+    import torch
+
+    from fastdiag.grokking.checkpoint import CHECKPOINT_FORMAT
+    cfg = RunConfig(**{**TINY_CFG.__dict__, "epochs": 6})
+    path = tmp_path / "x.ckpt.pt"
+
+    class Killed(Exception):
+        pass
+
+    def stop_at_4(row):
+        if row["epoch"] >= 4:
+            raise Killed
+    with pytest.raises(Killed):
+        train_run(cfg, stop_at_4, Checkpointer(path, cfg.run_id(), every_epochs=1))
+    payload = torch.load(path, weights_only=True)
+    payload["state"] = _damaged(payload["state"], how)
+    assert payload["format"] == CHECKPOINT_FORMAT
+    torch.save(payload, path)
+    with pytest.warns(RuntimeWarning, match=rf"checkpoint {path}: .*moved aside to {path}.unusable; starting from epoch 0"):
+        outcome = train_run(cfg, None, c := Checkpointer(path, cfg.run_id(), every_epochs=100))
+    assert c.resumed_epoch is None and outcome.result["epochs_run"] == 6
+    assert [r["epoch"] for r in outcome.trace] == [2, 4, 6]
+    assert outcome.trace == train_run(cfg).trace                  # exactly the run from epoch 0
+    assert not path.exists() and (tmp_path / "x.ckpt.pt.unusable").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                             # a rerun has nothing left to trip on
+        train_run(cfg, None, Checkpointer(path, cfg.run_id(), every_epochs=100))
+
+
+def test_a_fifo_checkpoint_never_blocks_fastdiag_run(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    os.mkfifo(out / "run.ckpt.pt")
+    proc = fastdiag("run", *TINY_RUN, "--epochs", "2", "--out", str(out))
+    _, err = finish(proc, timeout=120)
+    assert proc.returncode == 0, err
+    assert "run.ckpt.pt: unreadable (ValueError: not a regular file" in err and "moved aside" in err
+    assert (out / "result.json").exists() and not (out / "run.ckpt.pt").exists()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_pack_checkpoint_that_does_not_fit_is_moved_aside(tmp_path):
+    import dataclasses
+
+    import torch
+
+    from fastdiag.grokking.checkpoint import pack_key
+    from fastdiag.grokking.ensemble_train import train_ensemble
+    base = RunConfig(**{**TINY_CFG.__dict__, "epochs": 6})
+    cfgs = [dataclasses.replace(base, seed=s, weight_decay=w) for s, w in ((0, 1.0), (1, 0.1))]
+    key = pack_key(c.run_id() for c in cfgs)
+    path = tmp_path / "pack.ckpt.pt"
+
+    class Killed(Exception):
+        pass
+
+    def stop_at_4(index, row):
+        if row["epoch"] >= 4:
+            raise Killed
+    with pytest.raises(Killed):
+        train_ensemble(cfgs, stop_at_4, checkpoint=Checkpointer(path, key, every_epochs=1))
+    payload = torch.load(path, weights_only=True)
+    for edit in ({"epoch": 10**9}, {"elapsed": float("nan")},
+                 {"params": [p[:, :1] for p in payload["state"]["params"]]}):
+        torch.save({**payload, "state": {**payload["state"], **edit}}, path)
+        with pytest.warns(RuntimeWarning, match="moved aside"):
+            outcomes = train_ensemble(cfgs, checkpoint=(c := Checkpointer(path, key, every_epochs=100)))
+        assert c.resumed_epoch is None and [o.result["epochs_run"] for o in outcomes] == [6, 6]
+        assert not path.exists()

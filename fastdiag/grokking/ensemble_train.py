@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import gc
 import time
-import warnings
 import weakref
 from collections import Counter
 from typing import Callable, Sequence
@@ -283,16 +282,25 @@ def train_ensemble(cfgs: Sequence[RunConfig], progress: Callable[[int, dict], No
     step = epoch = 0
     ids = [c.run_id() for c in cfgs]
     if checkpoint is not None:
-        state = checkpoint.load()
-        if state is not None and set(ids) <= set(state["member_ids"]):
-            epoch, step = _restore_pack(m, state, ids, shuffles, trackers, device)
+        template = _pack_state(m, ids, shuffles, trackers, 0, 0, device, started)
+        resumed: list = []
+
+        def restore(state: dict) -> None:      # checked in full before anything changes
+            ckpt.check_pack_state(state, template, ids, shared, -(-n_train // shared.batch_size))
+            resumed.append(None)                # from here on the pack is changed
+            resumed[0] = _restore_pack(m, state, ids, shuffles, trackers, device)
+            resumed.append(float(state["elapsed"]))
+
+        if checkpoint.resume(restore):
+            (epoch, step), elapsed = resumed
             if m.monitor is not None:
                 m.monitor.set_step(step)
-            started -= float(state["elapsed"])
+            started -= elapsed
             checkpoint.last_epoch = checkpoint.resumed_epoch = epoch
-        elif state is not None:
-            warnings.warn(f"checkpoint {checkpoint.path}: holds other members than this pack's; starting "
-                          "from epoch 0", RuntimeWarning, stacklevel=2)
+        elif resumed:                           # failed midway though checked: start afresh
+            m = _Members(cfgs, device)
+            shuffles = [torch.Generator().manual_seed(c.seed) for c in cfgs]
+            trackers = [RunTracker(c, m.layer_names) for c in cfgs]
     while active:
         epoch += 1
         perm = torch.stack([torch.randperm(n_train, generator=shuffles[i]) for i in active]).to(device)

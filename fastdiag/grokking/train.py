@@ -145,7 +145,10 @@ class Trainer:
                 "elapsed": time.perf_counter() - self.started}
 
     def restore(self, state: dict) -> None:
-        """Continue from ``state()`` of a trainer of the same config."""
+        """Continue from ``state()`` of a trainer of the same config; one that does not fit (checked in
+        full first, `ckpt.check_run_state`) raises `ckpt.UnusableCheckpoint` and changes nothing."""
+        steps_per_epoch = -(-self.task.train_x.shape[0] // self.cfg.batch_size)
+        ckpt.check_run_state(state, self.state(), list(self.model.parameters()), self.cfg, steps_per_epoch)
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
@@ -196,10 +199,10 @@ def train_run(cfg: RunConfig, progress: Callable[[dict], None] | None = None,
     state at the checkpointer's cadence; the caller removes the file once the outcome is safe."""
     trainer = Trainer(cfg, progress)
     if checkpoint is not None:
-        state = checkpoint.load()
-        if state is not None:
-            trainer.restore(state)
+        if checkpoint.resume(trainer.restore):
             checkpoint.last_epoch = checkpoint.resumed_epoch = trainer.epoch
+        elif trainer.epoch or trainer.step:      # (never: restore checks before it changes anything)
+            trainer = Trainer(cfg, progress)
     while not trainer.done:
         row = trainer.run_epoch()
         if checkpoint is not None and row is not None and not trainer.done and checkpoint.due(trainer.epoch):

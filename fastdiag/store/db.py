@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import stat
 import time
 import urllib.parse
 from contextlib import contextmanager, suppress
@@ -189,9 +190,38 @@ def connect(path: Path, readonly: bool) -> _Connection:
                     f"with {wal.name} to a writable directory and read the copy") from None
             conn = sqlite3.connect(uri + "&immutable=1", uri=True, isolation_level=None, factory=_Connection)
     else:
-        conn = sqlite3.connect(str(path), timeout=60.0, isolation_level=None, factory=_Connection)
+        # Always a URI of the absolute path: the name itself is never read as ":memory:", a URI or its
+        # parameters ("?mode=memory"), so the store is the file the user named (checked by `check_path`).
+        uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=rwc"
+        conn = sqlite3.connect(uri, uri=True, timeout=60.0, isolation_level=None, factory=_Connection)
     conn.store_path = path
     return conn
+
+
+def check_path(path: str | os.PathLike) -> Path:
+    """A store is a regular file on disk, always: SQLite's in-memory names (``:memory:``, and ``""``,
+    a temporary database) and URIs (``file:x?mode=memory``) would keep nothing, and a FIFO, a device or
+    a socket is not a database (opening a FIFO blocks for ever). Raises StoreError saying which."""
+    text = os.fspath(path)
+    if not text or text.strip() == ":memory:" or text.startswith(":memory:"):
+        raise StoreError(f"store {text!r}: an in-memory database keeps nothing; name a file on disk")
+    if text.startswith("file:"):
+        raise StoreError(f"store {text}: an SQLite URI, not a file name (a store is a regular file on disk; "
+                         "write ./file:... for a file whose name starts with 'file:')")
+    p = Path(text)
+    try:
+        mode = os.stat(p).st_mode
+    except FileNotFoundError:
+        return p
+    except OSError as exc:
+        raise StoreError(f"store {p}: cannot be looked at ({exc.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise StoreError(f"store {p}: is a directory, not a result store")
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
+        raise StoreError(f"store {p}: {kind}, not a regular file; a store is a regular file on disk")
+    return p
 
 
 class Store:
@@ -210,11 +240,9 @@ class Store:
     def __init__(self, path: str | os.PathLike, create: bool = True, readonly: bool = False,
                  check_config: Callable[[dict], None] | None = None,
                  identify: Callable[[dict], str] | None = None):
-        self.path = Path(path)
+        self.path = check_path(path)
         self.readonly = readonly
         self.check_config, self.identify = check_config, identify
-        if self.path.is_dir():
-            raise StoreError(f"store {self.path}: is a directory, not a result store")
         exists = self.path.exists() and self.path.stat().st_size > 0
         if not exists and not create:
             raise FileNotFoundError(f"store {self.path}: no such file")
@@ -237,7 +265,11 @@ class Store:
     # ------------------------------------------------------------------ opening
     def _check_header(self) -> None:
         try:
-            with open(self.path, "rb") as fh:
+            # O_NONBLOCK: a FIFO put in the store's place since `check_path` must not block the open
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as fh:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise StoreError(f"store {self.path}: not a regular file; a store is a regular file on disk")
                 head = fh.read(len(_SQLITE_MAGIC))
         except OSError as exc:
             raise StoreError(f"store {self.path}: cannot read ({exc.strerror})") from None
@@ -284,8 +316,21 @@ class Store:
         if missing:
             raise StoreError(f"store {self.path}: damaged fastdiag store (missing tables {sorted(missing)})")
         if not self.readonly:
+            self._refuse_foreign_objects()
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute(_CLAIMS)
+
+    def _refuse_foreign_objects(self) -> None:
+        """A store is data: a trigger or view in it (fastdiag creates none) would run its own SQL on our
+        writes (a trigger deleting finished runs). A store opened for writing carries only our schema
+        objects; readers (read-only connections) run no trigger and read tables, never views."""
+        found = [f"{kind} {name}" for kind, name in self.conn.execute(
+            "SELECT type, name FROM sqlite_master WHERE type IN ('trigger', 'view') ORDER BY type, name")]
+        if found:
+            shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+            raise StoreError(f"store {self.path}: carries schema objects fastdiag did not create ({shown}); "
+                             "refusing to write to it: drop them (sqlite3 STORE 'DROP TRIGGER ...') or merge its "
+                             "runs into a new store (fastdiag merge NEW STORE)")
 
     def close(self) -> None:
         self.conn.close()
@@ -466,7 +511,7 @@ def open_existing(path: str | os.PathLike, check_config: Callable[[dict], None] 
                   identify: Callable[[dict], str] | None = None) -> Store:
     """Open a store that must already exist, read-only (analyze, plot, export, merge inputs): it may
     sit on a read-only mount or belong to another user, and a reader never changes it."""
-    p = Path(path)
+    p = check_path(path)
     if not p.exists():
         raise FileNotFoundError(f"store {p}: no such file")
     if p.is_file() and p.stat().st_size == 0:
