@@ -73,3 +73,29 @@ def test_summarize_rejects_empty_and_wrong_types():
         fastdiag.summarize({})
     with pytest.raises(TypeError, match=r"expected HeadStats"):
         fastdiag.summarize({"x": 1.0})
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference", "auto"])
+@pytest.mark.parametrize("where", ["one entry", "a row", "all"])
+def test_negative_probabilities_are_named_never_an_index_error(backend, where):
+    """A row of negative "probabilities" made a negative key count that indexed a table (IndexError).
+    Checked, they raise a ValueError naming probs; unchecked, the statistics say they are invalid."""
+    from fastdiag.core.diagnostics import head_stats
+    p = torch.rand(2, 3, 5, 5, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    if where == "one entry":
+        p[0, 1, 2, 3] = -0.5
+    elif where == "a row":
+        p[1, 0, 4] = -0.2
+    else:
+        p = -p
+    with pytest.raises(ValueError, match="^probs: "):
+        head_stats(p, backend=backend, validate=True)
+    assert not bool(head_stats(p, backend=backend).valid())
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_qk_head_stats_names_a_non_finite_scale(scale):
+    from fastdiag.core.qk import qk_head_stats
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="^scale: expected a finite number"):
+        qk_head_stats(q, k, scale=scale)

@@ -28,6 +28,15 @@ _FAKES = textwrap.dedent('''
 
     GRID = dict(arch="transformer", preset="custom", n_layers=1, n_heads=2, d_model=32, d_ff=64, p=11, epochs=2)
 
+    # FD_STOP_ON_IMPORT=<marker>: the first pool worker to import this module (as its main module, while
+    # it starts up, its first task already claimed and on its way) stops itself before it says a word.
+    if os.environ.get("FD_STOP_ON_IMPORT") and __name__ == "__mp_main__":
+        try:
+            os.close(os.open(os.environ["FD_STOP_ON_IMPORT"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        except FileExistsError:
+            pass
+
 
     def overlapped(marks, me, start):
         """Whether another run started and had not ended when this one started or since."""
@@ -169,18 +178,18 @@ _DRIVER_ENV = {"FD_SLEEP": "1.5"}
 
 
 def _driver(tmp_path, store, workers, n_seeds, **popen):
-    env = {**os.environ, **_DRIVER_ENV, "PYTHONPATH": str(tmp_path)}
+    env = {**os.environ, **_DRIVER_ENV, "PYTHONPATH": os.environ["PYTHONPATH"]}  # the fakes, then this tree
     return subprocess.Popen([sys.executable, str(tmp_path / "fd_hostile_fakes.py"), str(store), str(workers),
                              str(n_seeds)], env=env, **popen)
 
 
 def test_a_stopped_worker_is_detected_and_its_run_failed(tmp_path, fakes):
     """`kill -STOP` on a worker: before, the sweep waited for ever (> 300 s) and kept renewing the
-    run's claim. Now the silent worker is killed after STALL_S without a heartbeat and its run
+    run's claim. Now the stopped worker is killed after STALL_S without progress and its run
     (max_retries 0) failed, the others done, the claims released."""
     store = tmp_path / "stop.sqlite"
     env = {**os.environ, "FD_SLEEP": "0.2", "FD_STOP": "1", "FD_STALL_S": "4", "FD_MAX_RETRIES": "0",
-           "PYTHONPATH": str(tmp_path)}
+           "PYTHONPATH": os.environ["PYTHONPATH"]}  # the fakes, then this tree
     proc = subprocess.Popen([sys.executable, str(tmp_path / "fd_hostile_fakes.py"), str(store), "2", "2"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -192,6 +201,26 @@ def test_a_stopped_worker_is_detected_and_its_run_failed(tmp_path, fakes):
     failed = rows(store, "SELECT run_id, error, attempts FROM runs WHERE status = 'failed'")
     assert len(failed) == 1 and "stalled" in failed[0][1] and failed[0][2] == 1, failed
     assert rows(store, "SELECT COUNT(*) FROM runs WHERE status = 'done'") == [(3,)]
+    assert rows(store, "SELECT COUNT(*) FROM claims") == [(0,)]
+
+
+def test_a_worker_stopped_before_it_says_a_word_is_killed_and_its_run_retried(tmp_path, fakes):
+    """A worker stopped right after its run was marked running, before any message or heartbeat: it
+    was never judged and the sweep hung (221 s, issue 40). Now it is judged from the moment the task is
+    handed over, by its CPU time: killed after STALL_S, its run retried on a fresh worker and done."""
+    store = tmp_path / "quiet.sqlite"
+    env = {**os.environ, "FD_SLEEP": "0.2", "FD_STOP_ON_IMPORT": str(tmp_path / "stopped"), "FD_STALL_S": "4",
+           "FD_MAX_RETRIES": "1", "PYTHONPATH": os.environ["PYTHONPATH"]}  # the fakes, then this tree
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "fd_hostile_fakes.py"), str(store), "2", "2"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)          # a deadline for the old hang, not a measurement
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and (tmp_path / "stopped").exists(), err
+    assert rows(store, "SELECT status, COUNT(*) FROM runs GROUP BY status") == [("done", 4)]
+    assert sorted(n for (n,) in rows(store, "SELECT attempts FROM runs")) == [1, 1, 1, 2]
     assert rows(store, "SELECT COUNT(*) FROM claims") == [(0,)]
 
 

@@ -138,7 +138,7 @@ def test_resume_skips_done_and_redoes_unfinished(tmp_path):
         assert (s1.total, s1.done, s1.skipped) == (4, 4, 0)
         # A crash mid-way leaves a run 'running': it is redone, the finished ones are not.
         st.add_runs([grid[4]])
-        with Lease(st) as lease:                 # its sweep died: status running, claim freed
+        with Lease(st) as lease:                 # its sweep stopped: claim freed, run redone
             lease.claim([grid[4].run_id()])
         before = {r["run_id"]: r["finished_at"] for r in st.runs("done")}
         calls.clear()

@@ -55,3 +55,50 @@ def test_ray_backend_trains_ensembles(local_ray, tmp_path):
         runs = st.runs("done")
         assert len(runs) == 4 and all(r["result"]["ensemble_size"] == 4 for r in runs)
         assert all(len(st.trace(r["run_id"])) == 3 for r in runs)
+
+
+def test_sigterm_to_a_ray_sweep_is_one_line_143_and_releases_its_runs(tmp_path):
+    """SIGTERM to a `--backend ray` sweep (a scheduler's kill): Ray's own handler won (exit 1 or 15, a
+    C++ signal dump) and the store showed its runs `running` after the sweep had died. Now the
+    driver's handler owns the signal: Ray shut down, one line, 143, the runs pending and unclaimed."""
+    import os
+    import signal
+    import sqlite3
+    import subprocess
+    import time
+    store = tmp_path / "r.sqlite"
+    tiny = ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "32", "--d-ff", "64", "--p", "11"]
+    proc = subprocess.Popen([sys.executable, "-m", "fastdiag.cli", "sweep", "--backend", "ray", "--wd", "0.1,1",
+                             *tiny, "--epochs", "100000", "--ensemble", "1", "--store", str(store), "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def statuses():
+        try:
+            with sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=30) as conn:
+                return dict(conn.execute("SELECT status, COUNT(*) FROM runs GROUP BY status").fetchall())
+        except sqlite3.Error:
+            return {}
+    try:
+        def training():                                  # Ray's workers of this sweep run our tasks
+            return subprocess.run(["pgrep", "-s", str(proc.pid), "-f", "ray::_ray_execute"],
+                                  capture_output=True).returncode == 0
+        deadline = time.time() + 180
+        while not training() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert training() and statuses() == {"running": 2}, proc.stderr.read() if proc.poll() is not None else ""
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "fastdiag: error: terminated" and "SIGTERM" not in err, err
+    assert "Traceback" not in err, err
+    assert statuses() == {"pending": 2}
+    with sqlite3.connect(store) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM claims").fetchone()[0] == 0
+    deadline = time.time() + 30                          # Ray shut down: nothing of its session left
+    while subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode == 0:
+        assert time.time() < deadline, subprocess.run(["ps", "-o", "pid,args", "-s", str(proc.pid)],
+                                                      capture_output=True, text=True).stdout
+        time.sleep(0.2)

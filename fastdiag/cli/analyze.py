@@ -9,6 +9,7 @@ from fastdiag.analysis.headdim import HeaddimAnalysis
 from fastdiag.analysis.predict import PredictiveAnalysis, seed_list
 from fastdiag.analysis.report import PredictSettings, Report, build_report
 from fastdiag.cli.app import CLIError, open_store
+from fastdiag.cli.options import numeric
 from fastdiag.grokking.build import heads_width
 from fastdiag.grokking.config import N_BOOT, REGIMES, fmt_or_dash
 
@@ -191,46 +192,34 @@ def _format_groups(report: dict) -> list[str]:
 def analysis_options(command):
     """--fit-max-lambda, --predict, --t0, --test-frac, --split-seed: shared by analyze and plot."""
     options = [
-        click.option("--fit-max-lambda", type=float, default=None, metavar="λ",
+        click.option("--fit-max-lambda", type=numeric("fit_max_lambda"), default=None, metavar="λ",
                      help="Keep runs with a larger λ (e.g. the collapse regime) out of the λ_c and ν fits."),
         click.option("--predict", is_flag=True,
                      help="Also test on held-out seeds whether s̄/σ_H at epoch t0 add predictive value (groks by "
                           "the horizon; ln t_grok) beyond epoch, loss and weight-norm baselines."),
-        click.option("--t0", type=float, default=None,
+        click.option("--t0", type=numeric("t0"), default=None,
                      help="--predict: the epoch of the prediction [default: median t_mem]."),
-        click.option("--test-frac", type=float, default=0.5, show_default=True,
+        click.option("--test-frac", type=numeric("test_frac"), default=0.5, show_default=True,
                      help="--predict: fraction of seeds held out."),
-        click.option("--split-seed", type=int, default=0, show_default=True, help="--predict: seed of the seed split."),
+        click.option("--split-seed", type=numeric("split_seed"), default=0, show_default=True, help="--predict: seed of the seed split."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def check_analysis_options(fit_max_lambda: float | None, t0: float | None, test_frac: float) -> None:
-    if fit_max_lambda is not None and not fit_max_lambda > 0:
-        raise CLIError(f"--fit-max-lambda: must be > 0, got {fit_max_lambda}")
-    if not 0 < test_frac < 1:
-        raise CLIError(f"--test-frac: must be in (0, 1), got {test_frac}")
-    if t0 is not None and not t0 > 0:
-        raise CLIError(f"--t0: must be > 0, got {t0}")
-
-
 @click.command("analyze")
 @click.argument("store_path", metavar="STORE", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--n-boot", type=int, default=N_BOOT, show_default=True, help="Bootstrap resamples per fit.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstrap.")
-@click.option("--retention-threshold", type=float, default=0.9, show_default=True,
+@click.option("--n-boot", type=numeric("n_boot"), default=N_BOOT, show_default=True, help="Bootstrap resamples per fit.")
+@click.option("--seed", type=numeric("seed"), default=0, show_default=True, help="Seed of the bootstrap.")
+@click.option("--retention-threshold", type=numeric("retention_threshold"), default=0.9, show_default=True,
               help="Runs trained to the horizon: a grokked run is retained if its final test accuracy is ≥ this.")
 @analysis_options
 def analyze_cmd(store_path, as_json, n_boot, seed, fit_max_lambda, retention_threshold, predict, t0, test_frac,
                 split_seed):
     """Critical weight decay λ_c, exponent ν (with bootstrap CIs), regime table and median t_grok
     per architecture/size group of a sweep store."""
-    if n_boot < 1:
-        raise CLIError(f"--n-boot: must be >= 1, got {n_boot}")
-    check_analysis_options(fit_max_lambda, t0, test_frac)
     with open_store(store_path) as store:
         report = store_report(store, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
                               predict=PredictSettings(t0, test_frac, split_seed) if predict else None,

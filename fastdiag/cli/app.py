@@ -1,13 +1,10 @@
 """The `fastdiag` command line. Every error is one line on stderr and exit status 2."""
 from __future__ import annotations
 
-import importlib
 import os
 import signal
-import sqlite3
 import sys
 import threading
-from contextlib import contextmanager
 
 
 def _interrupted_while_loading(signum, frame) -> None:
@@ -17,14 +14,29 @@ def _interrupted_while_loading(signum, frame) -> None:
 
 # Ctrl-C while the command line is still loading (click, the store: a tenth of a second, seconds on a
 # loaded machine) ends it with the same one line and status as later, not a traceback from inside an
-# import; main() puts Python's own handler back. Only where this process is the `fastdiag` program
-# (its script, or `python -m` finding fastdiag.cli), never in a program that imports fastdiag.cli.
+# import; Python's own handler is put back once the command's module is loaded (`_loaded`). Only where
+# this process is the `fastdiag` program (its script, or `python -m` finding fastdiag.cli), never in a
+# program that imports fastdiag.cli.
 if (os.path.basename(sys.argv[0]) == "fastdiag" or sys.argv[0] == "-m") \
         and threading.current_thread() is threading.main_thread() \
         and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, _interrupted_while_loading)
 
-import click  # noqa: E402 - after the handler
+
+def _loaded() -> None:
+    """The command's module is loaded (torch, the store, ...): Ctrl-C unwinds as usual from here on, so
+    every `finally` runs. Until then it ends the program with one line: an interrupt inside a library's
+    import (one that catches it and raises ImportError, or leaves a module half made) gave a traceback."""
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+import importlib  # noqa: E402 - after the handler: an interrupt in any import is one line
+import sqlite3  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
+import click  # noqa: E402
 
 from fastdiag.cli.options import PARAM_FLAGS  # noqa: E402
 from fastdiag.grokking.config import RunConfig  # noqa: E402
@@ -35,14 +47,6 @@ class CLIError(click.ClickException):
     """An error the user can fix: printed as one line, exit status 2."""
 
     exit_code = 2
-
-
-def check_threads(threads: int | None) -> None:
-    """--threads: None (the planned default) or 1 to 4 per CPU — more threads only queue behind each
-    other, and OpenMP fails on absurd counts (100,000: std::bad_alloc; 1,000,000: an abort)."""
-    limit = 4 * (os.cpu_count() or 1)
-    if threads is not None and not 1 <= threads <= limit:
-        raise CLIError(f"--threads: must be between 1 and {limit} (4 per CPU here), got {threads}")
 
 
 class LazyGroup(click.Group):
@@ -60,6 +64,7 @@ class LazyGroup(click.Group):
         if name not in self.commands and name in self.lazy:
             for command in importlib.import_module(self.lazy[name][0]).COMMANDS:
                 self.add_command(command)
+        _loaded()
         return self.commands.get(name)
 
     def format_commands(self, ctx, formatter) -> None:
@@ -137,8 +142,6 @@ def _fail(message: str, status: int = 2) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread and signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
-        signal.signal(signal.SIGINT, signal.default_int_handler)     # loaded: Ctrl-C unwinds as usual
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         cli.main(args=argv, prog_name="fastdiag", standalone_mode=False)

@@ -13,8 +13,8 @@ import torch
 from fastdiag.analysis.headdim import headdim_analysis
 from fastdiag.analysis.paired import compare_arms
 from fastdiag.cli.analyze import format_comparison, format_headdim
-from fastdiag.cli.app import CLIError, check_threads, create_store, option_errors
-from fastdiag.cli.options import PARAM_FLAGS, QUIET_HELP, THREADS_HELP, dataclass_options, run_fields, run_options
+from fastdiag.cli.app import CLIError, create_store, option_errors
+from fastdiag.cli.options import PARAM_FLAGS, QUIET_HELP, THREADS_HELP, dataclass_options, numeric, run_fields, run_options
 from fastdiag.grokking import interventions as iv
 from fastdiag.grokking.build import build_model, check_buildable, heads_width
 from fastdiag.grokking.config import ARMS, N_BOOT, RunConfig
@@ -28,7 +28,7 @@ from fastdiag.sweep.run import run_sweep
 def _experiment_options(command):
     """What intervene and headdim share beyond the run options: seeds, store, outputs, threads."""
     options = [
-        click.option("--threads", type=int, default=None, help=THREADS_HELP),
+        click.option("--threads", type=numeric("threads"), default=None, help=THREADS_HELP),
         click.option("--seeds", default="3", show_default=True, metavar="N|A-B|LIST",
                      help=SEEDS_HELP),
         click.option("--store", "store_path", default=None, type=click.Path(dir_okay=False),
@@ -43,7 +43,6 @@ def _experiment_options(command):
 
 
 def _check_runnable(cfg: RunConfig, threads: int | None) -> None:
-    check_threads(threads)
     with option_errors():
         check_buildable(cfg, device=True)
 
@@ -220,21 +219,17 @@ HEADDIM_PATIENCE_EPOCHS = 2000
 @click.option("--d-model", "widths", default="16,32,64", show_default=True,
               help="Comma list of model widths d (the default with --heads 2,4,8 spans the paper's d/H 2–32).")
 @click.option("--heads", "heads", default="2,4,8", show_default=True, help="Comma list of head counts H.")
-@click.option("--ff-mult", type=int, default=4, show_default=True, help="Feed-forward width d_ff = FF_MULT × d.")
-@click.option("--workers", type=int, default=None, help="Local worker processes (default: what the cores hold).")
-@click.option("--n-boot", type=int, default=N_BOOT, show_default=True, help="Bootstrap resamples of the fit.")
+@click.option("--ff-mult", type=numeric("ff_mult"), default=4, show_default=True, help="Feed-forward width d_ff = FF_MULT × d.")
+@click.option("--workers", type=numeric("workers"), default=None, help="Local worker processes (default: what the cores hold).")
+@click.option("--n-boot", type=numeric("n_boot"), default=N_BOOT, show_default=True, help="Bootstrap resamples of the fit.")
 def headdim_cmd(widths, heads, ff_mult, workers, n_boot, **kw):
     """Per-head dimension: train every (d, H, seed) at fixed λ (transformer, custom preset) into a store
     (finished runs are skipped), then fit peak σ_H after grokking against d/H with the saturating curve
     σ_max = c + a(1 − exp(−b·d/H)) and draw it."""
     if kw["store_path"] is None:
         raise CLIError("--store: required (the runs go into a result store)")
-    if n_boot < 1:
-        raise CLIError(f"--n-boot: must be >= 1, got {n_boot}")
     if kw["patience"] < 0:
         raise CLIError(f"--patience: must be >= 0, got {kw['patience']}")
-    if ff_mult < 1:
-        raise CLIError(f"--ff-mult: must be >= 1, got {ff_mult}")
     base = {**run_fields(kw), "arch": "transformer", "stop_at_grok": True}
     head_counts = _int_list(heads, "heads")
     if min(head_counts) < 2:

@@ -4,6 +4,7 @@ and the map from library parameter names to the flags the user typed, for error 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import click
 
@@ -95,3 +96,63 @@ PARAM_FLAGS = {
     "shard": "--shard", "workers": "--workers", "threads": "--threads", "backend": "--backend",
     "max_retries": "--max-retries", "ensemble": "--ensemble",
 }   # `fastdiag intervene` adds its settings' flags (cli/intervene.py)
+
+
+# ---------------------------------------------------------------------------- numeric option ranges
+# Every numeric option of every command that is not a settings field (RunConfig and InterventionSettings
+# check their own fields, named, in `validate`) takes its type from this one table, so that a value out
+# of range -- nan, -1, 1e308, 1e20 -- is refused in one line while the command line is read, before any
+# store is opened or any work starts, whether or not there is work to do. tests/test_hostile_round4.py
+# checks that no numeric option of any command is left out.
+class Ranged(click.ParamType):
+    """An int or a finite float in [low, high] (``open_low`` / ``open_high``: the end itself excluded)."""
+
+    def __init__(self, kind: type, low: float, high: float, open_low: bool = False, open_high: bool = False,
+                 why: str = "") -> None:
+        self.kind, self.low, self.high, self.open_low, self.open_high = kind, low, high, open_low, open_high
+        self.name = kind.__name__
+        self.why = why
+
+    def describe(self) -> str:
+        number = "an integer" if self.kind is int else "a finite number"
+        low, high = (f"{int(v):,}" if float(v).is_integer() and abs(v) < 1e12 else f"{v:g}" for v in (self.low, self.high))
+        return (f"{number} in {'(' if self.open_low else '['}{low}, {high}{')' if self.open_high else ']'}"
+                + (f" ({self.why})" if self.why else ""))
+
+    def convert(self, value, param, ctx):
+        try:
+            number = self.kind(value)
+        except (TypeError, ValueError, OverflowError):
+            self.fail(f"expected {self.describe()}, got {value!r}", param, ctx)
+        low_ok = number > self.low if self.open_low else number >= self.low
+        high_ok = number < self.high if self.open_high else number <= self.high
+        if not (low_ok and high_ok):          # NaN fails both
+            self.fail(f"expected {self.describe()}, got {value!r}", param, ctx)
+        return number
+
+
+_CORES = os.cpu_count() or 1
+_SEED_MAX = 2**32 - 1                     # numpy's SeedSequence takes more, but no user needs more
+# option parameter name → its type, the same for every command that has the option
+OPTION_RANGES = {
+    # more threads only queue behind each other, and OpenMP fails on absurd counts (100,000:
+    # std::bad_alloc; 1,000,000: an abort)
+    "threads": Ranged(int, 1, 4 * _CORES, why="4 per CPU here"),
+    "workers": Ranged(int, 1, 4 * _CORES, why="4 per CPU here"),
+    "max_retries": Ranged(int, 0, 100),
+    "n_boot": Ranged(int, 1, 10**6),
+    "n_band": Ranged(int, 1, 10**6),
+    "seed": Ranged(int, 0, _SEED_MAX),             # the bootstrap's (analyze, plot); run seeds are RunConfig's
+    "split_seed": Ranged(int, 0, _SEED_MAX),
+    "retention_threshold": Ranged(float, 0.0, 1.0),
+    "fit_max_lambda": Ranged(float, 0.0, 1e6, open_low=True),
+    "t0": Ranged(float, 0.0, 1e9, open_low=True),
+    "test_frac": Ranged(float, 0.0, 1.0, open_low=True, open_high=True),
+    "ff_mult": Ranged(int, 1, 64),
+    "calibrate_steps": Ranged(int, 0, 10**6),
+}
+
+
+def numeric(name: str) -> Ranged:
+    """The type of the numeric option ``name`` (its parameter name): its range from OPTION_RANGES."""
+    return OPTION_RANGES[name]

@@ -4,8 +4,9 @@ from __future__ import annotations
 import click
 
 from fastdiag.analysis.report import PredictSettings
-from fastdiag.cli.analyze import analysis_options, check_analysis_options, store_report
+from fastdiag.cli.analyze import analysis_options, store_report
 from fastdiag.cli.app import CLIError, open_store
+from fastdiag.cli.options import numeric
 from fastdiag.grokking.config import N_BOOT
 
 
@@ -13,19 +14,16 @@ from fastdiag.grokking.config import N_BOOT
 @click.argument("store_path", metavar="STORE", type=click.Path())
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Directory for the figures (created if missing).")
-@click.option("--n-boot", type=int, default=N_BOOT, show_default=True, help="Bootstrap resamples of the fits.")
-@click.option("--n-band", type=int, default=300, show_default=True,
+@click.option("--n-boot", type=numeric("n_boot"), default=N_BOOT, show_default=True, help="Bootstrap resamples of the fits.")
+@click.option("--n-band", type=numeric("n_band"), default=300, show_default=True,
               help="Bootstrap resamples of the P(grok) confidence band.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the bootstraps.")
+@click.option("--seed", type=numeric("seed"), default=0, show_default=True, help="Seed of the bootstraps.")
 @analysis_options
 @click.option("--format", "formats", default="png,svg", show_default=True, help="Comma list of png, svg, pdf.")
 def plot_cmd(store_path, out_dir, n_boot, n_band, seed, fit_max_lambda, predict, t0, test_frac, split_seed, formats):
     """Draw the sweep figures of STORE as PNG and SVG into DIR: regime diagram (λ × N), P(grok) with
     the logistic fit and its bootstrap band, t_grok against λ − λ_c with the power-law fit, and median/IQR
     trajectories of test accuracy, s̄ and σ_H per λ."""
-    if n_boot < 1 or n_band < 1:
-        raise CLIError("--n-boot and --n-band: must be >= 1")
-    check_analysis_options(fit_max_lambda, t0, test_frac)
     fmts = tuple(f.strip().lower() for f in formats.split(",") if f.strip())
     bad = [f for f in fmts if f not in ("png", "svg", "pdf")]
     if not fmts or bad:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import click
 import torch
 
-from fastdiag.cli.app import CLIError, check_threads, option_errors, os_error_text
-from fastdiag.cli.options import QUIET_HELP, THREADS_HELP, run_fields, run_options
+from fastdiag.cli.app import CLIError, option_errors, os_error_text
+from fastdiag.cli.options import QUIET_HELP, THREADS_HELP, numeric, run_fields, run_options
 from fastdiag.grokking.build import check_buildable
 from fastdiag.grokking.checkpoint import CADENCE_HELP, DEFAULT_CADENCE, checkpoint_path, make_checkpointer, parse_cadence
 from fastdiag.grokking.config import RunConfig, fmt_or_dash
@@ -29,14 +29,13 @@ def parse_checkpoint_every(text: str):
 
 @click.command("run")
 @run_options()
-@click.option("--threads", type=int, default=None, help=THREADS_HELP)
+@click.option("--threads", type=numeric("threads"), default=None, help=THREADS_HELP)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Output directory [default: runs/<run_id>]")
 @click.option("--quiet", is_flag=True, help=QUIET_HELP)
 @checkpoint_option
 def run(threads, out_dir, quiet, checkpoint_every, **fields) -> None:
     """Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."""
-    check_threads(threads)
     cadence = parse_checkpoint_every(checkpoint_every)
     # Check everything the run needs before any training: the values, the task (÷ needs a prime p,
     # p² pairs must fit in memory), the model settings, the device, and the output directory.

@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 import torch
 
-from fastdiag.cli.app import CLIError, check_threads, create_store, open_store, option_errors
-from fastdiag.cli.options import QUIET_HELP, THREADS_DEFAULT, run_fields, run_options
+from fastdiag.cli.app import CLIError, create_store, open_store, option_errors
+from fastdiag.cli.options import QUIET_HELP, THREADS_DEFAULT, numeric, run_fields, run_options
 from fastdiag.analysis.paper_data import PAPER, predicted_t_grok
 from fastdiag.cli.run import checkpoint_option, parse_checkpoint_every
 from fastdiag.grokking.build import uses_cuda
@@ -53,11 +53,11 @@ def _parse_ensemble(spec: str) -> int | None:
               help="The SQLite result store (created if missing; finished runs in it are skipped).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="local", show_default=True,
               help="Where the runs execute: local processes or a Ray cluster.")
-@click.option("--workers", type=int, default=None,
+@click.option("--workers", type=numeric("workers"), default=None,
               help="Local processes (default: what the cores and memory hold).")
-@click.option("--threads", type=int, default=None, help="Torch threads per local worker " + THREADS_DEFAULT)
+@click.option("--threads", type=numeric("threads"), default=None, help="Torch threads per local worker " + THREADS_DEFAULT)
 @click.option("--address", default=None, help="Ray cluster address (default: start Ray locally).")
-@click.option("--max-retries", type=int, default=2, show_default=True,
+@click.option("--max-retries", type=numeric("max_retries"), default=2, show_default=True,
               help="Retries of a run whose worker was lost.")
 @click.option("--shard", default=None, metavar="I/N",
               help="Run only shard I of N (0 <= I < N; runs split by run_id), e.g. $SLURM_ARRAY_TASK_ID/8.")
@@ -69,18 +69,13 @@ def _parse_ensemble(spec: str) -> int | None:
                    "per second; on a CPU 8 for models up to ~0.45 M parameters, 4 for canonical, 1 from ~2.5 M.")
 @click.option("--dry-run", is_flag=True,
               help="Print the grid size and the time it will take here (from a short measured calibration), and exit.")
-@click.option("--calibrate-steps", type=int, default=None, metavar="N",
+@click.option("--calibrate-steps", type=numeric("calibrate_steps"), default=None, metavar="N",
               help="Timed training steps of --dry-run's calibration; 0: no estimate [default: 200 on CUDA, 10 on a CPU].")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 @checkpoint_option
 def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, address, max_retries, shard,
               retry_failed, ensemble, dry_run, calibrate_steps, quiet, checkpoint_every, **fields):
     """Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."""
-    if workers is not None and workers < 1:
-        raise CLIError(f"--workers: must be >= 1, got {workers}")
-    check_threads(threads)
-    if max_retries < 0:
-        raise CLIError(f"--max-retries: must be >= 0, got {max_retries}")
     ensemble_size = _parse_ensemble(ensemble)
     cadence = parse_checkpoint_every(checkpoint_every)
     with option_errors():
@@ -133,8 +128,6 @@ def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, ad
 
 def _print_estimate(configs, ensemble_size, workers, threads, steps) -> None:
     """The dry run's time estimate (`fastdiag.sweep.plan.estimate_sweep`), or why there is none."""
-    if steps is not None and steps < 0:
-        raise CLIError(f"--calibrate-steps: must be >= 0, got {steps}")
     if steps == 0:
         return
     if any(uses_cuda(c) for c in configs) and not torch.cuda.is_available():
@@ -213,10 +206,11 @@ _FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
 def _csv_cell(value):
-    """A CSV cell that a spreadsheet shows as text, never runs: store content is untrusted."""
+    """A CSV cell that a spreadsheet shows as text, never runs: store content is untrusted. Spreadsheets
+    skip leading blanks and line breaks before a formula (" =cmd", "\n=1+1"), so those are looked past."""
     if value is None:
         return ""
-    if isinstance(value, str) and value.startswith(_FORMULA_STARTS):
+    if isinstance(value, str) and (value.startswith(_FORMULA_STARTS) or value.lstrip().startswith(_FORMULA_STARTS)):
         return "'" + value
     return value
 
@@ -250,13 +244,21 @@ def _write_table(columns: list[str], rows: list[dict], path: Path, fmt: str) -> 
             pq.write_table(pa.table(data), tmp)
 
 
+def _resolved(path: Path) -> Path:
+    """``path`` with its links followed, or as it is where they cannot be (a symlink loop)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        return path.absolute()
+
+
 def _same_file(a: Path, b: Path) -> bool:
     """The same file, by any spelling (a relative path, a symlink, a hard link) or, before it exists,
     the same absolute path."""
     try:
         return os.path.samefile(a, b)
     except OSError:
-        return a.resolve() == b.resolve()
+        return _resolved(a) == _resolved(b)
 
 
 @click.command("export")
@@ -271,9 +273,15 @@ def export_cmd(store_path, fmt, out, trace_out, status):
     """Export a store's runs table (config and result flattened into columns), optionally its traces."""
     outputs = [("--out", Path(out))] + ([("--trace-out", Path(trace_out))] if trace_out else [])
     # SQLite keeps its -wal/-shm next to the link's target when the store is reached through a symlink
-    store_files = [Path(f"{base}{tail}") for base in {Path(store_path), Path(store_path).resolve()}
+    store_files = [Path(f"{base}{tail}") for base in {Path(store_path), _resolved(Path(store_path))}
                    for tail in ("", "-wal", "-shm", "-journal")]
     for flag, path in outputs:               # before reading anything: no half-done export
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:               # a symlink loop, a path through a file, no permission
+            raise CLIError(f"{flag}: cannot write {path}: {exc.strerror}") from None
         if path.is_dir():
             raise CLIError(f"{flag}: {path} is a directory; expected a file name")
         if not path.parent.is_dir():

@@ -171,6 +171,8 @@ def _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, quer
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale: expected a number or None, got {type(scale).__name__} {scale!r}")
     scale = d ** -0.5 if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
     if backend == "auto":
         backend = "triton" if q4.is_cuda and triton_available() else "torch"
     if backend == "reference":

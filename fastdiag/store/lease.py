@@ -41,7 +41,8 @@ class Lease:
 
     ``claim`` takes the runs no live sweep holds and marks them running (one more attempt each: a
     claim is taken right before a run starts). Finishing a run (`Store.record_done`/`record_failed`)
-    drops its claim; closing the lease drops the rest, so an interrupted sweep's runs are free again.
+    drops its claim; closing the lease drops the rest and makes their runs pending again, so an
+    interrupted sweep's runs are free again.
     A claim whose process died (same host) or that was not renewed for ``lease_s`` (another host) is
     taken over."""
 
@@ -61,6 +62,10 @@ class Lease:
         self._thread.join()
         with suppress(StoreError):      # a full disk must not hide the error that ended the sweep
             with self.store.transaction() as conn:
+                # runs claimed and not finished (the sweep was interrupted) are pending again, not
+                # "running" after the sweep has gone
+                conn.execute("UPDATE runs SET status = 'pending' WHERE status = 'running' AND run_id IN "
+                             "(SELECT run_id FROM claims WHERE owner = ?)", (self.owner,))
                 conn.execute("DELETE FROM claims WHERE owner = ?", (self.owner,))
 
     def _heartbeat(self) -> None:

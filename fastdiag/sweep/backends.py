@@ -6,6 +6,7 @@ import collections
 import contextlib
 import math
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -20,18 +21,36 @@ from fastdiag.sweep.execute import execute, execute_pack, init_worker, passive_o
 from fastdiag.sweep.plan import plan_packs
 
 HELD_RETRY_S = 5.0     # how often runs another sweep held are looked at again
-# A worker training a task beats every execute.HEARTBEAT_S; one silent this long is stalled (stopped
-# with SIGSTOP, hung): it is killed and its task retried or failed like a dead worker's, so a sweep
-# never waits for ever and its claim is not renewed for a run nobody trains. Generous: a loaded or
-# swapping machine delays beats, and killing a slow but healthy run costs its whole work.
+# A worker holding a task that has made no progress for this long is stalled (stopped with SIGSTOP,
+# blocked on a FIFO or a dead file system, deadlocked): it is killed and its task retried or failed
+# like a dead worker's, so a sweep never waits for ever and its claim is not renewed for a run nobody
+# trains. Progress is the worker process's CPU time (`_cpu_seconds`), which stops when its training
+# stops whatever the reason, judged from the moment the task is handed over (a worker stopped before it
+# says anything is caught too); a heartbeat thread would beat on in a blocked process. Where the CPU
+# time cannot be read (no /proc), the worker's messages and heartbeats are the signal. Generous: a
+# loaded or swapping machine slows training, and killing a slow but healthy run costs its whole work.
 STALL_S = 120.0
 # How long a closing pool waits for a worker to exit before SIGKILL: (normal end, interrupted).
 _CLOSE_WAIT_S = {False: 10.0, True: 2.0}
 
 
 def _stalled(attempts: int) -> dict:
-    return {"ok": False, "error": f"worker process stalled (no heartbeat for {STALL_S:g} s: stopped, hung or "
-                                  f"starved) on each of {attempts} attempt(s); it was killed"}
+    return {"ok": False, "error": f"worker process stalled (no progress for {STALL_S:g} s: stopped, blocked, hung "
+                                  f"or starved) on each of {attempts} attempt(s); it was killed"}
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """The CPU time (user + system, all threads) process ``pid`` has used, or None where it cannot be
+    read (no /proc, the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rpartition(b")")[2].split()      # after the name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _died(attempts: int) -> dict:
@@ -233,7 +252,17 @@ class _Worker:
             child.close()
         self.task: list[RunConfig] | None = None
         self.stored: set[int] = set()     # members of its ensemble already finished
-        self.heard: float | None = None   # when it last sent anything for its task (None: not yet started)
+        self.progressed = 0.0             # when it last made progress on its task (time.monotonic)
+        self.cpu: float | None = None     # its CPU time then
+
+    def judge(self, now: float, heard: bool) -> bool:
+        """Whether the worker made progress on its task: its CPU time grew (or, where that cannot be
+        read, it sent something) since it was last judged. Records it; True when it did."""
+        cpu = _cpu_seconds(self.process.pid)
+        if (cpu is not None and self.cpu is not None and cpu > self.cpu) or (cpu is None and heard):
+            self.progressed = now
+        self.cpu = cpu
+        return self.progressed == now
 
 
 class _WorkerPool:
@@ -265,7 +294,8 @@ class _WorkerPool:
 
     def submit(self, worker: _Worker, task: list[RunConfig], train_fn: Callable | None,
                checkpoint: dict | None = None) -> None:
-        worker.task, worker.stored, worker.heard = task, set(), None
+        worker.task, worker.stored = task, set()
+        worker.progressed, worker.cpu = time.monotonic(), _cpu_seconds(worker.process.pid)
         dicts = [c.to_dict() for c in task]
         try:
             worker.conn.send(("run", dicts[0], train_fn, checkpoint) if len(task) == 1
@@ -282,6 +312,7 @@ class _WorkerPool:
             return
         wait([w.conn for w in busy] + [w.process.sentinel for w in busy], timeout)
         for w in busy:
+            heard = False
             while w.task is not None:
                 try:
                     if not w.conn.poll():
@@ -289,7 +320,7 @@ class _WorkerPool:
                     message = w.conn.recv()
                 except (EOFError, OSError):   # the worker died mid-message
                     break
-                w.heard = time.monotonic()
+                heard = True
                 if message[0] == "alive" or (results_only and message[0] == "epoch"):
                     continue
                 yield w, message
@@ -298,10 +329,8 @@ class _WorkerPool:
             if w.task is not None and not w.process.is_alive() and not results_only:
                 yield w, ("died", w.process.exitcode)
                 self._replace(w)
-            elif (w.task is not None and not results_only and w.heard is not None
-                  and time.monotonic() - w.heard > STALL_S):
-                # Silent since its first beat (a worker still starting up, importing torch on a
-                # loaded machine, has not beaten yet and is not judged)
+            elif w.task is not None and not results_only and not w.judge(time.monotonic(), heard) \
+                    and time.monotonic() - w.progressed > STALL_S:
                 w.process.kill()              # SIGKILL ends a stopped process too
                 yield w, ("stalled", STALL_S)
                 self._replace(w)
@@ -344,8 +373,21 @@ def _ray_session(address: str | None):
         raise ValueError("backend: ray: the ray package is not installed (pip install 'ray[default]')") from None
     started_here = False
     if not ray.is_initialized():
+        # ray.init takes SIGTERM for itself (sys.exit(15): exit status 15 or 1, and its C++ core a
+        # signal dump): `_signals_held` puts the driver's own handlers back (the command line's: one
+        # line, 130/143, every `finally` run, the runs released) and answers a signal that came meanwhile.
         try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            with _signals_held():
+                try:
+                    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+                except BaseException:            # interrupted or failed while Ray starts: stop what it started
+                    with contextlib.suppress(Exception):
+                        ray.shutdown()
+                    raise
+        except SystemExit as exc:                # Ray's handler took a SIGTERM: the driver's answers it
+            if exc.code == signal.SIGTERM and threading.current_thread() is threading.main_thread():
+                signal.raise_signal(signal.SIGTERM)
+            raise
         except (ConnectionError, ValueError, RuntimeError) as exc:
             raise ValueError(f"backend: ray: cannot connect to the Ray cluster "
                              f"{address or '(local)'}: {' '.join(str(exc).split())}") from None
@@ -359,9 +401,23 @@ def _ray_session(address: str | None):
 
 def _ray_completed(ray, refs: dict):
     """Yield ``(key, result, None)`` or ``(key, None, exception)`` for each Ray task as it completes
-    (tasks added to ``refs`` meanwhile included)."""
+    (tasks added to ``refs`` meanwhile included). Interrupted (SIGINT, SIGTERM), the tasks still out
+    are cancelled. Waits a second at a time, signals held: the driver's handlers run between waits."""
+    try:
+        yield from _ray_results(ray, refs)
+    except BaseException:
+        for ref in list(refs):
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
+        raise
+
+
+def _ray_results(ray, refs: dict):
     while refs:
-        ready, _ = ray.wait(list(refs), num_returns=1)
+        # held while Ray waits: an exception raised by a handler inside Ray's C++ wait comes out as a
+        # SystemError traceback; held, the signal is answered right after, in Python
+        with _signals_held():
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=1.0)
         for ref in ready:
             key = refs.pop(ref)
             try:

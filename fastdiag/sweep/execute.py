@@ -23,7 +23,10 @@ from fastdiag.grokking.ensemble_train import train_ensemble
 from fastdiag.sweep.checkpoints import checkpointer
 
 EPOCH_REPORT_S = 2.0   # how often a run in flight tells the driver its epoch
-HEARTBEAT_S = 1.0      # how often a worker training a task says it is alive (an epoch may take minutes)
+# Where the driver cannot read a worker's CPU time (no /proc: `backends._cpu_seconds`), how often a
+# worker training a task says it is alive (an epoch may take minutes). With /proc there is no heartbeat
+# thread: its own wake-ups would count as CPU time of a worker that is otherwise blocked.
+HEARTBEAT_S = 1.0
 
 
 def epoch_reporter(report: Callable[[str, int, int], None], run_id: str, epochs: int) -> Callable[[dict], None]:
@@ -129,7 +132,8 @@ def worker_main(conn, threads: int, gpu_index: int | None) -> None:
                 with contextlib.suppress(OSError, ValueError):
                     send(("alive",))
 
-    threading.Thread(target=heartbeat, name="fastdiag-heartbeat", daemon=True).start()
+    if not os.path.exists(f"/proc/{os.getpid()}/stat"):
+        threading.Thread(target=heartbeat, name="fastdiag-heartbeat", daemon=True).start()
 
     def report(*msg) -> None:
         send(("epoch", *msg))

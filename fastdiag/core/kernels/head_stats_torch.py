@@ -234,7 +234,8 @@ def _head_stats_torch(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
     f64 = dict(dtype=torch.float64, device=device)
     if not grams:                                                       # no row sees a key
         return torch.zeros(n, h, h, device=device), torch.zeros(n, h, **f64), rows, torch.zeros(n, device=device)
-    log_keys = _log_of_counts(tk, device).index_select(0, counts[:done].int())   # float64 log n, exact
+    # float64 log n, exact; clamped: negative entries (invalid input, flagged) make negative counts
+    log_keys = _log_of_counts(tk, device).index_select(0, counts[:done].int().clamp_(0, tk))
     row_entropy = torch.addcmul(log_keys, excess[:done].double(), log_keys).sub_(kl[:done])
     if len(set(seg_rows)) == 1:                                         # e.g. one chunk (grokking)
         seg_entropy = row_entropy.view(-1, seg_rows[0]).sum(-1)
