@@ -17,15 +17,19 @@ from fastdiag.store.files import atomic_path
 from tests.test_hostile import cli, one_line_error, remount_read_only, small_store, tmpfs
 
 
-def export(capsys, *args):
-    """``fastdiag export`` in this process: (exit status, stdout, stderr)."""
+def fastdiag(capsys, *args):
+    """``fastdiag ARGS`` in this process: (exit status, stdout, stderr)."""
     try:
-        main(["export", *map(str, args)])
+        main([*map(str, args)])
         code = 0
     except SystemExit as exc:
         code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def export(capsys, *args):
+    return fastdiag(capsys, "export", *args)
 
 
 def refused(code, err, needle):

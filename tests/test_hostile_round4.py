@@ -7,28 +7,12 @@ import sqlite3
 
 import pytest
 
-from fastdiag.cli import main
 from fastdiag.store import Store, StoreError
 from tests.test_hostile import small_store
+from tests.test_hostile_files import fastdiag, refused
 
 TINY = ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "16", "--d-ff", "32", "--p", "7",
         "--batch", "8", "--train-frac", "0.6", "--device", "cpu", "--epochs", "1", "--ensemble", "1"]
-
-
-def fastdiag(capsys, *args):
-    """``fastdiag ARGS`` in this process: (exit status, stdout, stderr)."""
-    try:
-        main([*map(str, args)])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def refused(code, err, needle):
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("fastdiag: error:") and needle in lines[0], err
 
 
 # ----------------------------------------------------------------------------- stores are regular files

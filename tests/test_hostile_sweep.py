@@ -183,21 +183,27 @@ def _driver(tmp_path, store, workers, n_seeds, **popen):
                              str(n_seeds)], env=env, **popen)
 
 
+def _stalling_sweep(tmp_path, store, **env):
+    """The fakes' sweep (2 workers, 4 runs of 0.2 s, STALL_S 4) with ``env``: (exit status, stderr)."""
+    env = {**os.environ, "FD_SLEEP": "0.2", "FD_STALL_S": "4", **env,
+           "PYTHONPATH": os.environ["PYTHONPATH"]}       # the fakes, then this tree
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "fd_hostile_fakes.py"), str(store), "2", "2"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=240)            # a deadline for the old hang, not a measurement
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)           # the stopped worker too
+    return proc.returncode, err
+
+
 def test_a_stopped_worker_is_detected_and_its_run_failed(tmp_path, fakes):
     """`kill -STOP` on a worker: before, the sweep waited for ever (> 300 s) and kept renewing the
     run's claim. Now the stopped worker is killed after STALL_S without progress and its run
     (max_retries 0) failed, the others done, the claims released."""
     store = tmp_path / "stop.sqlite"
-    env = {**os.environ, "FD_SLEEP": "0.2", "FD_STOP": "1", "FD_STALL_S": "4", "FD_MAX_RETRIES": "0",
-           "PYTHONPATH": os.environ["PYTHONPATH"]}  # the fakes, then this tree
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "fd_hostile_fakes.py"), str(store), "2", "2"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=240)          # a deadline for the old hang, not a measurement
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)           # the stopped worker too
-    assert proc.returncode == 0, err
+    code, err = _stalling_sweep(tmp_path, store, FD_STOP="1", FD_MAX_RETRIES="0")
+    assert code == 0, err
     failed = rows(store, "SELECT run_id, error, attempts FROM runs WHERE status = 'failed'")
     assert len(failed) == 1 and "stalled" in failed[0][1] and failed[0][2] == 1, failed
     assert rows(store, "SELECT COUNT(*) FROM runs WHERE status = 'done'") == [(3,)]
@@ -209,16 +215,8 @@ def test_a_worker_stopped_before_it_says_a_word_is_killed_and_its_run_retried(tm
     was never judged and the sweep hung (221 s, issue 40). Now it is judged from the moment the task is
     handed over, by its CPU time: killed after STALL_S, its run retried on a fresh worker and done."""
     store = tmp_path / "quiet.sqlite"
-    env = {**os.environ, "FD_SLEEP": "0.2", "FD_STOP_ON_IMPORT": str(tmp_path / "stopped"), "FD_STALL_S": "4",
-           "FD_MAX_RETRIES": "1", "PYTHONPATH": os.environ["PYTHONPATH"]}  # the fakes, then this tree
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "fd_hostile_fakes.py"), str(store), "2", "2"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=240)          # a deadline for the old hang, not a measurement
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0 and (tmp_path / "stopped").exists(), err
+    code, err = _stalling_sweep(tmp_path, store, FD_STOP_ON_IMPORT=str(tmp_path / "stopped"), FD_MAX_RETRIES="1")
+    assert code == 0 and (tmp_path / "stopped").exists(), err
     assert rows(store, "SELECT status, COUNT(*) FROM runs GROUP BY status") == [("done", 4)]
     assert sorted(n for (n,) in rows(store, "SELECT attempts FROM runs")) == [1, 1, 1, 2]
     assert rows(store, "SELECT COUNT(*) FROM claims") == [(0,)]

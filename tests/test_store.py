@@ -148,3 +148,32 @@ def test_merge_copies_intervention_arms_once(tmp_path):
         assert out.merge_from(sa)["intervention_arms_added"] == 0
         assert out.conn.execute("SELECT COUNT(*) FROM intervention_runs").fetchone()[0] == 3
         assert out.conn.execute("SELECT COUNT(*) FROM intervention_trace").fetchone()[0] == 12
+
+
+@pytest.mark.parametrize("jump_s", [90.0, 300.0, -3600.0])
+def test_a_live_sweeps_claims_survive_a_clock_jump_on_its_host(tmp_path, monkeypatch, jump_s):
+    """The wall clock steps (NTP, a resumed VM, a hand-set clock) between a sweep's claim and another
+    sweep's look at it: forward past the lease, the claim looked expired; back, or a claim whose expiry
+    lies far ahead, it looked not credible -- either way a live sweep's run was taken over and trained
+    twice. On this host the claim's process decides; a process gone frees it whatever the clock says."""
+    import subprocess
+    import time
+
+    from fastdiag.store import lease as lease_module
+    cfgs = _cfgs(2)
+    ids = [c.run_id() for c in cfgs]
+    with Store(tmp_path / "s.sqlite") as st:
+        st.add_runs(cfgs)
+        with Lease(st) as first:
+            assert first.claim(ids[:1]) == ids[:1]
+            wall = time.time
+            monkeypatch.setattr(lease_module.time, "time", lambda: wall() + jump_s)
+            with Lease(st) as second:
+                assert second.claim(ids) == ids[1:]
+                assert second.held_elsewhere(ids) == {ids[0]: first.owner}
+            gone = subprocess.Popen(["true"])
+            gone.wait()
+            with st.transaction() as conn:          # the same claim, its process gone (killed -9)
+                conn.execute("UPDATE claims SET pid = ?, owner = 'x:1:dead' WHERE run_id = ?", (gone.pid, ids[0]))
+            with Lease(st) as third:
+                assert third.claim(ids[:1]) == ids[:1]

@@ -18,15 +18,21 @@ LEASE_S = 60.0     # a claim not renewed for this long (its sweep hung or its ho
 # A renewal sets a claim's expiry one lease ahead; one further ahead than this was not written by a
 # renewing sweep (a hand edit, a clock far off) and would block its run for ever: it is not honoured.
 _CREDIBLE_AHEAD_S = 2 * LEASE_S
+# On this host a claim's process is looked at directly, so its expiry (wall-clock time, which jumps:
+# NTP steps, a VM resumed, a hand-set clock) only has to catch a sweep that hangs: one not renewed for
+# this long. A clock stepped forward by less, or back by any amount, does not free a live sweep's runs.
+_STALE_HERE_S = 10 * LEASE_S
 
 
 def _claim_is_live(host: str, pid: int, expires: float, now: float, lease_s: float = LEASE_S) -> bool:
-    """A claim holds while it is renewed; on this host also only while its process exists (so a
-    sweep killed with ``kill -9`` frees its runs at once, not after the lease)."""
-    if expires < now or expires > now + max(_CREDIBLE_AHEAD_S, 2 * lease_s):
-        return False
+    """A claim holds while it is renewed. On this host it holds exactly while its process exists (a
+    sweep killed with ``kill -9`` frees its runs at once, not after the lease; a wall-clock jump frees
+    nothing), unless it has not been renewed for `_STALE_HERE_S` (a hung sweep); on another host, while
+    its expiry lies ahead, but not further ahead than a renewal writes (clocks of two hosts differ)."""
     if host != socket.gethostname():
-        return True
+        return now <= expires <= now + max(_CREDIBLE_AHEAD_S, 2 * lease_s)
+    if expires < now - max(_STALE_HERE_S, 10 * lease_s):
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
