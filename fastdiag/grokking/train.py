@@ -201,7 +201,7 @@ def train_run(cfg: RunConfig, progress: Callable[[dict], None] | None = None,
     if checkpoint is not None:
         if checkpoint.resume(trainer.restore):
             checkpoint.last_epoch = checkpoint.resumed_epoch = trainer.epoch
-        elif trainer.epoch or trainer.step:      # (never: restore checks before it changes anything)
+        elif trainer.epoch or trainer.step:      # applying failed after the checks passed: start afresh
             trainer = Trainer(cfg, progress)
     while not trainer.done:
         row = trainer.run_epoch()
