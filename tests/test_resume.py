@@ -359,3 +359,20 @@ def test_a_pack_checkpoint_that_does_not_fit_is_moved_aside(tmp_path):
             outcomes = train_ensemble(cfgs, checkpoint=(c := Checkpointer(path, key, every_epochs=100)))
         assert c.resumed_epoch is None and [o.result["epochs_run"] for o in outcomes] == [6, 6]
         assert not path.exists()
+
+
+def test_a_fifo_where_a_sweeps_run_checkpoint_would_be_never_blocks_it(tmp_path):
+    """A FIFO at a run's checkpoint path blocked the sweep's worker in the load for ever (its heartbeat
+    thread beating on). Now it is not opened: moved aside with a warning, the run trained from epoch 0."""
+    from fastdiag.grokking.config import RunConfig
+    cfg = RunConfig(**{**TINY_CFG.__dict__, "epochs": 2, "weight_decay": 1.0, "seed": 0})
+    folder = tmp_path / "s.sqlite.checkpoints"
+    folder.mkdir()
+    os.mkfifo(folder / f"{cfg.run_id()}.ckpt.pt")
+    sweep = fastdiag("sweep", "--wd", "1", "--seeds", "1", *TINY_RUN[:-5], "--device", "cpu", "--epochs", "2",
+                     "--ensemble", "1", "--workers", "1", "--threads", "1", "--quiet", "--store", str(tmp_path / "s.sqlite"))
+    _, err = finish(sweep, timeout=120)
+    assert sweep.returncode == 0, err
+    assert "not a regular file" in err and "moved aside" in err, err
+    assert len(store_traces(tmp_path / "s.sqlite")) == 1
+    assert not (folder / f"{cfg.run_id()}.ckpt.pt").exists()
