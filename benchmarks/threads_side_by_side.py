@@ -6,7 +6,10 @@ is never compared with another measured in a different minute of a shared machin
 
     python benchmarks/threads_side_by_side.py --rounds 3 --epochs 3             # canonical (make demo)
     python benchmarks/threads_side_by_side.py --small --rounds 3 --epochs 20    # README sweep's model
-    SETTINGS: 1 (one thread), 2 (two threads, OpenMP's default waiting), 2p (two threads, passive waiting)
+    python benchmarks/threads_side_by_side.py --settings 2,2p,2s10000 --rounds 3 --epochs 3
+    SETTINGS: 1 (one thread), 2 (two threads, OpenMP's default waiting), 2p (two threads, passive waiting),
+    2sN (two threads, the wait policy unset and a bounded spin: GOMP_SPINCOUNT=N, KMP_BLOCKTIME from it),
+    2c (two threads, the environment `fastdiag run` gives itself: fastdiag.cli's default)
 
 One warm-up epoch is not timed; the median epoch of the rest is reported, then per setting the median
 over rounds and the ratio to the first setting.
@@ -44,11 +47,17 @@ SMALL = dict(preset="custom", n_layers=2, n_heads=4, d_model=64, d_ff=256, p=31,
 
 def measure(setting: str, epochs: int, fields: dict) -> tuple[float, float]:
     """(median seconds per epoch, load average at the start) of one fresh process."""
-    threads = int(setting.rstrip("p"))
+    threads = int(setting[0])
     env = dict(os.environ)
-    env.pop("OMP_WAIT_POLICY", None)
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        env.pop(name, None)
     if setting.endswith("p"):
         env["OMP_WAIT_POLICY"] = "PASSIVE"
+    elif setting[1:2] == "s":
+        env["GOMP_SPINCOUNT"] = setting[2:]
+    elif setting.endswith("c"):
+        from fastdiag.cli.threads import wait_policy_env
+        env.update(wait_policy_env(env))
     load = os.getloadavg()[0]
     out = subprocess.run([sys.executable, "-c", CHILD, str(threads), str(epochs), json.dumps(fields)],
                          env=env, check=True, capture_output=True, text=True).stdout

@@ -58,6 +58,11 @@ def test_waits_passively_reads_the_policy(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert not waits_passively()
     monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert not waits_passively()
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")          # the command line's bounded spin
+    assert waits_passively()
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")        # libgomp's default: milliseconds of spinning
     assert not waits_passively()
 
 
@@ -72,14 +77,15 @@ def test_spread_packs_gives_every_worker_a_pack():
     assert [c.seed for t in spread for c in t] == list(range(8))                     # every run once
 
 
-def test_the_cli_waits_passively_and_keeps_a_users_choice():
-    code = "import os, fastdiag.cli; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+def test_the_cli_spins_briefly_and_keeps_a_users_choice():
+    code = "import os, fastdiag.cli; print([os.environ.get(k) for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT', 'KMP_BLOCKTIME')])"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "PASSIVE"
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "ACTIVE"
+    assert out.stdout.strip() == "[None, '1000', '0']"
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}, {"KMP_BLOCKTIME": "200"}):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **chosen}, capture_output=True, text=True,
+                             check=True)
+        assert out.stdout.strip() == str([chosen.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")])
 
 
 # ---- the dry run's time estimate -------------------------------------------------------------------

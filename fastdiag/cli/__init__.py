@@ -7,11 +7,12 @@ imports every one, so a command module that fails to import fails a test instead
 """
 import os
 
+from fastdiag.cli.threads import wait_policy_env
+
 # OpenMP reads its wait policy once, when torch loads it, so it is set before anything below can load
-# torch: threads that spin at every op's barrier burn the cores a descheduled teammate needs on a busy
-# machine (two threads 4-16x slower than one at load 6-8; passive, 0.5-0.84x: benchmarks/RESULTS.md,
-# "threads"). A user's own OMP_WAIT_POLICY stands.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch: a bounded spin, fast on a quiet machine without burning a busy one's cores (cli/threads.py).
+# A user's own OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME stands.
+os.environ.update(wait_policy_env())
 
 from fastdiag.cli.app import CLIError, cli, main  # noqa: E402 - after the policy
 

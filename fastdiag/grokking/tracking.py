@@ -19,7 +19,7 @@ def eval_chunk(device: torch.device) -> int:
     return 512 if device.type == "cpu" else 16384
 
 
-@torch.no_grad()
+@torch.inference_mode()      # no autograd bookkeeping at all (no_grad still counts tensor versions)
 def evaluate(model, x: torch.Tensor, y: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy and accuracy of ``model`` on (x, y) as device tensors (no host sync), in
     chunks of ``chunk`` rows. ``x`` is ``[..., N, T]`` and ``y`` ``[..., N]``: an ensemble's leading

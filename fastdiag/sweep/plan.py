@@ -45,10 +45,20 @@ def free_cores(cores: int | None = None, load: float | None = None) -> int:
     return max(1, min(cores, cores - math.floor(load + 0.5)))
 
 
+# Spin rounds (libgomp's GOMP_SPINCOUNT) short enough that a waiting thread sleeps about as soon as a
+# passive one: the command line's bounded spin (fastdiag/cli/threads.py, 1,000 rounds) is one.
+BOUNDED_SPIN = 10_000
+
+
 def waits_passively() -> bool:
-    """Whether this process's OpenMP threads wait passively: set by the command line before torch loads
-    (and given to every sweep worker) unless the user chose a policy."""
-    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+    """Whether this process's OpenMP threads wait passively or nearly (``OMP_WAIT_POLICY=PASSIVE``, or
+    no policy and a bounded ``GOMP_SPINCOUNT``): set by the command line before torch loads (and given
+    to every sweep worker) unless the user chose a policy."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "").strip().upper()
+    if policy:
+        return policy == "PASSIVE"
+    spins = os.environ.get("GOMP_SPINCOUNT", "").strip()
+    return spins.isdigit() and int(spins) <= BOUNDED_SPIN
 
 
 def plan_threads(configs: Sequence[RunConfig], workers: int = 1, members: int = 1, cores: int | None = None,
