@@ -134,7 +134,7 @@ def hogs(n: int):
             proc.wait()
 
 
-def side_by_side(epochs: int, rounds: int, label: str, fastdiag_env: dict) -> dict:
+def side_by_side(epochs: int, rounds: int, label: str, fastdiag_env: dict, bare_env: dict) -> dict:
     runs = {"fastdiag run": [], "bare loop": []}
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,7 +144,7 @@ def side_by_side(epochs: int, rounds: int, label: str, fastdiag_env: dict) -> di
             pair = {}
             for name in (list(commands) if r % 2 == 0 else list(commands)[::-1]):
                 load = os.getloadavg()[0]
-                pair[name] = timed(commands[name], fastdiag_env if name == "fastdiag run" else None) / epochs
+                pair[name] = timed(commands[name], fastdiag_env if name == "fastdiag run" else bare_env) / epochs
                 runs[name].append(pair[name])
                 print(f"{label:>5}  round {r}  {name:<12} {pair[name]:6.3f} s/epoch  (load {load:5.2f})", flush=True)
             ratios.append(pair["fastdiag run"] / pair["bare loop"])
@@ -160,20 +160,25 @@ def main() -> None:
     parser.add_argument("--loads", default="quiet,hogs", help="quiet, hogs (two `yes` beside), or both")
     parser.add_argument("--env", action="append", default=[], metavar="VAR=VALUE",
                         help="set in fastdiag run's environment (e.g. another OpenMP wait policy); repeatable")
+    parser.add_argument("--bare-env", action="append", default=[], metavar="VAR=VALUE",
+                        help="set in the bare loop's environment (e.g. fastdiag's own wait policy, "
+                             "GOMP_SPINCOUNT=1000, to compare the rest alone); repeatable")
     parser.add_argument("--bare", type=int, metavar="EPOCHS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare:
         return bare_loop(args.bare)
     fastdiag_env = dict(os.environ, **dict(item.split("=", 1) for item in args.env))
+    bare_env = dict(os.environ, **dict(item.split("=", 1) for item in args.bare_env))
     print(f"# {args.epochs} epochs per process, {args.rounds} rounds per load, {os.cpu_count()} cores, "
           f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, load {os.getloadavg()[0]:.2f}"
-          + (f"; fastdiag run with {' '.join(args.env)}" if args.env else ""), flush=True)
+          + (f"; fastdiag run with {' '.join(args.env)}" if args.env else "")
+          + (f"; the bare loop with {' '.join(args.bare_env)}" if args.bare_env else ""), flush=True)
     results = []
     for label in args.loads.split(","):
         if label not in ("quiet", "hogs"):
             parser.error(f"--loads: expected quiet and/or hogs, got {label!r}")
         with hogs(2) if label == "hogs" else contextlib.nullcontext():
-            results.append(side_by_side(args.epochs, args.rounds, label, fastdiag_env))
+            results.append(side_by_side(args.epochs, args.rounds, label, fastdiag_env, bare_env))
     print("# summary (seconds per epoch, process start to exit; ratio = fastdiag run / bare loop)")
     for res in results:
         med = res["median"]
