@@ -76,6 +76,7 @@ except ImportError:                  # without pytest-xdist (the dev extra) the 
     LoadScopeScheduling = None
 
 from fastdiag.grokking.config import RunConfig  # noqa: E402
+from fastdiag.core.monitor import _MONITORS  # noqa: E402
 from fastdiag.grokking.train import train_run  # noqa: E402
 
 # A configuration small enough for CI that still shows the phenomenon: a 2-layer, 4-head, width-64
@@ -168,6 +169,14 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_unconfigure(config):
     if UNITS_DIR in config.stash:
         shutil.rmtree(config.stash[UNITS_DIR], ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def detach_everything():
+    """A failing test must not leave a monitor attached (SDPA patched) for the tests after it."""
+    yield
+    for monitor in list(_MONITORS.values()):
+        monitor.detach()
 
 
 @pytest.fixture

@@ -1,10 +1,8 @@
 """fastdiag.attach: finds attention with no change to the model, measures it exactly, undoes itself.
 
-Every adapter is checked against eager attention written out here (probabilities in float64 from the
+Every adapter is checked against eager attention written out in tests/helpers.py (probabilities in float64 from the
 same q and k) fed to `head_stats(backend="reference")`: fp32 relative error ≤ 1e-5.
 """
-import math
-
 import pytest
 import torch
 import torch.nn as nn
@@ -12,94 +10,14 @@ import torch.nn.functional as F
 
 import fastdiag
 from fastdiag.qk import qk_head_stats
-from fastdiag.testing import NanoGPT, rel_err
+from fastdiag.testing import NanoGPT
+from tests.helpers import StandInZooAttention, TwoLayers, assert_stats_close, reference_stats
+from tests.helpers import nano as _nano
 
 ORIGINAL_SDPA = F.scaled_dot_product_attention
-TOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def detach_everything():
-    """A failing test must not leave SDPA patched for the tests after it."""
-    yield
-    from fastdiag.core.monitor import _MONITORS
-
-    for monitor in list(_MONITORS.values()):
-        monitor.detach()
-
-
-def assert_stats_close(got, want, tol=TOL):
-    """HeadStats against a float64 reference: sums, rows, and the derived s_l and σ_l."""
-    assert torch.equal(got.rows.double(), want.rows.double())
-    assert got.invalid.item() == 0
-    assert rel_err(got.gram, want.gram) <= tol
-    assert rel_err(got.entropy_sum, want.entropy_sum) <= tol
-    if got.num_heads > 1:
-        assert abs(got.sync().item() - want.sync().item()) <= tol * abs(want.sync().item())
-    scale = max(1.0, want.head_entropy().abs().max().item())
-    assert abs(got.entropy_spread().item() - want.entropy_spread().item()) <= tol * scale
-
-
-def eager_probs(q, k, attn_mask=None, is_causal=False, scale=None):
-    """Eager attention probabilities [B, H, Tq, Tk] in float64 and the rows that see some key."""
-    h, hk = q.shape[-3], k.shape[-3]
-    q, k = q.double(), k.double().repeat_interleave(h // hk, dim=-3)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = q @ k.transpose(-1, -2) * scale
-    tq, tk = scores.shape[-2:]
-    visible = torch.ones(tq, tk, dtype=torch.bool)
-    if is_causal:
-        visible = visible.tril()
-    if attn_mask is not None:
-        visible = visible & (attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf"))
-        if attn_mask.dtype != torch.bool:
-            scores = scores + attn_mask.double()
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = scores.softmax(-1)
-    visible = visible.expand(scores.shape)
-    rows = visible.any(-1).all(-2)  # [B, Tq]: sees a key in every head
-    if tq == tk and attn_mask is not None:  # self-attention: a key nobody may see is padding, so is its row
-        rows = rows & visible.any(-2).any(-2)
-    return torch.nan_to_num(probs, nan=0.0), rows
-
-
-def reference_stats(q, k, **kw):
-    probs, rows = eager_probs(q, k, **kw)
-    return fastdiag.head_stats(probs, rows, backend="reference")
 
 
 # ---- a module that calls SDPA (nanoGPT style) and keeps what it passed -------------------------
-
-class SDPALayer(nn.Module):
-    def __init__(self, d=16, heads=4, kv_heads=4, **sdpa_kwargs):
-        super().__init__()
-        self.heads, self.kv_heads, self.sdpa_kwargs = heads, kv_heads, sdpa_kwargs
-        self.hd = d // heads
-        self.q = nn.Linear(d, d)
-        self.kv = nn.Linear(d, 2 * kv_heads * self.hd)
-        self.out = nn.Linear(d, d)
-        self.last = None
-
-    def forward(self, x, attn_mask=None):
-        b, t, _ = x.shape
-        q = self.q(x).view(b, t, self.heads, self.hd).transpose(1, 2)
-        k, v = self.kv(x).view(b, t, 2, self.kv_heads, self.hd).unbind(2)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        self.last = (q.detach(), k.detach())
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **self.sdpa_kwargs)
-        return self.out(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class TwoLayers(nn.Module):
-    def __init__(self, **kw):
-        super().__init__()
-        self.layers = nn.ModuleList([SDPALayer(**kw), SDPALayer(**kw)])
-
-    def forward(self, x, attn_mask=None):
-        for layer in self.layers:
-            x = x + layer(x, attn_mask)
-        return x
-
 
 def _padding_mask(b, t, bool_mask):
     keep = torch.ones(b, 1, t, t, dtype=torch.bool)
@@ -167,11 +85,6 @@ def test_non_finite_attention_is_reported_not_hidden():
 
 
 # ---- steps, modes, selection, scope ---------------------------------------------------------
-
-def _nano(seed=0, **kw):
-    torch.manual_seed(seed)
-    return NanoGPT(vocab=32, d_model=16, n_heads=4, n_layers=2, seq_len=8, **kw)
-
 
 def test_every_counts_training_passes_only():
     model = _nano()
@@ -345,29 +258,6 @@ def test_tensorboard_summary_writer(tmp_path):
 
 
 # ---- fastdiag's own zoo protocol (records_head_stats) ----------------------------------------
-
-class StandInZooAttention(nn.Module):
-    """The zoo protocol: `record` makes the module compute P explicitly and keep head_stats(P)."""
-    records_head_stats = True
-
-    def __init__(self, d=16, heads=4):
-        super().__init__()
-        self.heads, self.qkv = heads, nn.Linear(d, 3 * d)
-        self.record, self.stats, self.diag_backend = False, None, "auto"
-        self.probs = None
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).split(c, -1))
-        if self.record:
-            probs = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)
-            self.stats = fastdiag.head_stats(probs.detach(), backend=self.diag_backend)
-            self.probs = probs.detach()
-            y = probs @ v
-        else:
-            y = F.scaled_dot_product_attention(q, k, v)
-        return y.transpose(1, 2).reshape(b, t, c)
-
 
 def test_zoo_protocol_with_a_stand_in_module():
     torch.manual_seed(0)

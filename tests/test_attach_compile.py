@@ -6,7 +6,7 @@ import torch
 import fastdiag
 from fastdiag.testing import NanoGPT
 
-from tests.test_attach import assert_stats_close, detach_everything  # noqa: F401
+from tests.helpers import assert_stats_close
 
 
 def _counting(backend):

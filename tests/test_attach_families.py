@@ -12,7 +12,7 @@ import torch
 
 import fastdiag
 
-from tests.test_attach import assert_stats_close, detach_everything  # noqa: F401
+from tests.helpers import assert_stats_close
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,8 +15,8 @@ import torch.nn as nn
 import fastdiag
 from fastdiag.core.monitor import _MONITORS
 
-from tests.test_attach import (StandInZooAttention, TwoLayers, _nano, assert_stats_close,  # noqa: F401
-                               detach_everything, reference_stats)
+from tests.helpers import StandInZooAttention, TwoLayers, assert_stats_close, reference_stats
+from tests.helpers import nano as _nano
 
 
 def _hook_state(model):

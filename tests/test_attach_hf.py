@@ -7,7 +7,6 @@ import fastdiag
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_attach import detach_everything  # noqa: F401,E402
 
 
 def _gpt2(impl, seed=0):

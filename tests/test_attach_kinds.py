@@ -16,7 +16,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa_bound_by_na
 
 import fastdiag
 
-from tests.test_attach import assert_stats_close, detach_everything  # noqa: F401
+from tests.helpers import assert_stats_close
 
 
 class NanoAttention(nn.Module):

@@ -19,9 +19,6 @@ import fastdiag
 
 transformers = pytest.importorskip("transformers")
 
-if __name__ != "__main__":
-    from tests.test_attach import detach_everything  # noqa: F401,E402
-
 VOCAB, T, T_DEC = 64, 10, 7
 TOL = 1e-5          # relative, on s_l, σ_l and the model-level s̄, σ_H
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

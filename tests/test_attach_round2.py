@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 import fastdiag
 from fastdiag.qk import _as_batched_heads, qk_head_stats
 
-from tests.test_attach import assert_stats_close, detach_everything, eager_probs  # noqa: F401
+from tests.helpers import assert_stats_close, eager_probs
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,7 +5,6 @@ where the input alone decides it, and nothing finished is lost. Faults are real:
 tiny tmpfs, a read-only store sits on a read-only mount (both need root; skipped otherwise),
 damaged stores are real SQLite files edited behind fastdiag's back, signals are real signals.
 """
-import contextlib
 import json
 import os
 import pty
@@ -23,70 +22,10 @@ import torch
 from fastdiag.cli import main
 from fastdiag.grokking.config import RunConfig
 from fastdiag.store import Store, StoreError, open_existing
+from tests.helpers import cli, insert_arms, one_line_error, remount_read_only, small_store, tmpfs
 
 TINY_RUN = ["--p", "7", "--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "16",
             "--batch", "8", "--train-frac", "0.6", "--device", "cpu", "--threads", "1"]
-
-
-def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "fastdiag.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def one_line_error(r, needle, code=2):
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == code, r.stderr
-    assert len(lines) == 1 and lines[0].startswith("fastdiag: error:") and needle in lines[0], r.stderr
-
-
-@contextlib.contextmanager
-def tmpfs(path, size):
-    """A real file system of ``size`` bytes at ``path`` (ENOSPC when full; remountable read-only)."""
-    path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    if r.returncode:
-        pytest.skip("needs a tmpfs mount (root)")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
-def remount_read_only(path):
-    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True, capture_output=True)
-
-
-def small_store(path, n=3):
-    """A store with ``n`` done runs (tiny fake results and traces)."""
-    cfgs = [RunConfig(weight_decay=0.1 * (i + 1), seed=i, epochs=5, p=11) for i in range(n)]
-    with Store(path) as st:
-        st.add_runs(cfgs)
-        for c in cfgs:
-            st.record_done(c.run_id(), {"regime": "grok", "t_grok_epoch": 3, "n_params": 10},
-                           [{"epoch": e, "step": e, "test_acc": 0.5, "train_acc": 1.0, "s_bar": 0.9,
-                             "sigma_h": 0.1} for e in range(1, 6)])
-    return cfgs
-
-
-def insert_arms(store, experiment: str, arms=("control", "reinit"), arm_id: str = "{experiment}-s0-{arm}",
-                trace_rows: int = 0, **columns) -> None:
-    """Intervention arms of seed 0 of ``experiment``, written as raw rows (``columns``: the stored
-    text of config, settings, intervention, result or metrics, '{}' unless given, damaged if a
-    test says so), each with ``trace_rows`` trace rows."""
-    from fastdiag.store.interventions import ensure_tables
-
-    values = {"config": "{}", "settings": "{}", "intervention": "{}", "result": "{}", "metrics": "{}", **columns}
-    ensure_tables(store)
-    with store.transaction() as conn:
-        for arm in arms:
-            aid = arm_id.format(experiment=experiment, arm=arm)
-            conn.execute("INSERT INTO intervention_runs (arm_id, experiment, seed, arm, branch_of, branch_epoch, "
-                         "config, settings, intervention, result, metrics, created_at) "
-                         "VALUES (?, ?, 0, ?, 'r', 10, ?, ?, ?, ?, ?, 0)",
-                         (aid, experiment, arm, *(values[k] for k in
-                                                  ("config", "settings", "intervention", "result", "metrics"))))
-            conn.executemany("INSERT INTO intervention_trace (arm_id, idx, epoch, step, row) VALUES (?, ?, ?, ?, '{}')",
-                             [(aid, i, i, i) for i in range(trace_rows)])
 
 
 # ----------------------------------------------------------------------------- fastdiag run

@@ -14,7 +14,7 @@ import pytest
 from fastdiag.cli import main
 from fastdiag.store import StoreError, open_existing
 from fastdiag.store.files import atomic_path
-from tests.test_hostile import cli, one_line_error, remount_read_only, small_store, tmpfs
+from tests.helpers import cli, one_line_error, remount_read_only, small_store, tmpfs
 
 
 def fastdiag(capsys, *args):

@@ -6,7 +6,7 @@ import pytest
 from fastdiag.grokking.config import RunConfig
 from fastdiag.store import APPLICATION_ID, SCHEMA_VERSION, Lease, Store, StoreError, open_existing
 
-from tests.test_hostile import insert_arms
+from tests.helpers import insert_arms
 
 
 def _cfgs(n=3):

@@ -6,7 +6,7 @@ import pytest
 
 from fastdiag.cli import main
 from fastdiag.store import StoreError, open_existing
-from tests.test_hostile import insert_arms, small_store
+from tests.helpers import insert_arms, small_store
 
 
 def edited_store(tmp_path, sql):
