@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fastdiag
+from fastdiag.cli import main
 from fastdiag.grokking.config import RunConfig
 from fastdiag.store import Store
 from fastdiag.testing import NanoGPT, rel_err
@@ -133,6 +134,22 @@ def one_line_error(r, needle, code=2):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == code, r.stderr
     assert len(lines) == 1 and lines[0].startswith("fastdiag: error:") and needle in lines[0], r.stderr
+
+
+def fastdiag(capsys, *args):
+    """``fastdiag ARGS`` in this process: (exit status, stdout, stderr)."""
+    try:
+        main([*map(str, args)])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def refused(code, err, needle):
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("fastdiag: error:") and needle in lines[0], err
 
 
 @contextlib.contextmanager

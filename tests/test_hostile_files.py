@@ -14,27 +14,11 @@ import pytest
 from fastdiag.cli import main
 from fastdiag.store import StoreError, open_existing
 from fastdiag.store.files import atomic_path
-from tests.helpers import cli, one_line_error, remount_read_only, small_store, tmpfs
-
-
-def fastdiag(capsys, *args):
-    """``fastdiag ARGS`` in this process: (exit status, stdout, stderr)."""
-    try:
-        main([*map(str, args)])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.helpers import cli, fastdiag, one_line_error, refused, remount_read_only, small_store, tmpfs
 
 
 def export(capsys, *args):
     return fastdiag(capsys, "export", *args)
-
-
-def refused(code, err, needle):
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("fastdiag: error:") and needle in lines[0], err
 
 
 def still_a_store(path, n=3):

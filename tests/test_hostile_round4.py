@@ -8,8 +8,7 @@ import sqlite3
 import pytest
 
 from fastdiag.store import Store, StoreError
-from tests.test_hostile import small_store
-from tests.test_hostile_files import fastdiag, refused
+from tests.helpers import fastdiag, refused, small_store
 
 TINY = ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "16", "--d-ff", "32", "--p", "7",
         "--batch", "8", "--train-frac", "0.6", "--device", "cpu", "--epochs", "1", "--ensemble", "1"]
