@@ -100,6 +100,19 @@ def test_t_grok_figure_has_plain_tick_labels_and_its_legend_below_the_data(short
     assert [t.get_text() for t in legend.get_texts()][0] == f"grokked runs ({n_above})"
 
 
+@pytest.mark.parametrize("values", [(120, 130), (1000, 1100), (7, 8), (45, 47), (150, 150)])
+def test_t_grok_axis_is_labelled_for_any_two_values(values):
+    """The first small sweep a user runs: every t_grok inside one 1-2-5 step (120 and 130) left the log
+    y axis without a single label; now round linear steps label it."""
+    runs = [_run(lam, seed, values[seed % 2], epochs=max(values) + 5)[0] for lam in (0.3, 1.0, 3.0) for seed in range(2)]
+    group = Group(key=(), config=CONFIG, runs=runs)
+    fig = draw_t_grok(group, analyze_group(group, n_boot=20, seed=0))
+    labels = visible_tick_labels(fig.axes[0].yaxis)
+    assert len(labels) >= 2 and all(PLAIN.match(t) for t in labels), labels
+    lo, hi = sorted(fig.axes[0].get_ylim())
+    assert lo <= min(values) and max(values) <= hi
+
+
 def test_without_a_fit_the_figures_write_lambda_c_as_maths_not_raw_text(short_sweep):
     group, analysis, _ = short_sweep
     failed = {**analysis, "lambda_c": {"error": "lambda_c: the λ_c fit failed for a reason"},
@@ -165,3 +178,112 @@ def test_a_zero_width_interval_says_the_sample_is_too_small_not_measurably_worse
     assert cls.diff_ci[0] == cls.diff_ci[1] and cls.verdict == TOO_SMALL
     text = "\n".join(format_predict(pa))
     assert "sample is too small" in text and "measurably" not in text
+
+
+# ------------------------------------------------------------------------------ figures that say what they show
+
+def test_wilson_interval_is_not_zero_at_zero_or_all_of_four():
+    from fastdiag.analysis.binomial import wilson_interval
+
+    lo, hi = wilson_interval(0, 4)
+    assert lo == 0 and hi == pytest.approx(0.4899, abs=1e-4)          # 0 of 4 is not a certain 0
+    assert wilson_interval(4, 4) == pytest.approx((1 - 0.4899, 1), abs=1e-4)
+    assert wilson_interval(50, 100) == pytest.approx((0.4038, 0.5962), abs=1e-4)
+    with pytest.raises(ValueError, match="k, n"):
+        wilson_interval(5, 4)
+
+
+def test_p_grok_error_bars_have_width_at_zero_and_one(short_sweep):
+    group, analysis, _ = short_sweep
+    fig = draw_p_grok(group, analysis, n_band=20)
+    bars = [c for c in fig.axes[0].collections if isinstance(c, matplotlib.collections.LineCollection)]
+    spans = [abs(seg[1][1] - seg[0][1]) for c in bars for seg in c.get_segments()]
+    assert len(spans) == 7 and min(spans) > 0.3, spans        # 0/4 and 4/4 included: Wilson, not a zero s.e.
+    assert any("Wilson" in t.get_text() for t in fig.legends[0].get_texts())
+
+
+def test_groups_of_fewer_than_five_runs_are_drawn_run_by_run(short_sweep):
+    group, _, traces = short_sweep
+    fig = draw_trajectories(group, traces)
+    lines = [line for line in fig.axes[0].get_lines() if len(line.get_xdata()) > 1]
+    assert len(lines) == len(group.runs)                        # 4 seeds per λ: every run, no median
+    assert "each run drawn" in " ".join(fig.get_suptitle().split())
+    assert [a.get_ylabel() for a in fig.axes[:3]] == ["test accuracy", "$\\bar{s}(t)$", "$\\sigma_H(t)$ (nats)"]
+
+
+def test_five_or_more_runs_get_a_median_that_stops_being_solid_when_runs_stop(short_sweep):
+    group, _, traces = short_sweep
+    runs = [dict(r, config=dict(r["config"], weight_decay=1.0)) for r in group.runs[:6]]
+    for i, r in enumerate(runs):
+        r["run_id"] = f"m{i}"
+        traces[r["run_id"]] = [row for row in traces[group.runs[i]["run_id"]] if row["epoch"] <= 10 + 2 * i]
+    fig = draw_trajectories(Group(key=(), config=CONFIG, runs=runs), traces)
+    solid = [line for line in fig.axes[0].get_lines() if line.get_linestyle() == "-"]
+    dotted = [line for line in fig.axes[0].get_lines() if line.get_linestyle() == ":"]
+    assert len(solid) == 1 and len(dotted) == 1
+    xs, ys = solid[0].get_xdata(), solid[0].get_ydata()
+    assert max(x for x, y in zip(xs, ys) if not math.isnan(y)) == 10      # all six runs reach epoch 10 only
+
+
+def test_regime_diagram_says_its_points_are_jittered(short_sweep):
+    group, analysis, _ = short_sweep
+    fig = draw_regime_diagram([group], [analysis])
+    assert "jittered" in fig.axes[0].get_title()
+
+
+def test_stages_title_reads_the_current_label_not_the_stored_one(tmp_path):
+    from fastdiag.plots.render import _stages_for_group
+
+    # grokked, one evaluation below 0.5 much later, recovered: the old rule stored anti-grok; today's says grok
+    trace = [{"epoch": e, "train_acc": 1.0 if e >= 10 else 0.5, "test_acc": 0.3 if e == 3000 else (1.0 if e >= 50 else 0.1),
+              "s_bar": 0.9 + 0.05 * math.sin(math.log(e) * 3), "sigma_h": 0.05 + 0.04 * math.cos(math.log(e) * 3)}
+             for e in range(10, 10010, 10)]
+    run = {"run_id": "x", "config": {**CONFIG, "weight_decay": 1.0, "seed": 0, "epochs": 10000, "stop_at_grok": False},
+           "result": {"regime": "anti-grok", "t_grok_epoch": 50}}
+    group = Group(key=(), config={**CONFIG, "stop_at_grok": False}, runs=[run])
+    paths = _stages_for_group(group, {"x": trace}, lambda base: tmp_path / base, ("png",))
+    assert paths, "no stages found in the synthetic trace"
+    import fastdiag.plots.render as render
+    seen = []
+    original = render.stages_figure
+    render.stages_figure = lambda trace, seg, stem, title="", formats=(): seen.append(title) or []
+    try:
+        _stages_for_group(group, {"x": trace}, lambda base: tmp_path / base, ("png",))
+    finally:
+        render.stages_figure = original
+    assert seen and "(grok by today's rules; stored as anti-grok)" in seen[0], seen
+
+
+def test_intervention_arms_are_not_joined_and_every_seed_shows(tmp_path):
+    from fastdiag.plots.experiments import intervention_figure
+
+    rows, traces = [], {}
+    for seed in range(4):
+        for arm, peak in (("control", 0.02), ("reinit", 0.1), ("clip", 0.0 if seed % 2 else 0.05)):   # a split arm
+            rid = f"{arm}{seed}"
+            rows.append({"arm": arm, "seed": seed, "arm_id": rid, "branch_epoch": 100,
+                         "metrics": {"peak_sigma_h_after": peak + 0.001 * seed}})
+            traces[rid] = [{"epoch": 100 + e, "sigma_h": peak + 0.001 * e} for e in range(0, 50, 5)]
+    import matplotlib.figure
+    saved = {}
+    original = matplotlib.figure.Figure.savefig
+    matplotlib.figure.Figure.savefig = lambda self, *a, **k: saved.setdefault("fig", self)
+    try:
+        intervention_figure(rows, traces, tmp_path / "iv", formats=("png",))
+    finally:
+        matplotlib.figure.Figure.savefig = original
+    right = saved["fig"].axes[1]
+    for line in right.get_lines():                               # only the median bars: flat, inside one arm
+        xs, ys = line.get_xdata(), line.get_ydata()
+        assert len(set(ys)) == 1 and max(xs) - min(xs) < 1, (xs, ys)
+    dots = sorted(float(y) for c in right.collections for _, y in c.get_offsets())
+    assert len(dots) == 12 and dots[0] < 0.01 and 0.04 < sorted(d for d in dots if d < 0.06)[-1]   # both clip modes
+
+
+def test_the_run_figure_says_what_its_peak_sigma_h_is():
+    trace = [{"epoch": e, "train_acc": min(1, e / 20), "test_acc": 1.0 if e >= 40 else 0.1, "s_bar": 0.9,
+              "sigma_h": 0.07 if e == 6 else 0.02 + (0.01 if e == 60 else 0)} for e in range(2, 80, 2)]
+    fig = draw_trajectory(trace, {"t_grok_epoch": 40, "t_mem_epoch": 20})
+    labels = [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
+    assert "largest σ_H 0.070 (epoch 6)" in labels
+    assert "largest after t_grok (Phase 2) 0.030 (epoch 60)" in labels

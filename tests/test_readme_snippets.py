@@ -136,3 +136,45 @@ def test_gpu_paragraph_gives_the_full_range_of_synthetic_runs(tmp_path):
     assert "run 2: 7 passed" in text and "warning" not in text
     assert ("streams 9–24 % of device-copy bandwidth" in text and "graph bf16 20–24 %, fp32 12 %" in text
             and "from Python bf16 11–13 %, fp32 9 %" in text), text
+
+
+# ------------------------------------------------------------------------------ blocks generated from committed runs
+
+DATA = ROOT / "data"
+
+
+def test_demo_block_and_figure_are_the_committed_run():
+    """The `make demo` block is data/demo/run.log (`python docs/generate.py demo`), and the figure the README
+    shows marks the t_grok the block prints (they came from different runs once: 142 under text saying 143)."""
+    import csv
+    import json
+
+    from fastdiag.analysis.docs_blocks import demo_lines, read_block
+    from fastdiag.plots.run import draw_trajectory
+
+    block = read_block("demo")
+    assert block == demo_lines()
+    result = json.loads((DATA / "demo" / "result.json").read_text())
+    assert f"t_grok: epoch {result['t_grok_epoch']} (step {result['t_grok_step']})" in "\n".join(block)
+    rows = list(csv.DictReader((DATA / "demo" / "trace.csv").open()))
+    trace = [{k: (None if v == "" else float(v)) for k, v in row.items()} for row in rows]
+    fig = draw_trajectory(trace, result)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert f"t_grok = {result['t_grok_epoch']}" in labels
+    assert "![trajectory of the demo run](docs/img/demo_trajectory.png)" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("name,args", [("sweep", ["--n-boot", "500"]), ("predict", ["--predict"])])
+def test_sweep_blocks_are_what_analyze_prints_from_the_committed_store(name, args, monkeypatch, capsys):
+    """The README's sweep and --predict blocks are `fastdiag analyze` of data/readme/readme.sqlite, the
+    store of the README's two sweep commands (`python docs/generate.py sweep predict`)."""
+    from fastdiag.analysis.docs_blocks import read_block
+    from fastdiag.cli import main
+
+    monkeypatch.chdir(DATA / "readme")
+    main(["analyze", "readme.sqlite", *args])
+    lines = capsys.readouterr().out.splitlines()
+    if name == "predict":
+        lines = lines[next(i for i, line in enumerate(lines) if line.startswith("== predictive value")):]
+    assert read_block(name) == ["```", *lines, "```"]
+    assert sorted(p.name for p in (DATA / "readme").iterdir()) == ["readme.sqlite", "stamp.json"]   # read, not written

@@ -3,9 +3,12 @@
 the fast ones with what their generator prints now."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+DEMO = Path(__file__).resolve().parents[2] / "data" / "demo"
+DEMO_SHOWN = (3, 1)        # progress lines of the demo shown: the first 3 and the last 1
 
 
 def begin_marker(name: str, how: str) -> str:
@@ -36,3 +39,15 @@ def write_block(name: str, body: list[str], how: str = "", path: Path = README) 
     lines = path.read_text(encoding="utf-8").splitlines()
     start, end = _span(lines, name)
     path.write_text("\n".join(lines[:start] + [begin_marker(name, how)] + body + lines[end:]) + "\n", encoding="utf-8")
+
+
+def demo_lines(folder: Path = DEMO) -> list[str]:
+    """The README's `make demo` block from the committed run log: the command, the first and last progress
+    lines (those between cut, marked ...), and everything the run printed after training."""
+    stamp = json.loads((folder / "stamp.json").read_text())
+    log = (folder / "run.log").read_text().splitlines()
+    progress = [line for line in log if line.startswith("epoch ")]
+    rest = [line for line in log if not line.startswith("epoch ")]
+    first, last = DEMO_SHOWN
+    shown = progress if len(progress) <= first + last else progress[:first] + ["..."] + progress[-last:]
+    return ["```", f"$ {stamp['make_target']}", f".venv/bin/{stamp['command']}", *shown, *rest, "```"]

@@ -22,8 +22,8 @@ from fastdiag.grokking.config import N_BOOT
 @click.option("--format", "formats", default="png,svg", show_default=True, help="Comma list of png, svg, pdf.")
 def plot_cmd(store_path, out_dir, n_boot, n_band, seed, fit_max_lambda, predict, t0, test_frac, split_seed, formats):
     """Draw the sweep figures of STORE as PNG and SVG into DIR: regime diagram (λ × N), P(grok) with
-    the logistic fit and its bootstrap band, t_grok against λ − λ_c with the power-law fit, and median/IQR
-    trajectories of test accuracy, s̄ and σ_H per λ."""
+    the logistic fit and its bootstrap band, t_grok against λ − λ_c with the power-law fit, and
+    trajectories of test accuracy, s̄ and σ_H per λ (median/IQR from 5 runs, each run below)."""
     fmts = tuple(f.strip().lower() for f in formats.split(",") if f.strip())
     bad = [f for f in fmts if f not in ("png", "svg", "pdf")]
     if not fmts or bad:

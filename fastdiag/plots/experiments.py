@@ -128,12 +128,14 @@ def headdim_figure(analysis: HeaddimAnalysis, stem: Path, title_note: str = "", 
 
 
 def intervention_figure(rows: list[dict], traces: dict[str, list[dict]], stem: Path, formats=FORMATS) -> list[Path]:
-    """Left: σ_H against epochs since the branch point, median and IQR over seeds per arm. Right: the
-    peak σ_H after the branch per seed and arm, paired lines (``exp_intervene`` store rows)."""
+    """Left: σ_H against epochs since the branch point, every seed's arm drawn thin and the median over
+    seeds thick. Right: the peak σ_H after the branch, one dot per seed and arm (arms side by side, not
+    joined: each arm is compared with the control, not with each other) and each arm's median as a bar,
+    so a split response (some seeds move, some do not) stays visible (``exp_intervene`` store rows)."""
 
     arms = [a for a in ARM_COLOURS if any(r["arm"] == a for r in rows)]
     with mpl.rc_context(STYLE):
-        fig, axes = figure(9.0, 4.0, ncols=2)
+        fig, axes = figure(9.0, 4.2, ncols=2)
         ax, bx = axes[0, 0], axes[0, 1]
         for arm in arms:
             series = []
@@ -145,30 +147,34 @@ def intervention_figure(rows: list[dict], traces: dict[str, list[dict]], stem: P
                        if row["epoch"] >= b and row.get("sigma_h") is not None]
                 if pts:
                     series.append(pts)
+                    ax.plot(*zip(*pts), color=ARM_COLOURS[arm], linewidth=0.6, alpha=0.35)
             q = quantiles(series)
             if q is None:
                 continue
-            epochs, med, q25, q75 = q
-            ax.plot(epochs, med, color=ARM_COLOURS[arm], linewidth=1.6, label=f"{arm} ({len(series)} seeds)")
-            ax.fill_between(epochs, q25, q75, color=ARM_COLOURS[arm], alpha=0.15, linewidth=0)
-        ax.set_xlabel("epochs after the branch point (Phase-2 $\\sigma_H$ peak)")
+            epochs, med, _, _ = q
+            ax.plot(epochs, med, color=ARM_COLOURS[arm], linewidth=2.0, label=f"{arm}: median of {len(series)} seeds")
+        ax.set_xlabel("epochs after the branch point")
         ax.set_ylabel("$\\sigma_H$ (nats)")
+        ax.set_title("thin: one seed; thick: median over seeds")
         ax.legend(loc="best")
         by_seed: dict = {}
         for r in rows:
             by_seed.setdefault(r["seed"], {})[r["arm"]] = r["metrics"].get("peak_sigma_h_after")
-        for seed, vals in by_seed.items():
-            xs = [i for i, a in enumerate(arms) if vals.get(a) is not None]
-            bx.plot(xs, [vals[arms[i]] for i in xs], color="#999999", linewidth=0.8, alpha=0.6, marker="o",
-                    markersize=3)
+        offsets = np.linspace(-0.18, 0.18, max(1, len(by_seed)))
         for i, arm in enumerate(arms):
-            v = [vals[arm] for vals in by_seed.values() if vals.get(arm) is not None]
-            if v:
-                bx.scatter([i], [np.mean(v)], s=70, color=ARM_COLOURS[arm], zorder=4, marker="D")
+            v = [(j, vals[arm]) for j, vals in enumerate(by_seed.values()) if vals.get(arm) is not None]
+            if not v:
+                continue
+            bx.scatter([i + offsets[j] for j, _ in v], [x for _, x in v], s=26, color=ARM_COLOURS[arm], alpha=0.8,
+                       linewidths=0, zorder=3)
+            median = float(np.median([x for _, x in v]))
+            bx.plot([i - 0.3, i + 0.3], [median, median], color=ARM_COLOURS[arm], linewidth=2.2, zorder=4)
         bx.set_xticks(range(len(arms)), arms)
+        bx.set_xlim(-0.6, len(arms) - 0.4)
         bx.set_ylabel("peak $\\sigma_H$ after the branch")
-        bx.set_title("per seed (lines) and mean (diamonds)")
-        fig.suptitle(f"Interventions at the Phase-2 peak: {len(by_seed)} seeds")
+        bx.set_title(wrap("dots: seeds (spread sideways in seed order); bar: median", PANEL_TITLE_WIDTH))
+        fig.suptitle(f"Interventions at the confirmed $\\sigma_H$ peak, {len(by_seed)} seeds: each arm branches "
+                     "from its seed's checkpoint")
         return save(fig, stem, formats)
 
 

@@ -8,6 +8,7 @@ from fastdiag.analysis.report import Report
 from fastdiag.analysis.trajectories import segment_stages
 from fastdiag.analysis.groups import file_safe
 from fastdiag.grokking.config import GROK_THRESHOLD
+from fastdiag.grokking.labels import regime_label
 from fastdiag.plots.experiments import headdim_figure, intervention_figure, predict_figure, stages_figure
 from fastdiag.plots.style import FORMATS
 from fastdiag.plots.sweep import p_grok_figure, regime_diagram, t_grok_figure, trajectories_figure
@@ -58,6 +59,10 @@ def _stages_for_group(group, traces, name, formats) -> list[Path]:
     if best is None:
         return []
     run, seg = best
+    stored = (run["result"] or {}).get("regime")
+    trace = traces[run["run_id"]]
+    current = regime_label(trace, run["config"].get("grok_threshold", GROK_THRESHOLD), diverged=stored == "diverged")
+    label = current if current == stored else f"{current} by today's rules; stored as {stored}"
     title = (f"Stages: {group.label}, λ = {run['config']['weight_decay']:g}, seed {run['config']['seed']} "
-             f"({(run['result'] or {}).get('regime')})")
-    return stages_figure(traces[run["run_id"]], seg, name("stages"), title=title, formats=formats)
+             f"({label})")
+    return stages_figure(trace, seg, name("stages"), title=title, formats=formats)

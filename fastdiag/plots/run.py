@@ -58,6 +58,15 @@ def draw_trajectory(trace: list[dict], result: dict | None = None, title: str | 
         xs, ys = _series(trace, "sigma_h")
         axes[2].plot(xs, ys, color="tab:green", lw=1.6, label="σ_H (std of head entropies)")
         axes[2].set_ylabel("entropy spread σ_H (nats)")
+        if ys:      # "peak σ_H" of the run's summary is the largest at any evaluation: say which and when
+            top = max(range(len(ys)), key=ys.__getitem__)
+            axes[2].plot([xs[top]], [ys[top]], "o", color="tab:green", mfc="white",
+                         label=f"largest σ_H {ys[top]:.3f} (epoch {xs[top]})")
+            after = [(x, y) for x, y in zip(xs, ys) if t_grok is not None and x > t_grok]
+            if after:
+                x2, y2 = max(after, key=lambda xy: xy[1])
+                axes[2].plot([x2], [y2], "D", color="tab:purple", mfc="white",
+                             label=f"largest after t_grok (Phase 2) {y2:.3f} (epoch {x2})")
 
     for ax in axes:
         for epoch, label, color in ((t_mem, "t_mem", "tab:gray"), (t_grok, "t_grok", "tab:purple")):

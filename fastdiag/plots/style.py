@@ -11,7 +11,7 @@ import matplotlib as mpl
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, Locator, NullFormatter
+from matplotlib.ticker import FuncFormatter, Locator, MaxNLocator, NullFormatter
 
 from fastdiag.store.files import atomic_path
 
@@ -89,7 +89,8 @@ def count_number(x: float, _pos=None) -> str:
 class ReadableLogLocator(Locator):
     """Major ticks of a log axis that always label a short range: 1-2-5 per decade over up to 2.5
     decades (a 3-to-30-epoch run gets 5, 10, 20 instead of one "10"), 1 per decade beyond; every integer
-    multiple when 1-2-5 leaves fewer than two ticks in view (three under about a decade: 1, 2, 3)."""
+    multiple when 1-2-5 leaves fewer than two ticks in view (three under about a decade: 1, 2, 3), and
+    round linear steps (120, 125, 130) when even those leave fewer than two: every axis carries labels."""
 
     def __call__(self):
         vmin, vmax = self.axis.get_view_interval()
@@ -108,6 +109,10 @@ class ReadableLogLocator(Locator):
                 break
         if decades > 6:            # one tick every few decades on very wide axes
             ticks = ticks[np.isclose(np.log10(ticks) % math.ceil(decades / 6), 0)]
+        in_view = ((ticks >= vmin * (1 - 1e-9)) & (ticks <= vmax * (1 + 1e-9))).sum()
+        if in_view < 2:            # a view inside one integer step (t_grok 120 and 130): round linear steps
+            linear = MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]).tick_values(vmin, vmax)
+            ticks = linear[linear > 0]
         return ticks
 
 

@@ -2,9 +2,10 @@
 
 * ``regime_diagram``  λ (log x) × model size N (log y): runs marked by regime, the λ_c line(s),
   regions shaded (memorisation below λ_c, developmental, collapse at large λ where collapse runs exist).
-* ``p_grok_figure``   P(grok) per λ with binomial error bars, the logistic fit and its bootstrap band.
+* ``p_grok_figure``   P(grok) per λ with 95 % Wilson intervals, the logistic fit and its bootstrap band.
 * ``t_grok_figure``   t_grok against λ − λ_c on log-log axes with the power-law fit.
-* ``trajectories_figure``  median and IQR over seeds of test accuracy, s̄ and σ_H per λ.
+* ``trajectories_figure``  test accuracy, s̄ and σ_H per λ: median and IQR over ≥ 5 seeds while all
+  run (dotted: survivors only), each run drawn for fewer.
 
 When a fit is impossible the figure is drawn without it and its title says why.
 """
@@ -17,6 +18,7 @@ import matplotlib as mpl
 import numpy as np
 from matplotlib.lines import Line2D
 
+from fastdiag.analysis.binomial import wilson_interval
 from fastdiag.analysis.bootstrap import FitError
 from fastdiag.analysis.fits import lambda_c_point, logistic
 from fastdiag.analysis.groups import in_fit_range
@@ -108,6 +110,8 @@ def draw_regime_diagram(groups, analyses):
             notes.append(f"regions from {reference[0].label}")
         if zero_count:
             notes.append(f"{zero_count} run(s) at $\\lambda = 0$ not shown (log axis)")
+        notes.append("points jittered (log-normal, s.d. 3 % in $\\lambda$, 6 % in $N$) so that seeds do not hide "
+                     "each other")
         if notes:
             title += "\n" + wrap("; ".join(notes), 85)
         ax.set_title(title)
@@ -143,7 +147,7 @@ def p_grok_figure(group, analysis: dict, stem: Path, n_band: int = 300, seed: in
 
 
 def draw_p_grok(group, analysis: dict, n_band: int = 300, seed: int = 0):
-    """P(grok) per λ with binomial error bars, the logistic fit and its bootstrap band, as a Figure."""
+    """P(grok) per λ with 95 % Wilson intervals, the logistic fit and its bootstrap band, as a Figure."""
     lambdas, regimes, grokked, _ = group.arrays()
     lam = np.asarray(lambdas, float)
     g = np.asarray(grokked, bool)
@@ -153,11 +157,14 @@ def draw_p_grok(group, analysis: dict, n_band: int = 300, seed: int = 0):
         positive = lam > 0
         distinct = np.unique(lam[positive])
         if distinct.size:
-            frac = np.array([g[lam == x].mean() for x in distinct])
-            n = np.array([(lam == x).sum() for x in distinct])
-            err = np.sqrt(frac * (1 - frac) / n)
+            k = np.array([int(g[lam == x].sum()) for x in distinct])
+            n = np.array([int((lam == x).sum()) for x in distinct])
+            frac = k / n
+            bounds = np.array([wilson_interval(int(a), int(b)) for a, b in zip(k, n)])
+            err = np.clip(np.vstack([frac - bounds[:, 0], bounds[:, 1] - frac]), 0, None)   # rounding: 1e-17 below 0
+            runs = f"{n.min()}" if n.min() == n.max() else f"{n.min()}–{n.max()}"
             ax.errorbar(distinct, frac, yerr=err, fmt="o", color="#0072b2", mfc="white", mew=1.8, capsize=4,
-                        label="fraction grokked (± binomial s.e.)", zorder=3)
+                        label=f"fraction grokked, 95% Wilson interval ({runs} runs per $\\lambda$)", zorder=3)
             lo, hi = distinct.min() / 2, distinct.max() * 2
         else:
             lo, hi = 1e-3, 10.0
@@ -190,7 +197,7 @@ def draw_p_grok(group, analysis: dict, n_band: int = 300, seed: int = 0):
         ax.set_title(title + "\n" + wrap(sub, 60))
         handles, _ = ax.get_legend_handles_labels()
         if handles:
-            fig.legend(loc="outside lower center", ncol=2)
+            fig.legend(loc="outside lower center", ncol=1)      # two columns ran off the 5.6-inch figure
         return fig
 
 
@@ -264,6 +271,10 @@ def quantiles(series: list[list[tuple[int, float]]]):
     return epochs, q[:, 0], q[:, 1], q[:, 2]
 
 
+# Below this many runs a λ's runs are drawn one by one (a median and IQR of 2-4 runs mislead).
+FEW_RUNS = 5
+
+
 def trajectories_figure(group, traces: dict[str, list[dict]], stem: Path, formats=FORMATS) -> list[Path]:
     """Median and IQR across seeds, per λ, of test accuracy, s̄ and σ_H against epoch (log x), written
     as ``stem``.png/.svg."""
@@ -293,14 +304,21 @@ def draw_trajectories(group, traces: dict[str, list[dict]]):
                            isinstance(r[key], (int, float)) and math.isfinite(r[key])]
                     if pts:
                         series.append(pts)
-                q = quantiles(series)
-                if q is None:
+                if not series:
                     continue
                 any_data[key] = True
-                epochs, med, q25, q75 = q
-                ax.plot(epochs, med, color=colours[lam], linewidth=1.7,
-                        label=f"$\\lambda = {fmt_lambda(lam)}$ ({len(series)} runs)")
-                ax.fill_between(epochs, q25, q75, color=colours[lam], alpha=0.18, linewidth=0)
+                name = f"$\\lambda = {fmt_lambda(lam)}$ ({len(series)} run{'s' * (len(series) > 1)})"
+                if len(series) < FEW_RUNS:         # a median of 2 runs is a curve neither run had: draw each
+                    for i, pts in enumerate(series):
+                        ax.plot(*zip(*pts), color=colours[lam], linewidth=0.9, alpha=0.7, label=name if i == 0 else None)
+                    continue
+                epochs, med, q25, q75 = quantiles(series)
+                everyone = np.array([sum(e in dict(pts) for pts in series) == len(series) for e in epochs])
+                full = np.where(everyone, med, np.nan)
+                survivors = np.where(~everyone, med, np.nan)
+                ax.plot(epochs, full, color=colours[lam], linewidth=1.7, label=name)
+                ax.plot(epochs, survivors, color=colours[lam], linewidth=1.2, linestyle=":")
+                ax.fill_between(epochs, q25, q75, where=everyone, color=colours[lam], alpha=0.18, linewidth=0)
             ax.set_ylabel(label)
             if not any_data[key]:
                 ax.text(0.5, 0.5, f"no {label.split(' (')[0]} values (no attention layers in {group.config['arch']})"
@@ -314,5 +332,7 @@ def draw_trajectories(group, traces: dict[str, list[dict]]):
             handles, labels = axes[0, 0].get_legend_handles_labels()
             fig.legend(handles, labels, loc="outside right center", ncol=1 if len(labels) <= 14 else 2)
         fig.suptitle(wrap(f"Trajectories per $\\lambda$: {group.label}", 80)
-                     + "\nline: median over seeds, band: interquartile range")
+                     + "\n" + wrap(f"$\\lambda$ with ≥ {FEW_RUNS} runs: median (band: IQR) while all its runs go on, "
+                                   "dotted once some have stopped (runs stop at grokking: the dotted part is the "
+                                   "survivors, the late grokkers); fewer runs: each run drawn", 95))
         return fig
