@@ -57,10 +57,12 @@ def test_ray_backend_trains_ensembles(local_ray, tmp_path):
         assert all(len(st.trace(r["run_id"])) == 3 for r in runs)
 
 
-def test_sigterm_to_a_ray_sweep_is_one_line_143_and_releases_its_runs(tmp_path):
+def test_sigterm_to_a_ray_sweep_is_one_line_143_and_releases_its_runs(local_ray, tmp_path):
     """SIGTERM to a `--backend ray` sweep (a scheduler's kill): Ray's own handler won (exit 1 or 15, a
     C++ signal dump) and the store showed its runs `running` after the sweep had died. Now the
-    driver's handler owns the signal: Ray shut down, one line, 143, the runs pending and unclaimed."""
+    driver's handler owns the signal: its Ray tasks cancelled, Ray shut down, one line, 143, the runs
+    pending and unclaimed. (The sweep joins this module's Ray by --address: no second Ray to start;
+    a signal while Ray starts was tried by hand, see issue 40's closing note.)"""
     import os
     import signal
     import sqlite3
@@ -69,7 +71,8 @@ def test_sigterm_to_a_ray_sweep_is_one_line_143_and_releases_its_runs(tmp_path):
     store = tmp_path / "r.sqlite"
     tiny = ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "32", "--d-ff", "64", "--p", "11"]
     proc = subprocess.Popen([sys.executable, "-m", "fastdiag.cli", "sweep", "--backend", "ray", "--wd", "0.1,1",
-                             *tiny, "--epochs", "100000", "--ensemble", "1", "--store", str(store), "--quiet"],
+                             *tiny, "--epochs", "100000", "--ensemble", "1", "--store", str(store), "--quiet",
+                             "--address", ray.get_runtime_context().gcs_address],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     def statuses():
@@ -79,9 +82,8 @@ def test_sigterm_to_a_ray_sweep_is_one_line_143_and_releases_its_runs(tmp_path):
         except sqlite3.Error:
             return {}
     try:
-        def training():                                  # Ray's workers of this sweep run our tasks
-            return subprocess.run(["pgrep", "-s", str(proc.pid), "-f", "ray::_ray_execute"],
-                                  capture_output=True).returncode == 0
+        def training():                                  # Ray's workers run our tasks
+            return subprocess.run(["pgrep", "-f", "ray::_ray_execute"], capture_output=True).returncode == 0
         deadline = time.time() + 180
         while not training() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.2)
@@ -97,8 +99,7 @@ def test_sigterm_to_a_ray_sweep_is_one_line_143_and_releases_its_runs(tmp_path):
     assert statuses() == {"pending": 2}
     with sqlite3.connect(store) as conn:
         assert conn.execute("SELECT COUNT(*) FROM claims").fetchone()[0] == 0
-    deadline = time.time() + 30                          # Ray shut down: nothing of its session left
-    while subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode == 0:
-        assert time.time() < deadline, subprocess.run(["ps", "-o", "pid,args", "-s", str(proc.pid)],
-                                                      capture_output=True, text=True).stdout
+    deadline = time.time() + 30                          # its tasks cancelled: no worker trains on
+    while training():
+        assert time.time() < deadline, "a Ray worker still runs the sweep's task"
         time.sleep(0.2)
