@@ -435,9 +435,13 @@ class AttentionMode(TorchFunctionMode):
         super().__init__()
         self.monitor = monitor
         self.busy = False  # measuring: the statistics' own softmax is not the model's attention
+        self.lean = False  # a lean pass's planned call (fastdiag.core.plan): no provenance, SDPA and softmax only
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not torch.compiler.is_compiling() and self.lean and (
+                self.busy or (func is not _SDPA and func not in _SOFTMAXES) or _computing_own_statistics()):
+            return func(*args, **kwargs)
         # fastdiag's statistics never call SDPA: an SDPA call inside them is the model's own, re-issued
         # by an inner monitor's adapter, and measured here too; their softmaxes are never attention
         if self.busy or (func is not _SDPA and (func not in _SOFTMAXES or _computing_own_statistics())) \
@@ -458,10 +462,12 @@ class AttentionMode(TorchFunctionMode):
         try:
             if func is _SDPA:
                 out = self.monitor.on_sdpa(dict(zip(SDPA_ARGS, args), **kwargs))
-                self.monitor.provenance.propagate(func, args, kwargs, out)
+                if not self.lean:
+                    self.monitor.provenance.propagate(func, args, kwargs, out)
                 return out
             out = func(*args, **kwargs)
-            self.monitor.provenance.propagate(func, args, kwargs, out)
+            if not self.lean:
+                self.monitor.provenance.propagate(func, args, kwargs, out)
             if func in _SOFTMAXES and isinstance(out, torch.Tensor) and out.dim() == 4 \
                     and softmax_dim(args, kwargs) in (-1, 3):
                 self.monitor.on_probs(softmax_input(args, kwargs), out)

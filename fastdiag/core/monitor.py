@@ -39,9 +39,10 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from fastdiag.core import adapters, zoo_handoff
+from fastdiag.core import adapters, passes, zoo_handoff
 from fastdiag.core.diagnostics import BACKENDS, head_stats, triton_available
 from fastdiag.core.qk import CHUNK_BYTES, sdpa_with_stats
+from fastdiag.core.plan import Event, Plan, PlanRecorder, sdpa_signature, softmax_signature
 from fastdiag.core.records import Records
 from fastdiag.core.stats import HeadStats, Summary
 
@@ -149,26 +150,18 @@ class Monitor:
         self._mode_entered = False
         self._padding: list[tuple[str | None, torch.Tensor]] = []  # this step's real-token masks [B, T], each
         #                                      with the module (name) whose attention it belongs to, None = any
-        self._padding_used = False                   # a handed-in mask matched an attention call of this pass
-        self._stack: list[tuple[str, int]] = []      # (name, call number) of the hooked modules running
+        self._pass = passes.IDLE                     # the state of the measured pass in progress
+        self._plans: dict[tuple, Plan] = {}          # (training, autocast) -> the plan of lean passes
         self._calls = itertools.count()
         self.provenance = adapters.Provenance()      # which module inputs this pass's tensors derive from
         self._all_rows: dict[str, str] = {}          # layers whose padding rows could not be told, and why
-        self._pending: dict[str, HeadStats] = {}     # this pass's statistics
-        self._pass_how: dict[str, str] = {}          # this pass's measured modules and how
         self._how: dict[str, str] = {}               # every module measured so far and how
         self._missing: dict[str, str] = {}           # expected modules never measured, and why
-        self._pass_refused: dict[str, str] = {}      # this pass's attention calls that cannot be measured, and why
-        self._pass_all_rows: dict[str, str] = {}     # this pass's layers of `_all_rows`
         # self-attention layers whose mask lets a position be seen by itself only (XLNet's padding): a
         # device flag each, read at the next host read (`_read_suspects`), never in a step
         self._suspects: dict[str, torch.Tensor] = {}
         self._suspects_named: set[str] = set()
-        self._pass_called: set[str] = set()
-        self._candidates: dict[int, tuple] = {}      # this pass's softmaxes not yet multiplied with values
         self._candidate_ids = itertools.count()
-        self._pass_ops: dict[tuple, int] = {}        # (module, call) -> attention ops in that call
-        self._pass_lse: set[str] = set()             # modules taking logsumexp over 4-D scores this pass
         self._warned_softmax: set[str] = set()
         self._warned_padding: set[tuple] = set()     # set_padding shapes already warned about
         self._handles: list = []
@@ -270,7 +263,7 @@ class Monitor:
                 continue
             if padding.shape != (b, t):
                 continue
-            self._padding_used = True
+            self._pass.padding_used = True
             padding = padding.to(device=device, non_blocking=True)
             rows = padding if rows is None else rows & padding
         return rows
@@ -279,22 +272,24 @@ class Monitor:
         """End of a measured pass: a softmax never multiplied with values along its key axis is no
         attention (a heat map, a router): not a layer, named once; attention written as
         exp(s − logsumexp) in a module with no statistics is named as unmeasured."""
-        for name, _, stats, how in self._candidates.values():
+        if self._pass.candidates:
+            self._pass.recorder = None    # no plan from a pass that met softmaxes it could not place
+        for name, _, stats, how in self._pass.candidates.values():
             if name in self._warned_softmax:
                 continue
             self._warned_softmax.add(name)
             warnings.warn(f"fastdiag.attach: module {name!r} ({type(self._modules[name]).__name__}) takes a softmax "
                           "over the last axis of 4-D (or larger) scores whose output is never multiplied with values "
                           "along that axis: not attention, not recorded", RuntimeWarning, stacklevel=4)
-        self._candidates = {}
-        for name in self._pass_lse:
-            if name not in self._pass_how:
+        self._pass.candidates = {}
+        for name in self._pass.lse:
+            if name not in self._pass.how:
                 self._refuse(name, "it takes logsumexp over [B, H, Tq, Tk] scores with no softmax or SDPA: "
                                    "attention written as exp(s − logsumexp) cannot be measured")
 
     def _check_padding(self, step: int) -> None:
         """After a measured pass: a handed-in mask that no self-attention call used is named once."""
-        if not self._padding or self._padding_used:
+        if not self._padding or self._pass.padding_used:
             return
         shapes = tuple(tuple(m.shape) for _, m in self._padding)
         if shapes in self._warned_padding:
@@ -314,12 +309,18 @@ class Monitor:
         def pre(mod, args, kwargs):
             if not self._measuring or self._other_thread():
                 return
+            state = self._pass
             call = -1  # compiled: no provenance (a counter in the graph would recompile it every pass)
             if not torch.compiler.is_compiling():
                 call = next(self._calls)
-                self.provenance.seed(call, args, kwargs)
-            self._stack.append((name, call))
-            self._pass_called.add(name)
+                if state.plan is not None and not state.careful:
+                    self._follow_plan(state, name, call, args, kwargs)
+                else:
+                    self.provenance.seed(call, args, kwargs)
+                    if state.recorder is not None:
+                        state.recorder.module_call(name, call, args, kwargs)
+            state.stack.append((name, call))
+            state.called.add(name)
             fast_path = name in self._fast_path and not mod.training
             if selected and kind == "zoo":
                 mod.record = True
@@ -335,8 +336,11 @@ class Monitor:
         def post(mod, args, output):
             if not self._measuring or self._other_thread():
                 return
-            if self._stack:
-                self._stack.pop()
+            state = self._pass
+            if state.stack:
+                _, call = state.stack.pop()
+                if state.undo:
+                    self._after_planned_call(state, name, call)
             if self._suspended and self._suspended[-1] == name:
                 self._resume_mode()
             if kind == "zoo" and selected:
@@ -366,6 +370,87 @@ class Monitor:
             self._handles.append(module.register_forward_pre_hook(_EagerHook(begin), with_kwargs=True,
                                                                   prepend=True))
             self._handles.append(module.register_forward_hook(_EagerHook(end), always_call=True))
+
+    # ---- lean passes (fastdiag.core.plan) ----------------------------------------------------------
+
+    def _follow_plan(self, state, name: str, call: int, args: tuple, kwargs: dict) -> None:
+        """A hooked module's call on a lean pass: a planned attention call enters the mode (lean);
+        anything the plan does not expect is handled carefully from here, and drops the plan."""
+        index = state.runs.get(name, 0)
+        state.runs[name] = index + 1
+        events, on_plan = state.plan.expected(name, index, args, kwargs)
+        if not on_plan:
+            state.off_plan = True
+            state.careful += 1
+            self.provenance.seed(call, args, kwargs)
+            state.undo[call] = self._mode_for_call(lean=False)
+        elif events:
+            state.events[call] = (events, [0])
+            state.undo[call] = self._mode_for_call(lean=True)
+
+    def _mode_for_call(self, lean: bool):
+        """Enter the mode for one module call (lean: SDPA and softmax only), or set its kind if it is
+        entered already; returns what `_after_planned_call` restores."""
+        if self._mode_entered:
+            previous, self._mode.lean = self._mode.lean, lean and self._mode.lean
+            return ("lean", previous)
+        self._mode.lean = lean
+        self._mode.__enter__()
+        self._mode_entered = True
+        return ("exit", None)
+
+    def _after_planned_call(self, state, name: str, call: int) -> None:
+        undo = state.undo.pop(call, None)
+        if undo is None:
+            return
+        planned = state.events.pop(call, None)
+        if planned is not None and planned[1][0] != len(planned[0]):
+            state.off_plan = True      # fewer attention ops than planned: this layer is missing, say it next pass
+        elif planned is None:
+            state.careful -= 1
+        what, previous = undo
+        if what == "lean":
+            self._mode.lean = previous
+        elif self._mode_entered:
+            self._mode_entered = False
+            if not self._suspended:
+                self._mode.__exit__(None, None, None)
+            self._mode.lean = False
+
+    def _planned_event(self, module_call: int, op: tuple):
+        """The plan's `Event` for the next attention op of the lean call ``module_call``, or None where
+        the op is not the one planned (the pass is off the plan)."""
+        state = self._pass
+        events, seen = state.events[module_call]
+        index = seen[0]
+        seen[0] += 1
+        if index < len(events) and events[index].op == op:
+            return events[index]
+        state.off_plan = True
+        return None
+
+    def _event(self, module_call: int, op: tuple):
+        """An attention op of ``module_call``: False on a careful pass or in a module call handled
+        carefully (`_learn_op` it then); on a lean pass the plan's `Event`, or one with an unknown
+        self-attention verdict where the op is not the one planned (the plan is dropped)."""
+        state = self._pass
+        if state.plan is None or state.careful and module_call not in state.events:
+            return False
+        event = self._planned_event(module_call, op) if module_call in state.events else None
+        if event is None:
+            state.off_plan = True
+            return Event(op, None)
+        return event
+
+    def _learn_op(self, module_call: int, op: tuple, same_input: bool | None) -> bool | None:
+        """A careful pass's attention op, for the plan of the lean passes after it; returns ``same_input``."""
+        recorder = self._pass.recorder
+        if recorder is not None:
+            recorder.event(module_call, op, same_input)
+        return same_input
+
+    def _plan_key(self, training: bool) -> tuple:
+        return (training, torch.is_grad_enabled(), adapters.autocast_dtype("cpu"), adapters.autocast_dtype("cuda"))
 
     def _suspend_mode(self, name: str) -> None:
         """Leave the mode out of module ``name``: a fast-path module in eval (with a mode active torch
@@ -402,23 +487,24 @@ class Monitor:
         self._pass_thread = threading.get_ident()
         self._training = training
         self._measuring = self._due if training else self.measure_eval
-        self._stack = []
         self.provenance.clear()
-        # per-pass dicts, fresh every pass: a compiled graph sees the same state on every pass
-        self._pending, self._pass_how, self._pass_refused, self._pass_all_rows = {}, {}, {}, {}
-        self._pass_called = set()                    # hooked modules whose forward ran on this pass
-        self._candidates, self._pass_ops, self._pass_lse = {}, {}, set()
-        if self._measuring and training:
+        if not self._measuring:
+            self._pass = passes.IDLE
+            return
+        # fresh every pass: a compiled graph sees the same state on every pass
+        plan = self._plans.get(self._plan_key(training)) if len(_MONITORS) == 1 else None
+        self._pass = passes.PassState(plan=plan, recorder=None if plan is not None else PlanRecorder())
+        if training:
             for name, module, kind in self._lazy_hooks:
                 self._hook(name, module, kind, False, self._lazy_handles)
-        elif self._measuring:
+        else:
             for name, module, kind in self._lazy_hooks:
                 if kind == "mha" and name in self._selected:
                     self._refuse(name, "an eval pass: nn.TransformerEncoderLayer keeps torch's eval fast path (one "
                                        "fused kernel, no probabilities, and no hooks allowed inside it), so its "
                                        "attention is measured on training passes only")
-        self._padding_used = False
-        if self._measuring and not self._mode_entered:
+        if plan is None and not self._mode_entered:   # careful: the mode sees the whole forward
+            self._mode.lean = False
             self._mode.__enter__()
             self._mode_entered = True
 
@@ -429,6 +515,7 @@ class Monitor:
             if not self._suspended:  # a suspended mode is off the stack already
                 self._mode.__exit__(None, None, None)
             self._suspended = []
+            self._mode.lean = False
         measured, self._measuring = self._measuring, False
         if measured and not raised:
             self._unconfirmed()
@@ -438,28 +525,44 @@ class Monitor:
         self._lazy_handles = []
         if measured and not raised:
             self._check_padding(self.step)
+            self._learn(training)
         self._padding = []
         self._finish(training, measured, raised)
+
+    def _learn(self, training: bool) -> None:
+        """After a measured pass: a careful pass that met nothing it could not measure leaves the plan of
+        the lean passes after it; a lean pass that met something unexpected drops it."""
+        state, key = self._pass, self._plan_key(training)
+        if state.plan is not None:
+            if state.off_plan:
+                self._plans.pop(key, None)
+            return
+        if state.recorder is None or state.refused or state.all_rows or state.candidates or state.lse \
+                or self._lazy_hooks or len(_MONITORS) != 1 or torch.compiler.is_compiling():
+            return
+        plan = state.recorder.plan()
+        if plan is not None:
+            self._plans[key] = plan
 
     def _refuse(self, name: str, reason: str) -> None:
         """An attention call in module ``name`` that cannot be measured exactly: the module gets no
         statistics this pass, and is named with ``reason`` after it (`_check_coverage`)."""
-        self._pass_refused.setdefault(name, reason)
+        self._pass.refused.setdefault(name, reason)
 
     def _add(self, name: str, stats: HeadStats, how: str) -> None:
         key, i = name or "<root>", 1
-        while key in self._pending:  # a module called twice in one pass: "name#1", "name#2", ...
+        while key in self._pass.pending:  # a module called twice in one pass: "name#1", "name#2", ...
             key = f"{name}#{i}"
             i += 1
-        self._pending[key] = stats
-        self._pass_how[name] = how
+        self._pass.pending[key] = stats
+        self._pass.how[name] = how
 
     def _attention_call(self) -> tuple[str, int] | None:
         """(name, call number) of the module running an attention op now, if it is to be measured
         here (not a structural kind measuring itself, not outside the model, selected)."""
-        if not self._stack:
+        if not self._pass.stack:
             return None
-        name, call = self._stack[-1]
+        name, call = self._pass.stack[-1]
         if name in self._kind or name not in self._selected:
             return None
         return name, call
@@ -469,7 +572,7 @@ class Monitor:
         from the same input of the module's call (`adapters.Provenance`), never a guess from shapes.
         Not known with Tq = Tk: every row that sees a key is counted, and `coverage` says so."""
         if same_input is None and tq == tk:
-            self._pass_all_rows.setdefault(name, "whether its queries and keys come from the same input was not "
+            self._pass.all_rows.setdefault(name, "whether its queries and keys come from the same input was not "
                                             "known (torch.compile, or keys not computed in the call): every "
                                             "row that sees a key is counted, padding rows included")
         return bool(same_input) and tq == tk
@@ -483,6 +586,7 @@ class Monitor:
             return F.scaled_dot_product_attention(**call)
         name, module_call = where
         query, key = call.get("query"), call.get("key")
+        event = self._event(module_call, sdpa_signature(call))
         if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)) or query.dim() < 4 \
                 or key.dim() < 4:
             # [B·H, T, D] or [T, D]: torch reads no heads there, and a batch of B·H single heads is not
@@ -505,10 +609,14 @@ class Monitor:
                                f"{tuple(attn_mask.shape)} that does not unpack to its heads")
             return F.scaled_dot_product_attention(**call)
         rows = None
+        if event is False and (query.dim() != 4 or packed):
+            self._learn_op(module_call, sdpa_signature(call), None)
         if query.dim() == 4 and not packed:
             b, h, tq, _ = query.shape
             tk = key.shape[-2]
-            if self._self_attention(name, self.provenance.same_input(module_call, query_passed, key_passed), tq, tk):
+            same_input = event.same_input if event is not False else \
+                self._learn_op(module_call, sdpa_signature(call), self.provenance.same_input(module_call, query_passed, key_passed))
+            if self._self_attention(name, same_input, tq, tk):
                 if attn_mask is not None:
                     hidden = adapters.masked(adapters.as_bhqk(attn_mask, (b,), h, tq, tk))
                     rows = adapters.real_positions(hidden).expand(b, tq)
@@ -553,11 +661,16 @@ class Monitor:
             return
         name, module_call = where
         b, h, tq, tk = probs.shape
+        event = self._event(module_call, softmax_signature(scores))
         if probs.numel() == 0:
             if b == 0 and min(h, tq, tk) > 0:  # an empty batch: no rows, exactly (as on the SDPA path)
                 zeros = torch.zeros(h, h, dtype=torch.float64, device=probs.device)
-                self._candidate(name, module_call, probs,
-                                HeadStats(zeros, zeros[0], zeros[0, 0], zeros[0, 0]), "probabilities")
+                entry = (name, module_call, HeadStats(zeros, zeros[0], zeros[0, 0], zeros[0, 0]), "probabilities")
+                if event is False:
+                    self._learn_op(module_call, softmax_signature(scores), None)
+                    self._candidate(*entry[:2], probs, *entry[2:])
+                else:
+                    self._confirm_entry(entry)
             else:
                 self._refuse(name, f"a softmax over empty scores {tuple(probs.shape)}")
             return
@@ -571,15 +684,19 @@ class Monitor:
         if sink:
             hidden = hidden[..., :-1]
         rows = adapters.sees_a_key(hidden)
-        if self._self_attention(name, self.provenance.scores_of_same_input(module_call, scores), tq,
-                                hidden.shape[-1]):
+        same_input = event.same_input if event is not False else \
+            self._learn_op(module_call, softmax_signature(scores), self.provenance.scores_of_same_input(module_call, scores))
+        if self._self_attention(name, same_input, tq, hidden.shape[-1]):
             from_mask = rows & adapters.real_positions(hidden)
             rows = self._with_padding(from_mask, b, tq, probs.device, name)
             if rows is from_mask:  # no handed-in padding for this call
                 self._suspect(name, adapters.own_statistics(adapters.seen_only_by_itself, hidden))
-        self._candidate(name, module_call, probs,
-                        adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend),
-                        "probabilities with sink" if sink else "probabilities")
+        stats = adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend)
+        how = "probabilities with sink" if sink else "probabilities"
+        if event is False:
+            self._candidate(name, module_call, probs, stats, how)
+        else:   # a lean pass: the plan says this softmax is multiplied with values
+            self._confirm_entry((name, module_call, stats, how))
 
     def on_softmax_elsewhere(self, probs: torch.Tensor) -> None:
         """A softmax over the last axis of a tensor that is not 4-D (ProphetNet's 5-D n-gram streams):
@@ -594,7 +711,7 @@ class Monitor:
         forms its probabilities without a softmax; its module is named unless measured otherwise."""
         where = self._attention_call()
         if where is not None:
-            self._pass_lse.add(where[0])
+            self._pass.lse.add(where[0])
 
     def on_flex_attention(self) -> None:
         """``flex_attention`` (a fused kernel with score_mod / block_mask): no probabilities and no
@@ -617,13 +734,13 @@ class Monitor:
                 stats, how = None, (f"a softmax over {tuple(probs.shape)} whose dim 1 is not the module's {heads} "
                                     "heads (a [B, T, H, window] or other layout)")
         candidate = next(self._candidate_ids)
-        self._candidates[candidate] = (name, call, stats, how)
+        self._pass.candidates[candidate] = (name, call, stats, how)
         self.provenance.mark_candidate(probs, candidate)
 
     def confirm(self, candidates) -> None:
         """Softmax outputs just multiplied with values along their key axis: attention."""
         for candidate in sorted(candidates):
-            entry = self._candidates.pop(candidate, None)
+            entry = self._pass.candidates.pop(candidate, None)
             if entry is not None:
                 self._confirm_entry(entry)
 
@@ -638,7 +755,7 @@ class Monitor:
         """One attention op of module ``name``'s call ``call``: a second one in the same call (partial
         or factored softmaxes: BigBird block-sparse, Nyströmformer) makes the module unmeasured."""
         if call >= 0:
-            ops = self._pass_ops[(name, call)] = self._pass_ops.get((name, call), 0) + 1
+            ops = self._pass.ops[(name, call)] = self._pass.ops.get((name, call), 0) + 1
             if ops > 1:
                 self._refuse(name, f"{ops} attention ops (softmaxes or SDPA calls) in one call: partial, "
                                    "block-sparse or factored attention is not one [B, H, Tq, Tk] map")
@@ -647,14 +764,14 @@ class Monitor:
     # ---- end of a pass: eager, outside any compiled graph ---------------------------------------
 
     def _finish(self, training: bool, measured: bool, raised: bool = False) -> None:
-        pending, self._pending = self._pending, {}
+        pending = self._pass.pending
         step = self.step
         if raised:  # not a step: nothing recorded (part of a pass is no number), the next pass is due again
             return
-        for name in self._pass_refused:  # one module = one exact layer record, or none and a warning
+        for name in self._pass.refused:  # one module = one exact layer record, or none and a warning
             key = name or "<root>"
             pending = {k: v for k, v in pending.items() if k != key and not k.startswith(key + "#")}
-            self._pass_how.pop(name, None)
+            self._pass.how.pop(name, None)
         if training:
             self.step += 1
             self._due = self.step % self.every == 0
@@ -666,10 +783,10 @@ class Monitor:
     def _check_coverage(self, step: int) -> None:
         """After a measured pass: nothing found is an error; an expected module without statistics
         is warned about once (raised with strict)."""
-        self._how.update(self._pass_how)
-        for name, why in self._pass_all_rows.items():
+        self._how.update(self._pass.how)
+        for name, why in self._pass.all_rows.items():
             self._all_rows.setdefault(name, why)
-        for name, reason in self._pass_refused.items():
+        for name, reason in self._pass.refused.items():
             if name in self._missing:
                 continue
             self._missing[name] = reason
@@ -684,11 +801,11 @@ class Monitor:
             raise ValueError(
                 f"attach: found no attention in {type(self.model).__name__} on its measured pass (step "
                 f"{step}): {_LOOKED_FOR}")
-        measured = list(self._pass_how)
+        measured = list(self._pass.how)
         for name in self._expected:
-            if name not in self._pass_called:
+            if name not in self._pass.called:
                 continue  # not run on this pass (a helper such as Funnel's FunnelAttentionStructure, an unused branch)
-            if name in self._missing or name in self._pass_refused or any(m == name or m.startswith(name + ".") or not name for m in measured):
+            if name in self._missing or name in self._pass.refused or any(m == name or m.startswith(name + ".") or not name for m in measured):
                 continue
             reason = (f"no statistics on the measured pass of step {step}: no "
                       "scaled_dot_product_attention call and no softmax over [B, H, Tq, Tk] scores ran "

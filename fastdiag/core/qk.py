@@ -44,7 +44,8 @@ def _as_batched_heads(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor 
             raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
         if t.dim() < 3:
             raise ValueError(f"{name}: expected shape [..., H, T, D] or [B, T, D], got {tuple(t.shape)}")
-    q, k = q.detach(), k.detach()
+    if torch.is_grad_enabled():   # statistics carry no gradient (attach computes them under no_grad)
+        q, k = q.detach(), k.detach()
     if q.dim() == 3:  # [B, T, D]: a single head
         q, k = q.unsqueeze(-3), k.unsqueeze(-3)
     *lead_q, h, tq, d = q.shape
@@ -60,8 +61,11 @@ def _as_batched_heads(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor 
     except RuntimeError:
         raise ValueError(f"k: batch dimensions {tuple(lead_k)} do not broadcast with q's {tuple(lead_q)}") from None
     b = math.prod(lead)
-    q4 = q.expand(*lead, h, tq, d).reshape(b, h, tq, d)
-    k4 = k.expand(*lead, hk, tk, d).reshape(b, hk, tk, d)
+    if q.dim() == 4 and tuple(lead_q) == tuple(lead_k):    # as the kernels take them (no op)
+        q4, k4 = q, k
+    else:
+        q4 = q.expand(*lead, h, tq, d).reshape(b, h, tq, d)
+        k4 = k.expand(*lead, hk, tk, d).reshape(b, hk, tk, d)
     mask4 = None
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
@@ -95,7 +99,9 @@ def _as_batched_heads(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor 
         if not isinstance(lse, torch.Tensor) or lse.numel() != b * h * tq:
             raise ValueError(f"lse: expected a tensor of shape [{b}, {h}, {tq}], got "
                              f"{tuple(getattr(lse, 'shape', ()))}")
-        lse3 = lse.detach().reshape(b, h, tq)
+        lse3 = lse.detach() if torch.is_grad_enabled() else lse
+        if lse3.shape != (b, h, tq):
+            lse3 = lse3.reshape(b, h, tq)
     return q4, k4, mask4, qm, lse3
 
 
@@ -154,8 +160,9 @@ def qk_head_stats(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | No
     row whose probabilities then do not sum to 1 is counted in ``invalid``).
     Rows that may attend to no key in some head are left out. Nothing of size Tq × Tk is held whole.
     """
-    return _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
-                          check_lse=True)
+    with torch.no_grad():      # statistics carry no gradient: nothing to detach
+        return _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
+                              check_lse=True)
 
 
 def _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
@@ -208,8 +215,9 @@ def sdpa_with_stats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         lse = None
     if packed_query_heads:
         query, attn_mask, lse = unpack_query_heads(query, attn_mask, lse, packed_query_heads)
-    stats = _qk_head_stats(query, key, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
-                           check_lse=False)
+    with torch.no_grad():      # statistics carry no gradient: nothing to detach
+        stats = _qk_head_stats(query, key, attn_mask, is_causal, scale, backend, chunk_bytes, query_mask, lse,
+                               check_lse=False)
     return out, stats
 
 

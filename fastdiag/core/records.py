@@ -12,6 +12,8 @@ import torch
 
 from fastdiag.core.stats import HeadStats, Summary, summarize
 
+_MERGE_EVERY = 64    # passes kept unsummed at most (memory: a few H x H matrices each)
+
 
 @dataclass
 class _Record:
@@ -51,13 +53,17 @@ class Records:
         self.latest_stats: dict[str, HeadStats] | None = None
         self.latest_summary: Summary | None = None
         self._merged: dict[str, dict[str, HeadStats]] = {}   # mode -> layer -> sum since the last reset
+        # mode -> the passes' statistics not summed into `_merged` yet: summed when read, or every
+        # `_MERGE_EVERY` passes (a measured step adds no op for the merge)
+        self._unmerged: dict[str, list[dict[str, HeadStats]]] = {}
 
     def add(self, step: int, mode: str, stats: dict[str, HeadStats]) -> None:
         if self.all_reduce:
             stats = {name: s.all_reduce(self.group) for name, s in stats.items()}
-        merged = self._merged.setdefault(mode, {})
-        for name, s in stats.items():
-            merged[name] = s if name not in merged else merged[name] + s
+        unmerged = self._unmerged.setdefault(mode, [])
+        unmerged.append(stats)
+        if len(unmerged) >= _MERGE_EVERY:
+            self._merge(mode)
         self.latest_stats = stats
         if not self.keep:
             return
@@ -70,8 +76,15 @@ class Records:
         if self.log is not None and self._unlogged >= self.flush_every:
             self.flush()
 
+    def _merge(self, mode: str) -> None:
+        merged = self._merged.setdefault(mode, {})
+        for stats in self._unmerged.pop(mode, ()):
+            for name, s in stats.items():
+                merged[name] = s if name not in merged else merged[name] + s
+
     def merged(self, mode: str, reset: bool = False) -> dict[str, HeadStats]:
         """Each layer's statistics summed over the records of ``mode`` since the last reset."""
+        self._merge(mode)
         return self._merged.pop(mode, {}) if reset else dict(self._merged.get(mode, {}))
 
     def __len__(self) -> int:

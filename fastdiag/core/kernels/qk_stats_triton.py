@@ -437,6 +437,37 @@ def _head_index(h: int, hk: int, cfg: dict, device) -> torch.Tensor:
     return (kv // cfg["BLOCK_HK"]) * bh + (kv % cfg["BLOCK_HK"]) * cfg["BLOCK_G"] + g
 
 
+# Launch-invariant device tensors and configurations, per (shapes, tiles, device): built once, so a
+# launch's host work is the launch and the few ops that reduce its partial sums (`_stats`).
+_GATHERS: dict = {}
+_PASS2_CONFIGS: dict = {}
+
+
+def _gathers(h: int, hk: int, cfg: dict, blocks: int, device) -> tuple[tuple, torch.Tensor, torch.Tensor]:
+    """(block ids int32 (rows i and j of the diagonal blocks, then of the i < j pairs); ``take`` indices ``[H, H]`` of
+    each head pair's Gram entry in the pairs' summed blocks ``[pairs, BH, BH]`` (the lower triangle
+    read transposed from the upper); ``take`` indices ``[H]`` of each head's entropy in ``[blocks · BH]``)."""
+    key = (h, hk, tuple(sorted(cfg.items())), blocks, device)
+    found = _GATHERS.get(key)
+    if found is None:     # built with device ops: no host-to-device copy, so nothing a graph capture refuses
+        bh = cfg["BLOCK_HK"] * cfg["BLOCK_G"]
+        i32 = dict(dtype=torch.int32, device=device)
+        diagonal = torch.arange(blocks, **i32)
+        upper = torch.triu_indices(blocks, blocks, 1, **i32)
+        ids = (diagonal, diagonal.clone(), upper[0].contiguous(), upper[1].contiguous())
+        pos = _head_index(h, hk, cfg, device)
+        bi, ri = pos[:, None] // bh, pos[:, None] % bh            # [H, 1]: the row head's block and place
+        bj, rj = pos[None, :] // bh, pos[None, :] % bh            # [1, H]: the column head's
+        lower = bi > bj                                           # only i <= j blocks exist: read the transpose
+        bi, bj, ri, rj = torch.where(lower, bj, bi), torch.where(lower, bi, bj), torch.where(lower, rj, ri), \
+            torch.where(lower, ri, rj)
+        # the pair's number: diagonal blocks 0..blocks-1, then (i, j), i < j, row by row
+        off = blocks + bi * blocks - bi * (bi + 1) // 2 + (bj - bi - 1)
+        number = torch.where(bi == bj, bi, off)
+        found = _GATHERS[key] = (ids, (number * bh * bh + ri * bh + rj).contiguous(), pos)
+    return found
+
+
 def _dot_inputs(q4, k4):
     """One dot input type for both (before the strides are read)."""
     if q4.dtype != k4.dtype or q4.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -493,11 +524,7 @@ def _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, limits=None):
     hk = k4.shape[1]
     device = q4.device
     (programs, blocks), mask, args, constexprs = _shared_args(q4, k4, mask4, is_causal, scale, cfg)
-    pairs = [(i, i) for i in range(blocks)] + [(i, j) for i in range(blocks) for j in range(i + 1, blocks)]
-    # built on the device (no host-to-device copy, so no sync): diagonal blocks, then i < j pairs
-    diagonal = torch.arange(blocks, dtype=torch.int32, device=device)
-    off = torch.triu_indices(blocks, blocks, 1, dtype=torch.int32, device=device)
-    block_ids = torch.stack([torch.cat([diagonal, off[0]]), torch.cat([diagonal, off[1]])])
+    (block_i, block_j, off_i, off_j), gram_index, entropy_index = _gathers(h, hk, cfg, blocks, device)
     bh = cfg["BLOCK_HK"] * cfg["BLOCK_G"]
     gram_part = torch.empty(programs, blocks, bh, bh, dtype=torch.float32, device=device)
     entropy_part = torch.empty(programs, blocks, bh, dtype=torch.float32, device=device)
@@ -508,32 +535,27 @@ def _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, limits=None):
     flags = {k: v for k, v in constexprs.items() if k not in cfg}
     arch = limits and limits["arch"]
     _launch_without_spills((programs, blocks), (
-        gram_part, entropy_part, invalid_part, q4, k4, mask, lse, row_ok, block_ids[0], block_ids[1], *tail),
+        gram_part, entropy_part, invalid_part, q4, k4, mask, lse, row_ok, block_i, block_j, *tail),
         dict(flags, DIAGONAL=True, HAS_ROW_OK=rows_ok is not None), dot_width_candidates(cfg), arch)
-    if blocks > 1:
-        # off-diagonal Gram blocks: their own grid and partials, no entropy or mass
-        gram_off_part = torch.empty(programs, len(pairs) - blocks, bh, bh, dtype=torch.float32, device=device)
-        off = off_diagonal_config(cfg, q4.dtype.itemsize, limits["shared_bytes"] if limits else SHARED_LIMIT)
-        _launch_without_spills((programs, len(pairs) - blocks), (
-            gram_off_part, entropy_part, invalid_part, q4, k4, mask, lse, row_ok,
-            block_ids[0, blocks:], block_ids[1, blocks:], *tail),
-            dict(flags, DIAGONAL=False, HAS_ROW_OK=rows_ok is not None), dot_width_candidates(off), arch)
     gram_blocks = gram_part.sum(0, dtype=torch.float64)             # [pairs, BH, BH]
     if blocks > 1:
+        # off-diagonal Gram blocks: their own grid and partials, no entropy or mass
+        gram_off_part = torch.empty(programs, off_i.numel(), bh, bh, dtype=torch.float32, device=device)
+        off = off_diagonal_config(cfg, q4.dtype.itemsize, limits["shared_bytes"] if limits else SHARED_LIMIT)
+        _launch_without_spills((programs, off_i.numel()), (
+            gram_off_part, entropy_part, invalid_part, q4, k4, mask, lse, row_ok, off_i, off_j, *tail),
+            dict(flags, DIAGONAL=False, HAS_ROW_OK=rows_ok is not None), dot_width_candidates(off), arch)
         gram_blocks = torch.cat([gram_blocks, gram_off_part.sum(0, dtype=torch.float64)])
-    full = torch.zeros(blocks * bh, blocks * bh, dtype=torch.float64, device=device)
-    for n, (i, j) in enumerate(pairs):
-        full[i * bh:(i + 1) * bh, j * bh:(j + 1) * bh] = gram_blocks[n]
-        if i != j:
-            full[j * bh:(j + 1) * bh, i * bh:(i + 1) * bh] = gram_blocks[n].T
-    pos = _head_index(h, hk, cfg, device)
-    gram = full[pos][:, pos]
-    entropy = entropy_part.sum(0, dtype=torch.float64).reshape(-1)[pos]
-    invalid = invalid_part.sum(dtype=torch.float64)
-    invalid = invalid + (~torch.isfinite(gram)).any() + (~torch.isfinite(entropy)).any()
+    gram = torch.take(gram_blocks, gram_index)                                          # [H, H]
+    entropy = torch.take(entropy_part.sum(0, dtype=torch.float64), entropy_index)     # [H]
+    # a NaN anywhere makes the statistics invalid (x ≠ x). An infinite sum needs an infinite p in a
+    # counted row, whose mass the kernel already counts in invalid_part.
+    total = gram.sum() + entropy.sum()
+    nonfinite = total.ne(total)
+    invalid = invalid_part.sum(dtype=torch.float64) + nonfinite
     rows = (torch.full((), float(b * tq), dtype=torch.float64, device=device) if rows_ok is None
             else rows_ok.sum(dtype=torch.float64))
-    return gram, entropy, rows, invalid.to(torch.float64)
+    return gram, entropy, rows, invalid
 
 
 def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, lse=None, tiles=None):
@@ -557,7 +579,11 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
             return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, None, CHUNK_BYTES, check_lse=False)
     if tiles is not None:
         return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles, limits)
-    for cfg in pass2_configs(q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared, mask4 is not None):
+    key = (q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared, mask4 is not None)
+    configs = _PASS2_CONFIGS.get(key)
+    if configs is None:
+        configs = _PASS2_CONFIGS[key] = pass2_configs(*key)
+    for cfg in configs:
         try:
             return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, limits)
         except triton.runtime.errors.OutOfResources as e:
