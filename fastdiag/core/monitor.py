@@ -163,6 +163,7 @@ class Monitor:
         self._suspects_named: set[str] = set()
         self._candidate_ids = itertools.count()
         self._warned_softmax: set[str] = set()
+        self._warned: set = set()                    # what `_warn_once` has said
         self._warned_padding: set[tuple] = set()     # set_padding shapes already warned about
         self._handles: list = []
         self._zoo: list[torch.nn.Module] = []       # fastdiag-model attention whose attributes are set
@@ -251,6 +252,9 @@ class Monitor:
             within = names[0]
         elif within is not None and (not isinstance(within, str) or within not in self._modules):
             raise ValueError(f"within: no module named {within!r} in the model")
+        if mask.is_meta:
+            raise ValueError("mask: a meta tensor has no values; pass the real-token mask itself ([batch, seq], "
+                             "True or 1 = real token)")
         real = mask.detach() if mask.dtype == torch.bool else mask.detach() != 0
         self._padding = [(w, m) for w, m in self._padding if w != within] + [(within, real)]
 
@@ -264,7 +268,12 @@ class Monitor:
             if padding.shape != (b, t):
                 continue
             self._pass.padding_used = True
-            padding = padding.to(device=device, non_blocking=True)
+            try:
+                padding = padding.to(device=device, non_blocking=True)
+            except RuntimeError as error:   # a device it cannot come from: never break the step
+                self._warn_once(("padding", str(padding.device)), f"set_padding's mask on {padding.device} cannot be "
+                                f"read on {device} ({error}): its padding rows are not left out")
+                continue
             rows = padding if rows is None else rows & padding
         return rows
 
@@ -487,6 +496,12 @@ class Monitor:
         self._pass_thread = threading.get_ident()
         self._training = training
         self._measuring = self._due if training else self.measure_eval
+        if self._measuring and torch._C._functorch.peek_interpreter_stack() is not None:
+            self._measuring = False      # a torch.func transform: step aside, never break the step
+            self._warn_once("transform", "a forward pass under a torch.func transform (vmap, grad, jacrev, "
+                            "functional_call inside one) is not measured: its tensors are batched or "
+                            "differentiated per sample, and the statistics' ops have no batching rules; "
+                            "passes outside transforms are measured as usual")
         self.provenance.clear()
         if not self._measuring:
             self._pass = passes.IDLE
@@ -543,6 +558,11 @@ class Monitor:
         plan = state.recorder.plan()
         if plan is not None:
             self._plans[key] = plan
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(f"fastdiag.attach: {message}", RuntimeWarning, stacklevel=4)
 
     def _refuse(self, name: str, reason: str) -> None:
         """An attention call in module ``name`` that cannot be measured exactly: the module gets no
