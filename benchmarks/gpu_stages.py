@@ -170,19 +170,19 @@ def stage_accuracy(dev: torch.device, dry: bool) -> None:
 
 
 def _models(dev: torch.device, dry: bool):
-    """(name, model, loss, autocast dtype or None): HF GPT-2-small under bf16 autocast as such models
+    """(name, model, loss of a callable model, autocast dtype or None): HF GPT-2-small under bf16 autocast as such models
     train, the zoo's nanoGPT under bf16 autocast and in plain fp32 (Q/K pass 2 on cuBLAS there)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     size = dict(n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=64) if dry else {}
     hf = GPT2LMHeadModel(GPT2Config(**size, attn_implementation="sdpa")).to(dev)
     tokens = torch.randint(0, hf.config.vocab_size, (1 if dry else 8, 32 if dry else 1024), device=dev)
-    yield "hf-gpt2-small-sdpa", hf, lambda: hf(tokens, labels=tokens).loss, torch.bfloat16
+    yield "hf-gpt2-small-sdpa", hf, lambda m: m(tokens, labels=tokens).loss, torch.bfloat16
     zoo = NanoGPT(vocab=64, d_model=32 if dry else 128, n_heads=2 if dry else 4, n_layers=1 if dry else 2,
                   seq_len=16 if dry else 128).to(dev)
     x = torch.randint(0, 64, (2 if dry else 512, 16 if dry else 128), device=dev)
     for dtype in (torch.bfloat16, None):
-        yield "nanogpt-sdpa", zoo, lambda: zoo(x).float().square().mean(), dtype
+        yield "nanogpt-sdpa", zoo, lambda m: m(x).float().square().mean(), dtype
 
 
 def stage_attach(dev: torch.device, dry: bool) -> None:
@@ -196,7 +196,7 @@ def stage_attach(dev: torch.device, dry: bool) -> None:
         def steps(n):
             for _ in range(n):
                 with autocast:
-                    loss = loss_fn()
+                    loss = loss_fn(model)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
@@ -214,9 +214,109 @@ def stage_attach(dev: torch.device, dry: bool) -> None:
                 if monitor is not None:
                     monitor.detach()
         base = statistics.median(times[0])
+        with fastdiag.attach(model, every=1):
+            steps(2)                                  # the careful pass, then a lean one
+            idle = gpu_idle_fraction(lambda: steps(1), dev)
+        graphed = {every: graphed_step_ms(model, loss_fn, autocast, dev, every, 3 if dry else 20)
+                   for every in (0, 1)}
+        compiled = compiled_ratios(model, loss_fn, autocast, dev, dry) if name != "nanogpt-sdpa" or on else {}
         emit("attach", dry, model=name, autocast=str(dtype).replace("torch.", "") if on else "none",
              step_ms=1e3 * base, every10_ratio=statistics.median(times[10]) / base,
-             every1_ratio=statistics.median(times[1]) / base, blocks=blocks, steps_per_block=per_block)
+             every1_ratio=statistics.median(times[1]) / base, blocks=blocks, steps_per_block=per_block,
+             gpu_idle_every1=idle, graphed_step_ms=graphed[0],
+             graphed_every1_ratio=None if graphed[0] is None or graphed[1] is None else graphed[1] / graphed[0],
+             **compiled)
+
+
+def gpu_idle_fraction(step, dev: torch.device) -> float | None:
+    """The fraction of one ``step()``'s wall time in which no kernel runs on the GPU (torch.profiler:
+    the union of the device's kernel intervals against the step's span). None off CUDA."""
+    if dev.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, float("-inf")
+    for start, stop in kernels:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return max(0.0, 1.0 - busy / wall_us) if wall_us > 0 else None
+
+
+def graphed_step_ms(model, loss_fn, autocast, dev: torch.device, every: int, repeats: int) -> float | None:
+    """Median ms of a whole training step (forward, loss, backward) captured in one CUDA graph and
+    replayed, bare (``every`` 0) or measured on every replay (``every`` 1: attached before the warm-up,
+    so the captured pass is a lean measured one; the statistics are rewritten in place on each replay)."""
+    if dev.type != "cuda":
+        return None
+    monitor = fastdiag.attach(model, every=1, keep_records=False) if every else None
+    try:
+        def step():
+            with autocast:
+                loss = loss_fn(model)
+            loss.backward()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        model.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return median_ms(graph.replay, dev, repeats)
+    finally:
+        if monitor is not None:
+            monitor.detach()
+        model.zero_grad(set_to_none=True)
+
+
+def compiled_ratios(model, loss_fn, autocast, dev: torch.device, dry: bool) -> dict:
+    """The model under torch.compile(mode="reduce-overhead") (CUDA graphs): step ms bare, and every=1 /
+    every=10 as ratios to it (alternated blocks after the compile warm-up)."""
+    if dev.type != "cuda":
+        return {}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    blocks, per_block = (1, 2) if dry else (5, 10)
+
+    def steps(n):
+        for _ in range(n):
+            with autocast:
+                loss = loss_fn(compiled)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+
+    times = {0: [], 10: [], 1: []}
+    for every in (0, 10, 1):                # warm-up: both graphs (measured, not) compiled and recorded
+        monitor = fastdiag.attach(model, every=every) if every else None
+        steps(4)
+        if monitor is not None:
+            monitor.detach()
+    for _ in range(blocks):
+        for every in (0, 10, 1):
+            monitor = fastdiag.attach(model, every=every) if every else None
+            t0 = time.perf_counter()
+            steps(per_block)
+            times[every].append((time.perf_counter() - t0) / per_block)
+            if monitor is not None:
+                monitor.detach()
+    base = statistics.median(times[0])
+    torch._dynamo.reset()
+    return {"reduce_overhead_step_ms": 1e3 * base,
+            "reduce_overhead_every10_ratio": statistics.median(times[10]) / base,
+            "reduce_overhead_every1_ratio": statistics.median(times[1]) / base}
 
 
 def stage_int64(dev: torch.device, dry: bool) -> None:

@@ -37,7 +37,9 @@ class FastdiagCallback(TrainerCallback):
         self.monitor = attach(model, every=self.every, **self.attach_kwargs)
         # The next forward is micro-batch `global_step · G + 1`: numbered as the Trainer numbers its steps,
         # so a log at step k reads the step measured at k, not the one `every` steps before it.
-        self.monitor.set_step(state.global_step * max(1, args.gradient_accumulation_steps) + 1)
+        if state is not None:   # called by hand (no Trainer state): count from step 0
+            accumulation = getattr(args, "gradient_accumulation_steps", 1) or 1
+            self.monitor.set_step(state.global_step * max(1, accumulation) + 1)
         self._records_seen = 0
         monitor = self.monitor
         # An encoder-decoder's attention_mask is the encoder's: handed to the encoder's attention only
