@@ -179,7 +179,8 @@ def main() -> None:
             parser.error(f"--loads: expected quiet and/or hogs, got {label!r}")
         with hogs(2) if label == "hogs" else contextlib.nullcontext():
             results.append(side_by_side(args.epochs, args.rounds, label, fastdiag_env, bare_env))
-    print("# summary (seconds per epoch, process start to exit; ratio = fastdiag run / bare loop)")
+    print("# summary (seconds per epoch, process start to exit; ratio = fastdiag run / bare loop; 'quiet' = no "
+          "hogs added: the machine as it was, see each line's load)")
     for res in results:
         med = res["median"]
         target = 1.05 if res["label"] == "quiet" else 1.2
