@@ -175,3 +175,31 @@ def test_a_padding_mask_that_cannot_reach_the_device_never_breaks_the_step():
         model(torch.randint(0, 64, (2, 16)))
     finally:
         monitor.detach()
+
+
+def test_reduce_overhead_compile_measures_as_eager():
+    """torch.compile(mode="reduce-overhead") (CUDA graphs on a GPU, tests/test_attach_gpu.py; inductor
+    alone on CPU): every measured step's statistics equal eager's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = NanoGPT(vocab=32, d_model=16, n_heads=2, n_layers=1, seq_len=8)
+    x = torch.randint(0, 32, (2, 8))
+    with fastdiag.attach(model, every=1) as monitor:
+        model(x)
+        want = monitor.latest_stats()
+    monitor = fastdiag.attach(model, every=2)
+    try:
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        with torch.no_grad():    # forward graphs only: the compile stays short
+            for _ in range(4):
+                compiled(x)
+        assert [r["step"] for r in monitor.history()] == [0, 2]
+        got = monitor.latest_stats()
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name].gram.double(), want[name].gram.double(), rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(got[name].entropy_sum.double(), want[name].entropy_sum.double(),
+                                       rtol=1e-5, atol=1e-7)
+    finally:
+        monitor.detach()
+        torch._dynamo.reset()
