@@ -155,13 +155,13 @@ def syncs_seen(model, backend: str) -> list[str]:
         monitor.detach()
 
 
-def counts(detail: bool = False) -> list[dict]:
+def counts(detail: bool = False, families=("gpt2", "llama"), syncs: bool = True) -> list[dict]:
     rows = []
-    for family in ("gpt2", "llama"):
+    for family in families:
         model = tiny(family)
         ops_bare, ops_att = bare(model, count_ops), attached(model, "triton", count_ops)
         calls_bare, calls_att = bare(model, count_calls), attached(model, "torch", count_calls)
-        sync = {backend: syncs_seen(model, backend) for backend in ("torch", "triton", "reference")}
+        sync = {backend: syncs_seen(model, backend) for backend in ("torch", "triton", "reference")} if syncs else {}
         glue = sum(ops_att.ops.values()) - sum(ops_bare.ops.values())
         row = dict(model=family, aten_ops_per_layer=glue / LAYERS,
                    with_interpreter_copies=(glue + ops_att.interpreter - ops_bare.interpreter) / LAYERS,
@@ -251,12 +251,17 @@ def main(argv=None) -> int:
     parser.add_argument("--time", type=int, default=0, metavar="BLOCKS", help="alternated timing blocks (0: none)")
     parser.add_argument("--detail", action="store_true", help="print the aten ops added, by op")
     parser.add_argument("--no-counts", action="store_true")
+    parser.add_argument("--models", default="gpt2,llama", help="comma-separated: gpt2, llama")
+    parser.add_argument("--no-syncs", action="store_true", help="skip the host-sync count")
     args = parser.parse_args(argv)
     if args.time < 0:
         parser.error("--time: expected a non-negative number of blocks")
     print(f"load {os.getloadavg()[0]:.1f}; {fastdiag.__file__}", flush=True)
+    families = [f for f in args.models.split(",") if f]
+    if any(f not in ("gpt2", "llama") for f in families):
+        parser.error(f"--models: expected gpt2 and/or llama, got {args.models!r}")
     if not args.no_counts:
-        counts(args.detail)
+        counts(args.detail, families, syncs=not args.no_syncs)
     if args.time:
         timings(args.time)
     return 0
