@@ -7,6 +7,7 @@ committed in the repository; tests/test_readme_snippets.py checks the blocks in 
     demo     the `make demo` output, from data/demo/ (run.log, stamp.json: the run it shows)
     sweep    `fastdiag analyze` of the README sweep, from its store data/readme/readme.sqlite
     predict  `fastdiag analyze --predict` of the same store
+    intervention  `fastdiag analyze` of the README intervention's store data/readme/iv.sqlite, seed by seed
     figures  docs/img/*.png from the same data (not checked in CI: tens of seconds of drawing)
 
 What the data came from (the commands, the commit, the load) is in each folder's stamp.json and in the
@@ -22,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fastdiag.analysis.docs_blocks import DEMO, demo_lines, write_block
+from fastdiag.analysis.docs_blocks import DEMO, demo_lines, intervention_seed_lines, write_block
 from fastdiag.analysis.gpu_runs import gpu_paragraph, load_gpu_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +46,12 @@ def predict_lines() -> list[str]:
     lines = fastdiag_output(["analyze", "readme.sqlite", "--predict"], SWEEP)
     start = next(i for i, line in enumerate(lines) if line.startswith("== predictive value"))
     return ["```", *lines[start:], "```"]
+
+
+def intervention_lines() -> list[str]:
+    lines = fastdiag_output(["analyze", "iv.sqlite"], SWEEP)
+    start = next(i for i, line in enumerate(lines) if line.startswith("== interventions"))
+    return ["```", *lines[start:], *intervention_seed_lines(SWEEP / "iv.sqlite"), "```"]
 
 
 def paper() -> None:
@@ -74,6 +81,12 @@ def figures() -> None:
                         "--format", "png"], check=True, capture_output=True)
         for name, target in (("p_grok", "sweep_p_grok"), ("trajectories", "sweep_trajectories"), ("predict", "predict")):
             shutil.copy(Path(tmp) / f"{name}.png", IMG / f"{target}.png")
+        if (SWEEP / "iv.sqlite").exists():
+            store = Path(tmp) / "iv.sqlite"
+            shutil.copy(SWEEP / "iv.sqlite", store)
+            subprocess.run([sys.executable, "-m", "fastdiag.cli", "plot", str(store), "--out", tmp, "--format", "png"],
+                           check=True, capture_output=True)
+            shutil.copy(Path(tmp) / "intervention.png", IMG / "intervention.png")
 
 
 GENERATORS = {
@@ -82,6 +95,7 @@ GENERATORS = {
     "demo": lambda: write_block("demo", demo_lines()),
     "sweep": lambda: write_block("sweep", analyze_lines()),
     "predict": lambda: write_block("predict", predict_lines()),
+    "intervention": lambda: write_block("intervention", intervention_lines()),
     "figures": figures,
 }
 

@@ -51,3 +51,22 @@ def demo_lines(folder: Path = DEMO) -> list[str]:
     first, last = DEMO_SHOWN
     shown = progress if len(progress) <= first + last else progress[:first] + ["..."] + progress[-last:]
     return ["```", f"$ {stamp['make_target']}", f".venv/bin/{stamp['command']}", *shown, *rest, "```"]
+
+
+def intervention_seed_lines(store_path: Path) -> list[str]:
+    """Per experiment of an intervention store, each arm's peak σ_H after the branch seed by seed (the
+    values the paired comparison averages: a split response shows here, not in a mean)."""
+    from fastdiag.store import open_existing
+    from fastdiag.store.interventions import load_experiments
+
+    lines = []
+    with open_existing(store_path) as store:
+        for exp_id, rows in sorted(load_experiments(store).items()):
+            seeds = sorted({r["seed"] for r in rows})
+            lines.append(f"  peak σ_H after the branch per seed ({exp_id}, seeds {', '.join(map(str, seeds))}):")
+            for arm in ("control", "reinit", "clip"):
+                by_seed = {r["seed"]: r["metrics"].get("peak_sigma_h_after") for r in rows if r["arm"] == arm}
+                if by_seed:
+                    lines.append(f"    {arm:<8} " + " ".join("     -" if by_seed.get(s) is None else f"{by_seed[s]:6.4f}"
+                                                         for s in seeds))
+    return lines
