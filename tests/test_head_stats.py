@@ -302,6 +302,22 @@ def test_gram_flushes_to_float64_mid_tile(dtype, monkeypatch):
     assert rel_err(got.entropy_sum, want.entropy_sum) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+def test_forty_heads_fp32_take_the_half_slab_and_match_the_reference(causal):
+    """40 heads (a 64-head block, eight warps) in fp32 take half the slab (32-key steps: one stage spilled
+    at 64 keys under triton 3.6); the sums still equal the float64 reference, with a query mask, rows
+    shorter than a step and keys past one."""
+    from fastdiag.core.kernels import head_stats_triton as hs
+
+    assert hs._tiles(40, 8, 70, 4, causal)[2] < hs._tiles(40, 8, 70, 2, causal)[2]
+    probs = random_probs((1, 2, 40, 4, 70), dtype=torch.float32, seed=23, causal=causal)
+    mask = random_query_mask((1, 2, 4), seed=23)
+    got = fastdiag.head_stats(probs, mask, backend="triton", causal=causal)
+    want = fastdiag.head_stats(probs, mask, backend="reference", causal=causal)
+    assert rel_err(got.gram, want.gram) <= TOLERANCE[torch.float32]
+    assert rel_err(got.entropy_sum, want.entropy_sum) <= TOLERANCE[torch.float32]
+
+
 # ---- the hardware log2's error on σ_H -------------------------------------------------------------
 
 LG2_APPROX_ABS_ERROR = 2.0 ** -22     # lg2.approx.f32 (fast_log2f) on [0.5, 2]: the CUDA guide's bound

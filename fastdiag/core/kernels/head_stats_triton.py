@@ -288,6 +288,8 @@ def _tiles(h: int, rows: int, tk: int, element_bytes: int, causal: bool) -> tupl
     slab = _SLAB_PER_WARP * warps // block_h
     if element_bytes == 4:
         slab //= 2   # fp32: the TF32 split's stacked [hi; lo] operand doubles the dot's registers
+        if block_h >= 64:
+            slab //= 2   # 40-64 heads in one stage: 32-40 B spilled on sm_80/86/89 under triton 3.6 at 64 keys
     if causal:
         slab //= 2   # the key-bounded loop beside the plain one: at 1024 elements a warp, 8-112 B spilled (triton 3.6, sm_80-120)
     if tk < 64:
