@@ -16,7 +16,7 @@ from tests.helpers import assert_stats_close
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_attach_matrix import attached_unchanged, build, inputs, sharpen  # noqa: E402
+from tests.hf_matrix import attached_unchanged, build, inputs, sharpen  # noqa: E402
 
 BATCH = inputs("bert", padded=True)          # 2 x 10 tokens, right padding 2 and left padding 3
 REAL = BATCH["attention_mask"].bool()

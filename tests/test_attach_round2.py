@@ -19,7 +19,7 @@ from tests.helpers import assert_stats_close, eager_probs
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_attach_matrix import CaptureSDPA, attached_unchanged, build, inputs, sdpa_probs, sharpen  # noqa: E402
+from tests.hf_matrix import CaptureSDPA, attached_unchanged, build, inputs, sdpa_probs, sharpen  # noqa: E402
 
 
 def _hs(probs, rows=None):
@@ -313,7 +313,7 @@ def test_hf_callback_hands_the_encoder_mask_to_the_encoder_only():
     decoder rows (decoder self-attention and cross-attention count every target row)."""
     from fastdiag.integrations.hf import FastdiagCallback
 
-    from tests.test_attach_matrix import reference
+    from tests.hf_matrix import reference
     arch = "t5 (relative position bias)"
     model = build(arch, "eager")
     batch = inputs(arch, padded=True)
