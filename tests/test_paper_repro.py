@@ -279,3 +279,27 @@ def test_near_top_span_counts_every_evaluation_close_to_the_highest():
     trace = [{"epoch": e, "s_bar": v} for e, v in ((100, 0.90), (200, 0.985), (300, 0.983), (400, 0.97), (900, 0.9845))]
     assert paper.near_top_span(trace, t_grok=100) == {"n": 3, "first": 200, "last": 900, "near": paper.NEAR_TOP}
     assert paper.near_top_span(trace, t_grok=900) is None
+
+
+def test_paper_figure_draws_step_0_under_its_own_tick_not_at_an_epoch(tmp_path, capsys):
+    """`fastdiag paper figure` from data/paper/: step 0 is drawn left of the first epoch under a "step 0"
+    tick (it was drawn at epoch 1 of the log axis), and λ groups of fewer than 5 runs get no median."""
+    import json
+
+    import matplotlib.figure
+
+    saved = {}
+    original = matplotlib.figure.Figure.savefig
+    matplotlib.figure.Figure.savefig = lambda self, *a, **k: saved.setdefault("fig", self)
+    try:
+        main(["paper", "figure", "--init", str(paper_data.DATA / "init.json"), "--out", str(tmp_path / "f.png")])
+    finally:
+        matplotlib.figure.Figure.savefig = original
+    fig = saved["fig"]
+    bottom = fig.axes[-1]
+    labels = [t.get_text() for t in bottom.get_xticklabels()]
+    assert labels[0] == "step 0" and bottom.get_xticks()[0] < 1 and "10" in labels
+    init = json.loads((paper_data.DATA / "init.json").read_text())["per_seed"]
+    step0 = [line for line in fig.axes[1].get_lines() if len(line.get_xdata()) == len(init)
+             and set(line.get_xdata()) == {bottom.get_xticks()[0]}]
+    assert step0, "step-0 points not at the step-0 tick"
