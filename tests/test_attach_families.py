@@ -4,7 +4,7 @@ probabilities the model returns with ``output_attentions``) or named as not meas
 silent number. Outputs unchanged in every case.
 
 A representative sample of what the matrix does not hold: cross-attention with Tq = Tk, block-sparse,
-n-gram streams, windowed layouts (XLNet's self-seeing padding: tests/test_attach_round2.py)."""
+n-gram streams, windowed layouts (XLNet's self-seeing padding: tests/test_attach_precision_and_layouts.py)."""
 import warnings
 
 import pytest

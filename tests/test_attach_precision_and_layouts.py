@@ -1,4 +1,4 @@
-"""fastdiag.attach, round two: exact under autocast, in grouped-query decode, and never breaking a
+"""fastdiag.attach under mixed precision and odd layouts: exact under autocast, in grouped-query decode, and never breaking a
 step torch accepts (mixed precision, KV caches, cross-attention, odd layouts, hostile inputs). Each case is checked against float64
 statistics of the probabilities the model really used, with outputs and gradients unchanged."""
 import copy
