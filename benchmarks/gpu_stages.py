@@ -204,15 +204,7 @@ def stage_attach(dev: torch.device, dry: bool) -> None:
                 torch.cuda.synchronize()
 
         steps(1 if dry else 2)
-        times = {0: [], 10: [], 1: []}
-        for _ in range(blocks):
-            for every in (0, 10, 1):
-                monitor = fastdiag.attach(model, every=every) if every else None
-                t0 = time.perf_counter()
-                steps(per_block)
-                times[every].append((time.perf_counter() - t0) / per_block)
-                if monitor is not None:
-                    monitor.detach()
+        times = alternated_attach_blocks(model, steps, blocks, per_block)
         base = statistics.median(times[0])
         with fastdiag.attach(model, every=1):
             steps(2)                                  # the careful pass, then a lean one
@@ -226,6 +218,20 @@ def stage_attach(dev: torch.device, dry: bool) -> None:
              gpu_idle_every1=idle, graphed_step_ms=graphed[0],
              graphed_every1_ratio=None if graphed[0] is None or graphed[1] is None else graphed[1] / graphed[0],
              **compiled)
+
+
+def alternated_attach_blocks(model, steps, blocks: int, per_block: int) -> dict[int, list[float]]:
+    """Seconds per step of ``steps(n)`` in blocks alternating bare (0) / every=10 / every=1."""
+    times = {0: [], 10: [], 1: []}
+    for _ in range(blocks):
+        for every in (0, 10, 1):
+            monitor = fastdiag.attach(model, every=every) if every else None
+            t0 = time.perf_counter()
+            steps(per_block)
+            times[every].append((time.perf_counter() - t0) / per_block)
+            if monitor is not None:
+                monitor.detach()
+    return times
 
 
 def gpu_idle_fraction(step, dev: torch.device) -> float | None:
@@ -298,20 +304,8 @@ def compiled_ratios(model, loss_fn, autocast, dev: torch.device, dry: bool) -> d
             model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
 
-    times = {0: [], 10: [], 1: []}
-    for every in (0, 10, 1):                # warm-up: both graphs (measured, not) compiled and recorded
-        monitor = fastdiag.attach(model, every=every) if every else None
-        steps(4)
-        if monitor is not None:
-            monitor.detach()
-    for _ in range(blocks):
-        for every in (0, 10, 1):
-            monitor = fastdiag.attach(model, every=every) if every else None
-            t0 = time.perf_counter()
-            steps(per_block)
-            times[every].append((time.perf_counter() - t0) / per_block)
-            if monitor is not None:
-                monitor.detach()
+    alternated_attach_blocks(model, steps, 1, 4)    # warm-up: both graphs (measured, not) compiled and recorded
+    times = alternated_attach_blocks(model, steps, blocks, per_block)
     base = statistics.median(times[0])
     torch._dynamo.reset()
     return {"reduce_overhead_step_ms": 1e3 * base,

@@ -95,6 +95,23 @@ class TwoLayers(nn.Module):
         return x
 
 
+def tiny_hf(family: str, attn: str):
+    """A 2-layer HF GPT-2 or grouped-query Llama (4 heads, d 32, vocab 64) in training mode, no dropout."""
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          hidden_size=32, intermediate_size=64, vocab_size=64)
+        model = transformers.LlamaForCausalLM(config)
+    model.config._attn_implementation = attn
+    return model.train()
+
+
 def nano(seed=0, **kw):
     torch.manual_seed(seed)
     return NanoGPT(vocab=32, d_model=16, n_heads=4, n_layers=2, seq_len=8, **kw)

@@ -6,6 +6,7 @@ import torch
 import fastdiag
 from fastdiag.core.host_sync import SyncDetector
 from fastdiag.testing import NanoGPT
+from tests.helpers import tiny_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,19 +37,6 @@ def test_detector_raises_when_asked():
         torch.randn(3).sum().item()
 
 
-def _hf(family: str, attn: str):
-    torch.manual_seed(0)
-    if family == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32)
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        config = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                          hidden_size=32, intermediate_size=64, vocab_size=64)
-        model = transformers.LlamaForCausalLM(config)
-    model.config._attn_implementation = attn
-    return model.train()
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton", "reference"])
 @pytest.mark.parametrize("family,attn,padded", [("gpt2", "sdpa", False), ("llama", "sdpa", True),
                                                 ("gpt2", "eager", True), ("nanogpt", "sdpa", False)])
@@ -60,7 +48,7 @@ def test_measured_steps_never_sync(family, attn, padded, backend):
         model = NanoGPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
         step = lambda: model(torch.randint(0, 64, (2, 16))).square().mean().backward()  # noqa: E731
     else:
-        model = _hf(family, attn)
+        model = tiny_hf(family, attn)
         ids = torch.randint(0, 64, (2, 12))
         mask = torch.ones(2, 12, dtype=torch.long)
         if padded:

@@ -7,22 +7,9 @@ import torch.nn.functional as F
 
 import fastdiag
 from fastdiag.testing import NanoGPT
+from tests.helpers import tiny_hf
 
 transformers = pytest.importorskip("transformers")
-
-
-def _hf(family: str, attn: str):
-    torch.manual_seed(0)
-    if family == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        config = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                          hidden_size=32, intermediate_size=64, vocab_size=64)
-        model = transformers.LlamaForCausalLM(config)
-    model.config._attn_implementation = attn
-    return model.train()
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -38,7 +25,7 @@ def test_lean_passes_equal_the_careful_one(family, attn):
         x = torch.randint(0, 64, (2, 16))
         run = lambda: model(x).square().mean()  # noqa: E731
     else:
-        model = _hf(family, attn)
+        model = tiny_hf(family, attn)
         ids = torch.randint(0, 64, (2, 12))
         mask = torch.ones(2, 12, dtype=torch.long)
         mask[1, :3] = 0
@@ -68,7 +55,7 @@ def test_lean_passes_equal_the_careful_one(family, attn):
 
 
 def test_an_unexpected_shape_is_measured_carefully_and_drops_the_plan():
-    model = _hf("llama", "sdpa")
+    model = tiny_hf("llama", "sdpa")
     monitor = fastdiag.attach(model, every=1)
     try:
         short, long = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 12))
