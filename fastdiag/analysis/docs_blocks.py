@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fastdiag.store import open_existing
+from fastdiag.store.interventions import load_experiments
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 DEMO = Path(__file__).resolve().parents[2] / "data" / "demo"
 DEMO_SHOWN = (3, 1)        # progress lines of the demo shown: the first 3 and the last 1
@@ -56,9 +59,6 @@ def demo_lines(folder: Path = DEMO) -> list[str]:
 def intervention_seed_lines(store_path: Path) -> list[str]:
     """Per experiment of an intervention store, each arm's peak σ_H after the branch seed by seed (the
     values the paired comparison averages: a split response shows here, not in a mean)."""
-    from fastdiag.store import open_existing
-    from fastdiag.store.interventions import load_experiments
-
     lines = []
     with open_existing(store_path) as store:
         for exp_id, rows in sorted(load_experiments(store).items()):

@@ -15,7 +15,7 @@ import numpy as np
 from scipy import stats as sps
 
 from fastdiag.analysis.trajectories import phase_values
-from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.config import EXECUTION_FIELDS, RunConfig
 from fastdiag.grokking.labels import relabel
 from fastdiag.store import open_existing
 
@@ -38,14 +38,14 @@ def predicted_t_grok(lam: float, t_ref: float = 130.0, lambda_c: float = PAPER["
 # ------------------------------------------------------------------ table
 def load_runs(stores: list[str]) -> list[dict]:
     """Done runs of all stores with their traces and phase values. A run whose whole configuration
-    (seed included) was already read from another store is a rerun: it is counted once, and its result
+    (seed included; where and how it executed aside: `EXECUTION_FIELDS`) was already read from another store is a rerun: it is counted once, and its result
     is checked against the first (training on the CPU is deterministic, so they must agree)."""
     runs = []
     seen: dict[str, dict] = {}
     for path in stores:
         with open_existing(path) as store:
             for run in store.runs("done"):
-                key = json.dumps(run["config"], sort_keys=True)
+                key = json.dumps({k: v for k, v in run["config"].items() if k not in EXECUTION_FIELDS}, sort_keys=True)
                 if key in seen:
                     first = seen[key]
                     same = all(first["result"].get(k) == run["result"].get(k)
