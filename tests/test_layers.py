@@ -35,7 +35,7 @@ ALLOWED = {
 }
 # Third-party packages a layer must not import at all (statistics and figures run without torch).
 # Modules that import an optional third-party dependency (Triton) at their top: loaded late on purpose.
-OPTIONAL = {"fastdiag.core.kernels.head_stats_triton", "fastdiag.core.kernels.qk_stats_triton",
+OPTIONAL = {"fastdiag.core.kernels.head_stats_triton", "fastdiag.core.kernels.qk_stats_triton", "fastdiag.kernel_report.cases",
             "fastdiag.core.kernels.selective_scan_triton"}
 FORBIDDEN = {"analysis": {"torch"}, "plots": {"torch"}, "config": {"torch", "numpy"}, "store": {"torch", "numpy"}}
 

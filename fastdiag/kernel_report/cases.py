@@ -12,7 +12,7 @@ from fastdiag.core.kernels.head_stats_triton import head_stats_triton
 from fastdiag.core.kernels.qk_stats_triton import (pass1_fits, pass2_configs, qk_stats_triton,
                                                     row_lse_triton)
 
-from . import KernelReport, ReportCase, report_case
+from .compiled import KernelReport, ReportCase, report_case
 
 # ---- the kernel report (`fastdiag bench --kernel-report`): this launcher at the benchmark shapes --
 
