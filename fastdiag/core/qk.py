@@ -260,7 +260,10 @@ def _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scal
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal,
                 attn_mask=additive_mask(attn_mask, query.dtype, true_attends=True), scale=scale)
-            return out, lse
+            # Its LSE is float32 only for float32 inputs: with bf16/fp16 ones it was 6e-5 off float64 of
+            # the same scores (torch 2.13), which put the Gram 1e-4 off; our own LSE costs no extra pass
+            # on the CPU path (a logsumexp of the chunk it scores anyway).
+            return out, (lse if query.dtype in (torch.float32, torch.float64) else None)
         # CUDA: only the plainest calls, where F.sdpa pads nothing and converts no mask
         # (tests/test_gpu.py checks the output is bit-identical on a GPU).
         plain = (query.is_cuda and attn_mask is None and query.shape[1] == key.shape[1]
