@@ -2,16 +2,20 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import click
 
-from fastdiag.analysis.headdim import HeaddimAnalysis
-from fastdiag.analysis.predict import PredictiveAnalysis, seed_list
-from fastdiag.analysis.report import PredictSettings, Report, build_report
 from fastdiag.cli.app import CLIError, open_store
 from fastdiag.cli.options import numeric
-from fastdiag.grokking.build import heads_width
 from fastdiag.grokking.config import N_BOOT, REGIMES, fmt_or_dash
+
+# The statistics (scipy) and the model zoo (torch) load in the bodies that use them, so that
+# `fastdiag analyze --help` (and plot's, intervene's, which import this module) needs neither.
+if TYPE_CHECKING:
+    from fastdiag.analysis.headdim import HeaddimAnalysis
+    from fastdiag.analysis.predict import PredictiveAnalysis
+    from fastdiag.analysis.report import PredictSettings, Report
 
 # The regime table's column headings: the regime's name, shortened where it is long (every regime in
 # REGIMES has one, so a new regime cannot be left out of the table).
@@ -26,6 +30,9 @@ def _width(regime: str) -> int:
 def store_report(store, n_boot: int = N_BOOT, seed: int = 0, retention_threshold: float = 0.9,
                  predict: PredictSettings | None = None, fit_max_lambda: float | None = None) -> Report:
     """The report of an open store, with the model zoo's head counts for the per-head-dimension sets."""
+    from fastdiag.analysis.report import build_report
+    from fastdiag.grokking.build import heads_width
+
     return build_report(store, heads_width, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
                         fit_max_lambda=fit_max_lambda, predict=predict)
 
@@ -106,6 +113,8 @@ def format_headdim(a: HeaddimAnalysis) -> str:
 
 
 def format_predict(p: PredictiveAnalysis) -> list[str]:
+    from fastdiag.analysis.predict import seed_list
+
     lines = [f"== predictive value at t0 = {p.t0:g} epochs ({p.t0_source}); seeds split train/test "
              f"(test fraction {p.test_frac:g}, split seed {p.split_seed})"]
     ex = ", ".join(f"{n} {why}" for why, n in p.excluded.items() if n)
@@ -220,6 +229,8 @@ def analyze_cmd(store_path, as_json, n_boot, seed, fit_max_lambda, retention_thr
                 split_seed):
     """Critical weight decay λ_c, exponent ν (with bootstrap CIs), regime table and median t_grok
     per architecture/size group of a sweep store."""
+    from fastdiag.analysis.report import PredictSettings
+
     with open_store(store_path) as store:
         report = store_report(store, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
                               predict=PredictSettings(t0, test_frac, split_seed) if predict else None,

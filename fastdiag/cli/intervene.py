@@ -10,8 +10,6 @@ from pathlib import Path
 import click
 import torch
 
-from fastdiag.analysis.headdim import headdim_analysis
-from fastdiag.analysis.paired import compare_arms
 from fastdiag.cli.analyze import format_comparison, format_headdim
 from fastdiag.cli.app import CLIError, create_store, option_errors
 from fastdiag.cli.options import PARAM_FLAGS, QUIET_HELP, THREADS_HELP, dataclass_options, numeric, run_fields, run_options
@@ -83,6 +81,8 @@ INTERVENE_FLAGS = {**PARAM_FLAGS, **{name: flags[0] for name, (flags, _) in INTE
 
 def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epochs, peak_patience,
                peak_patience_epochs, **kw):
+    from fastdiag.analysis.paired import compare_arms     # scipy: not for --help
+
     with option_errors():
         seeds = parse_seeds(kw["seeds"])
         cfg0 = RunConfig(**run_fields(kw), seed=seeds[0], stop_at_grok=False)
@@ -226,6 +226,8 @@ def headdim_cmd(widths, heads, ff_mult, workers, n_boot, **kw):
     """Per-head dimension: train every (d, H, seed) at fixed λ (transformer, custom preset) into a store
     (finished runs are skipped), then fit peak σ_H after grokking against d/H with the saturating curve
     σ_max = c + a(1 − exp(−b·d/H)) and draw it."""
+    from fastdiag.analysis.headdim import headdim_analysis     # scipy: not for --help
+
     if kw["store_path"] is None:
         raise CLIError("--store: required (the runs go into a result store)")
     if kw["patience"] < 0:

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import click
 
-from fastdiag.analysis.paper_data import DATA
-
 # The README's two GPU sweeps (λ grid, seeds, horizon) and the assumed (TFLOP/s, launch floor in ms).
 GPU_GRIDS = [("0.005:10:23", 16, 20000), ("0.01:0.03:9", 16, 20000)]
 GPU_ASSUMPTIONS = [(tflops, floor) for floor in (3.0, 6.0) for tflops in (10.0, 20.0, 40.0)]
@@ -26,11 +24,22 @@ def gpu_rows() -> list[tuple[float, float, list[float]]]:
             for tflops, floor in GPU_ASSUMPTIONS]
 
 
-def paper_block(data: Path = DATA) -> list[str]:
-    """The README's generated block (markers included), from ``data`` alone."""
+def committed_data() -> Path:
+    """data/paper/, the default of --data and --out: read from fastdiag.analysis.paper_data when a command
+    runs (it loads scipy, which `fastdiag paper ... --help` does without)."""
+    from fastdiag.analysis.paper_data import DATA
+
+    return DATA
+
+
+DATA_SHOWN = "data/paper/ of the repository"
+
+
+def paper_block(data: Path | None = None) -> list[str]:
+    """The README's generated block (markers included), from ``data`` (default: data/paper/) alone."""
     from fastdiag.analysis.paper import regenerate
 
-    return regenerate(gpu_rows(), data)
+    return regenerate(gpu_rows(), committed_data() if data is None else data)
 
 
 @click.group("paper")
@@ -39,8 +48,8 @@ def paper_cmd() -> None:
 
 
 @paper_cmd.command("regenerate")
-@click.option("--data", type=click.Path(exists=True, file_okay=False, path_type=Path), default=DATA,
-              show_default=True, help="The committed data folder.")
+@click.option("--data", type=click.Path(exists=True, file_okay=False, path_type=Path), default=committed_data,
+              show_default=DATA_SHOWN, help="The committed data folder.")
 @click.option("--write-readme", is_flag=True, help="Replace the README's generated block with it.")
 def regenerate_cmd(data, write_readme):
     """Print the README's paper table (and the prose under it) from data/paper/ alone."""
@@ -54,7 +63,8 @@ def regenerate_cmd(data, write_readme):
 
 @paper_cmd.command("export")
 @click.argument("stores", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DATA, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=committed_data,
+              show_default=DATA_SHOWN)
 def export_cmd(stores, out):
     """Append the done canonical runs of STORES (with their traces) to OUT/runs.csv and OUT/traces.csv."""
     from fastdiag.analysis.paper_data import export
@@ -76,8 +86,8 @@ def table_cmd(stores, as_json):
 
 @paper_cmd.command("figure")
 @click.argument("stores", nargs=-1, type=click.Path(dir_okay=False))
-@click.option("--data", type=click.Path(exists=True, file_okay=False, path_type=Path), default=DATA,
-              show_default=True, help="The committed data folder, drawn when no store is given.")
+@click.option("--data", type=click.Path(exists=True, file_okay=False, path_type=Path), default=committed_data,
+              show_default=DATA_SHOWN, help="The committed data folder, drawn when no store is given.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
 @click.option("--init", "init_path", type=click.Path(dir_okay=False, path_type=Path),
               help="JSON written by `fastdiag paper init`: step-0 values, drawn left of the first epoch.")

@@ -8,11 +8,9 @@ import sys
 from pathlib import Path
 
 import click
-import torch
 
 from fastdiag.cli.app import CLIError, create_store, open_store, option_errors
 from fastdiag.cli.options import QUIET_HELP, THREADS_DEFAULT, numeric, run_fields, run_options
-from fastdiag.analysis.paper_data import PAPER, predicted_t_grok
 from fastdiag.cli.run import checkpoint_option, parse_checkpoint_every
 from fastdiag.grokking.build import uses_cuda
 from fastdiag.grokking.config import ARCHS, RunConfig
@@ -128,6 +126,10 @@ def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, ad
 
 def _print_estimate(configs, ensemble_size, workers, threads, steps) -> None:
     """The dry run's time estimate (`fastdiag.sweep.plan.estimate_sweep`), or why there is none."""
+    import torch
+
+    from fastdiag.analysis.paper_data import PAPER, predicted_t_grok     # scipy: not for --help
+
     if steps == 0:
         return
     if any(uses_cuda(c) for c in configs) and not torch.cuda.is_available():
