@@ -21,8 +21,6 @@ HEAVY = ("torch", "scipy", "matplotlib")
 TORCH_FOR_OPTIONS = {
     "run": "--checkpoint-every's default and help: fastdiag.grokking.checkpoint",
     "sweep": "--seeds' help, --backend's choices: fastdiag.sweep",
-    "merge": "lives in cli/sweep.py with sweep",
-    "export": "lives in cli/sweep.py with sweep",
     "bench": "the kernel shapes and workloads: fastdiag.bench",
     "intervene": "InterventionSettings: fastdiag.grokking.interventions",
     "headdim": "lives in cli/intervene.py with intervene; --seeds' help: fastdiag.sweep",

@@ -19,8 +19,8 @@ from fastdiag.cli.app import CLIError, cli, main  # noqa: E402 - after the polic
 cli.lazy = {
     "run": ("fastdiag.cli.run", "Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."),
     "sweep": ("fastdiag.cli.sweep", "Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."),
-    "merge": ("fastdiag.cli.sweep", "Merge shard stores IN... into OUT (created if missing)."),
-    "export": ("fastdiag.cli.sweep", "Export a store's runs table (config and result flattened into columns)"),
+    "merge": ("fastdiag.cli.stores", "Merge shard stores IN... into OUT (created if missing)."),
+    "export": ("fastdiag.cli.stores", "Export a store's runs table (config and result flattened into columns)"),
     "analyze": ("fastdiag.cli.analyze", "Critical weight decay λ_c, exponent ν (with bootstrap CIs), regime table"),
     "plot": ("fastdiag.cli.plot", "Draw the sweep figures of STORE as PNG and SVG into DIR"),
     "bench": ("fastdiag.cli.bench", "Measure fastdiag's overhead against a pure-PyTorch reference"),
