@@ -153,7 +153,7 @@ def one_line_error(r, needle, code=2):
     assert len(lines) == 1 and lines[0].startswith("fastdiag: error:") and needle in lines[0], r.stderr
 
 
-def fastdiag(capsys, *args):
+def cli_in_process(capsys, *args):
     """``fastdiag ARGS`` in this process: (exit status, stdout, stderr)."""
     try:
         main([*map(str, args)])

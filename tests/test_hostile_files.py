@@ -14,11 +14,11 @@ import pytest
 from fastdiag.cli import main
 from fastdiag.store import StoreError, open_existing
 from fastdiag.store.files import atomic_path
-from tests.helpers import cli, fastdiag, one_line_error, refused, remount_read_only, small_store, tmpfs
+from tests.helpers import cli, cli_in_process, one_line_error, refused, remount_read_only, small_store, tmpfs
 
 
 def export(capsys, *args):
-    return fastdiag(capsys, "export", *args)
+    return cli_in_process(capsys, "export", *args)
 
 
 def still_a_store(path, n=3):

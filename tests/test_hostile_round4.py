@@ -8,7 +8,7 @@ import sqlite3
 import pytest
 
 from fastdiag.store import Store, StoreError
-from tests.helpers import fastdiag, refused, small_store
+from tests.helpers import cli_in_process, refused, small_store
 
 TINY = ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "16", "--d-ff", "32", "--p", "7",
         "--batch", "8", "--train-frac", "0.6", "--device", "cpu", "--epochs", "1", "--ensemble", "1"]
@@ -22,7 +22,7 @@ NOT_FILES = {":memory:": "in-memory", "file:x.sqlite?mode=memory": "SQLite URI",
 @pytest.mark.parametrize("name", list(NOT_FILES))
 def test_sweep_into_a_store_that_keeps_nothing_is_refused_before_training(tmp_path, capsys, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
-    code, _, err = fastdiag(capsys, "sweep", "--wd", "1", "--quiet", "--store", name, *TINY)
+    code, _, err = cli_in_process(capsys, "sweep", "--wd", "1", "--quiet", "--store", name, *TINY)
     refused(code, err, NOT_FILES[name])
     assert "epoch" not in err and os.listdir(tmp_path) == []
 
@@ -31,8 +31,8 @@ def test_sweep_into_a_store_that_keeps_nothing_is_refused_before_training(tmp_pa
 def test_merge_into_or_from_a_store_that_keeps_nothing_is_refused(tmp_path, capsys, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
     small_store(tmp_path / "a.sqlite")
-    refused(*fastdiag(capsys, "merge", name, "a.sqlite")[::2], NOT_FILES[name])
-    refused(*fastdiag(capsys, "merge", "out.sqlite", name)[::2], NOT_FILES[name])
+    refused(*cli_in_process(capsys, "merge", name, "a.sqlite")[::2], NOT_FILES[name])
+    refused(*cli_in_process(capsys, "merge", "out.sqlite", name)[::2], NOT_FILES[name])
 
 
 def test_library_store_names_no_memory_database():
@@ -58,7 +58,7 @@ def test_a_fifo_store_is_refused_at_once(tmp_path, capsys, command):
             "merge-source": ["merge", tmp_path / "o.sqlite", fifo],
             "export": ["export", fifo, "--out", tmp_path / "o.csv"],
             "analyze": ["analyze", fifo]}[command]
-    refused(*fastdiag(capsys, *args)[::2], "a FIFO, not a regular file")
+    refused(*cli_in_process(capsys, *args)[::2], "a FIFO, not a regular file")
     assert os.path.exists(fifo) and not os.path.exists(tmp_path / "o.sqlite")
 
 
@@ -68,7 +68,7 @@ def test_a_device_store_is_refused(tmp_path, capsys, command):
     args = {"sweep": ["sweep", "--wd", "1", "--quiet", "--store", "/dev/null", *TINY],
             "merge-target": ["merge", "/dev/full", tmp_path / "a.sqlite"],
             "export": ["export", "/dev/zero", "--out", tmp_path / "o.csv"]}[command]
-    refused(*fastdiag(capsys, *args)[::2], "a device, not a regular file")
+    refused(*cli_in_process(capsys, *args)[::2], "a device, not a regular file")
 
 
 # ----------------------------------------------------------------------------- foreign schema objects
@@ -88,10 +88,10 @@ def test_a_store_with_foreign_triggers_or_views_is_not_written(tmp_path, capsys,
     with pytest.raises(StoreError, match=f"{kind} (wipe|peek)"):
         Store(store)
     small_store(tmp_path / "other.sqlite")
-    refused(*fastdiag(capsys, "merge", store, tmp_path / "other.sqlite")[::2], f"did not create ({kind} ")
-    refused(*fastdiag(capsys, "sweep", "--wd", "1", "--quiet", "--store", store, *TINY)[::2], "did not create")
+    refused(*cli_in_process(capsys, "merge", store, tmp_path / "other.sqlite")[::2], f"did not create ({kind} ")
+    refused(*cli_in_process(capsys, "sweep", "--wd", "1", "--quiet", "--store", store, *TINY)[::2], "did not create")
     # reading it is fine (no trigger runs on a read-only connection), and nothing was deleted
-    code, out, err = fastdiag(capsys, "merge", tmp_path / "copy.sqlite", store)
+    code, out, err = cli_in_process(capsys, "merge", tmp_path / "copy.sqlite", store)
     assert code == 0 and "3 runs added" in out, err
     conn = sqlite3.connect(store)
     assert conn.execute("SELECT COUNT(*) FROM runs WHERE status = 'done'").fetchone()[0] == 3
@@ -151,7 +151,7 @@ def test_numeric_options_out_of_range_are_one_line_before_anything(tmp_path, cap
     monkeypatch.chdir(tmp_path)
     small_store(tmp_path / "S")
     before = sorted(os.listdir(tmp_path))
-    refused(*fastdiag(capsys, *args)[::2], f"'{args[-2]}'")
+    refused(*cli_in_process(capsys, *args)[::2], f"'{args[-2]}'")
     assert sorted(os.listdir(tmp_path)) == before            # no store, no figure, no output
 
 
@@ -163,9 +163,9 @@ def test_export_out_naming_a_symlink_loop_is_one_line(tmp_path, capsys):
     os.symlink(tmp_path / "a", tmp_path / "b")
     for flag in ("--out", "--trace-out"):
         extra = ["--out", tmp_path / "ok.csv"] if flag == "--trace-out" else []
-        refused(*fastdiag(capsys, "export", tmp_path / "s.sqlite", *extra, flag, tmp_path / "a")[::2],
+        refused(*cli_in_process(capsys, "export", tmp_path / "s.sqlite", *extra, flag, tmp_path / "a")[::2],
                 f"{flag}: cannot write {tmp_path / 'a'}: Too many levels of symbolic links")
-    refused(*fastdiag(capsys, "export", tmp_path / "a", "--out", tmp_path / "ok.csv")[::2], "symbolic links")
+    refused(*cli_in_process(capsys, "export", tmp_path / "a", "--out", tmp_path / "ok.csv")[::2], "symbolic links")
     assert not (tmp_path / "ok.csv").exists()
 
 
@@ -177,7 +177,7 @@ def test_csv_formulas_behind_blanks_or_line_breaks_are_quoted(tmp_path, capsys):
         st.add_runs(cfgs)
         for cfg, text in zip(cfgs, sneaky):
             st.record_failed(cfg.run_id(), text)
-    code, _, err = fastdiag(capsys, "export", tmp_path / "s.sqlite", "--out", tmp_path / "runs.csv")
+    code, _, err = cli_in_process(capsys, "export", tmp_path / "s.sqlite", "--out", tmp_path / "runs.csv")
     assert code == 0, err
     errors = {r["run_id"]: r["error"] for r in csv.DictReader(open(tmp_path / "runs.csv", newline=""))}
     assert [errors[c.run_id()] for c in cfgs] == ["'" + text for text in sneaky]
