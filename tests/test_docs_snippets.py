@@ -36,8 +36,9 @@ PREAMBLES = {
         model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="eager")
         ids = torch.randint(0, 50, (8, 8), generator=torch.Generator().manual_seed(0))
         data = [{"input_ids": row, "labels": row} for row in ids]
-        args = transformers.TrainingArguments(output_dir="out", max_steps=4, per_device_train_batch_size=2,
-                                              logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+        # every=10 in the snippet: step 10 (the Trainer's numbering) is the first measured and logged one
+        args = transformers.TrainingArguments(output_dir="out", max_steps=10, per_device_train_batch_size=2,
+                                              logging_steps=5, report_to=[], use_cpu=True, save_strategy="no",
                                               disable_tqdm=True)
     """,
     "from fastdiag.integrations.lightning import": """
@@ -84,7 +85,7 @@ CHECKS = {
     """,
     "from fastdiag.integrations.hf import": """
         logged = [h for h in trainer.state.log_history if "fastdiag/s_bar" in h]
-        assert logged and 0 <= logged[-1]["fastdiag/s_bar"] <= 1, trainer.state.log_history
+        assert [h["step"] for h in logged] == [10] and 0 <= logged[-1]["fastdiag/s_bar"] <= 1, trainer.state.log_history
     """,
     "from fastdiag.integrations.lightning import": """
         assert "fastdiag/s_bar" in trainer.logged_metrics, trainer.logged_metrics
