@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import fastdiag
 from fastdiag.cli import main
 from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.ensemble_train import EnsembleAdamW
 from fastdiag.store import Store
 from fastdiag.testing import NanoGPT, rel_err
 
@@ -217,3 +218,25 @@ def insert_arms(store, experiment: str, arms=("control", "reinit"), arm_id: str 
                                                   ("config", "settings", "intervention", "result", "metrics"))))
             conn.executemany("INSERT INTO intervention_trace (arm_id, idx, epoch, step, row) VALUES (?, ?, ?, ?, '{}')",
                              [(aid, i, i, i) for i in range(trace_rows)])
+
+
+def assert_ensemble_adamw_is_torchs_per_member(device: str = "cpu", capturable: bool = False):
+    """EnsembleAdamW over three stacked members, each with its own weight decay, against
+    torch.optim.AdamW on each member alone (``capturable``: both in the form a CUDA graph replays)."""
+    torch.manual_seed(0)
+    singles = [torch.randn(5, 4, device=device, requires_grad=True) for _ in range(3)]
+    stacked = torch.stack([p.detach() for p in singles]).requires_grad_()
+    decays = [0.0, 0.3, 2.0]
+    graphed = dict(capturable=True, foreach=True) if capturable else {}
+    opts = [torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.98), weight_decay=wd, **graphed)
+            for p, wd in zip(singles, decays)]
+    ens = EnsembleAdamW([stacked], lr=1e-2, weight_decay=decays, **({"capturable": True} if capturable else {}))
+    for _ in range(5):
+        grads = torch.randn(3, 5, 4, device=device)
+        for p, o, g in zip(singles, opts, grads):
+            p.grad = g.clone()
+            o.step()
+        stacked.grad = grads.clone()
+        ens.step()
+    for k, p in enumerate(singles):
+        torch.testing.assert_close(stacked[k].detach(), p.detach(), rtol=1e-6, atol=1e-7)

@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from fastdiag.grokking.config import RunConfig
-from fastdiag.grokking.ensemble_train import EnsembleAdamW, default_ensemble_size, pack_runs, train_ensemble
+from fastdiag.grokking.ensemble_train import default_ensemble_size, pack_runs, train_ensemble
 from fastdiag.models import build
 from fastdiag.models.ensemble import stack_models
 from fastdiag.grokking.train import train_run
+
+from tests.helpers import assert_ensemble_adamw_is_torchs_per_member
 
 SMALL = dict(preset="custom", n_layers=2, n_heads=4, d_model=64, d_ff=256, p=31, train_frac=0.7,
              lr=3e-3, batch_size=128, eval_every=10, epochs=300, device="cpu")
@@ -58,21 +60,7 @@ def test_a_monitor_measures_each_member_of_an_ensemble_as_its_single_model():
 
 
 def test_ensemble_adamw_matches_torch_adamw_per_member():
-    torch.manual_seed(0)
-    singles = [torch.randn(5, 4, requires_grad=True) for _ in range(3)]
-    stacked = torch.stack([p.detach() for p in singles]).requires_grad_()
-    decays = [0.0, 0.3, 2.0]
-    opts = [torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.98), weight_decay=wd) for p, wd in zip(singles, decays)]
-    ens = EnsembleAdamW([stacked], lr=1e-2, weight_decay=decays)
-    for _ in range(5):
-        grads = torch.randn(3, 5, 4)
-        for p, o, g in zip(singles, opts, grads):
-            p.grad = g.clone()
-            o.step()
-        stacked.grad = grads.clone()
-        ens.step()
-    for k, p in enumerate(singles):
-        torch.testing.assert_close(stacked[k].detach(), p.detach(), rtol=1e-6, atol=1e-7)
+    assert_ensemble_adamw_is_torchs_per_member()
 
 
 def _diagnostic(key: str) -> bool:

@@ -14,6 +14,8 @@ from fastdiag.grokking.ensemble_train import gpu_ensemble_choice, gpu_ensemble_s
 from fastdiag.grokking.train import Trainer, train_run
 from fastdiag.sweep.plan import estimate_sweep
 
+from tests.helpers import assert_ensemble_adamw_is_torchs_per_member
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -115,21 +117,4 @@ def test_dry_run_estimate_is_calibrated_on_the_gpu():
 def test_ensemble_capturable_adamw_is_torchs_per_member():
     """The graphed ensemble's AdamW (capturable, foreach) against torch.optim.AdamW(capturable=True,
     foreach=True) on each member, as the graphed single runs use it."""
-    from fastdiag.grokking.ensemble_train import EnsembleAdamW
-
-    torch.manual_seed(0)
-    singles = [torch.randn(5, 4, device="cuda", requires_grad=True) for _ in range(3)]
-    stacked = torch.stack([p.detach() for p in singles]).requires_grad_()
-    decays = [0.0, 0.3, 2.0]
-    opts = [torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.98), weight_decay=wd, capturable=True, foreach=True)
-            for p, wd in zip(singles, decays)]
-    ens = EnsembleAdamW([stacked], lr=1e-2, weight_decay=decays, capturable=True)
-    for _ in range(5):
-        grads = torch.randn(3, 5, 4, device="cuda")
-        for p, o, g in zip(singles, opts, grads):
-            p.grad = g.clone()
-            o.step()
-        stacked.grad = grads.clone()
-        ens.step()
-    for k, p in enumerate(singles):
-        torch.testing.assert_close(stacked[k].detach(), p.detach(), rtol=1e-6, atol=1e-7)
+    assert_ensemble_adamw_is_torchs_per_member("cuda", capturable=True)
