@@ -222,7 +222,13 @@ def softmax_input(args: tuple, kwargs: dict):
 def _in_compiled_graph() -> bool:
     """Whether the call comes from a torch.compile graph run by Python (backends "eager", "aot_eager",
     custom ones returning ``gm.forward``). The mode was traced into that graph already: its
-    statistics are in the graph, so the graph's own ops must not be measured a second time."""
+    statistics are in the graph, so the graph's own ops must not be measured a second time.
+
+    Read from the stack because torch documents no way to ask it: `torch.compiler.is_compiling()` and
+    `torch.compiler.is_dynamo_compiling()` are True while Dynamo traces, and False while the graph it
+    produced runs (checked on torch 2.13: a function mode entered around a compiled function sees the
+    graph's ``torch.softmax`` at run time with both False). The graph's code is FX-generated, and FX
+    names the file of generated code ``<eval_with_key>.N``."""
     if torch.compiler.is_compiling():
         return False
     frame = sys._getframe(2)
@@ -428,12 +434,12 @@ class Provenance:
 
 class AttentionMode(TorchFunctionMode):
     """Entered around a measured forward pass: passes SDPA calls and softmaxes over ``[B, H, Tq, Tk]``
-    scores to ``monitor`` (``on_sdpa(call) -> out``, ``on_probs(scores, probs)``); every other call
-    runs as it would."""
+    scores to ``calls`` (`fastdiag.core.calls.AttentionCalls`: ``on_sdpa(call) -> out``,
+    ``on_probs(scores, probs)``, ...); every other call runs as it would."""
 
-    def __init__(self, monitor):
+    def __init__(self, calls):
         super().__init__()
-        self.monitor = monitor
+        self.calls = calls
         self.busy = False  # measuring: the statistics' own softmax is not the model's attention
         self.lean = False  # a lean pass's planned call (fastdiag.core.plan): no provenance, SDPA and softmax only
 
@@ -448,31 +454,31 @@ class AttentionMode(TorchFunctionMode):
                 or _in_compiled_graph():
             out = func(*args, **kwargs)
             if not self.busy and not torch.compiler.is_compiling() and not _computing_own_statistics():
-                confirmed = self.monitor.provenance.propagate(func, args, kwargs, out)
+                confirmed = self.calls.provenance.propagate(func, args, kwargs, out)
                 if confirmed:
-                    self.monitor.confirm(confirmed)
+                    self.calls.confirm(confirmed)
                 scores = softmax_input(args, kwargs)
                 if func in _LOGSUMEXPS and isinstance(scores, torch.Tensor) and scores.dim() == 4 \
                         and softmax_dim(args, kwargs) in (-1, 3):
-                    self.monitor.on_logsumexp()
+                    self.calls.on_logsumexp()
                 elif is_flex_attention(func):
-                    self.monitor.on_flex_attention()
+                    self.calls.on_flex_attention()
             return out
         self.busy = True
         try:
             if func is _SDPA:
-                out = self.monitor.on_sdpa(dict(zip(SDPA_ARGS, args), **kwargs))
+                out = self.calls.on_sdpa(dict(zip(SDPA_ARGS, args), **kwargs))
                 if not self.lean:
-                    self.monitor.provenance.propagate(func, args, kwargs, out)
+                    self.calls.provenance.propagate(func, args, kwargs, out)
                 return out
             out = func(*args, **kwargs)
             if not self.lean:
-                self.monitor.provenance.propagate(func, args, kwargs, out)
+                self.calls.provenance.propagate(func, args, kwargs, out)
             if func in _SOFTMAXES and isinstance(out, torch.Tensor) and out.dim() == 4 \
                     and softmax_dim(args, kwargs) in (-1, 3):
-                self.monitor.on_probs(softmax_input(args, kwargs), out)
+                self.calls.on_probs(softmax_input(args, kwargs), out)
             elif func in _SOFTMAXES and isinstance(out, torch.Tensor) and softmax_dim(args, kwargs) in (-1, out.dim() - 1):
-                self.monitor.on_softmax_elsewhere(out)
+                self.calls.on_softmax_elsewhere(out)
             return out
         finally:
             self.busy = False

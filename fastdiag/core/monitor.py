@@ -37,12 +37,11 @@ import warnings
 import weakref
 
 import torch
-import torch.nn.functional as F
 
-from fastdiag.core import adapters, passes, zoo_handoff
-from fastdiag.core.diagnostics import BACKENDS, head_stats, triton_available
-from fastdiag.core.qk import CHUNK_BYTES, sdpa_with_stats
-from fastdiag.core.plan import Event, Plan, PlanRecorder, sdpa_signature, softmax_signature
+from fastdiag.core import adapters, calls, passes, zoo_handoff
+from fastdiag.core.diagnostics import BACKENDS, triton_available
+from fastdiag.core.qk import CHUNK_BYTES
+from fastdiag.core.plan import Plan, PlanRecorder
 from fastdiag.core.records import Records
 from fastdiag.core.stats import HeadStats, Summary
 
@@ -146,23 +145,12 @@ class Monitor:
         self._measuring = False    # inside a measured pass: the one flag compiled code reads
         self._pass_thread: int | None = None  # the thread whose pass is running; others' are not seen
         self._training = True
-        self._mode = adapters.AttentionMode(self)
         self._mode_entered = False
-        self._padding: list[tuple[str | None, torch.Tensor]] = []  # this step's real-token masks [B, T], each
-        #                                      with the module (name) whose attention it belongs to, None = any
-        self._pass = passes.IDLE                     # the state of the measured pass in progress
         self._plans: dict[tuple, Plan] = {}          # (training, autocast) -> the plan of lean passes
         self._calls = itertools.count()
-        self.provenance = adapters.Provenance()      # which module inputs this pass's tensors derive from
         self._all_rows: dict[str, str] = {}          # layers whose padding rows could not be told, and why
         self._how: dict[str, str] = {}               # every module measured so far and how
         self._missing: dict[str, str] = {}           # expected modules never measured, and why
-        # self-attention layers whose mask lets a position be seen by itself only (XLNet's padding): a
-        # device flag each, read at the next host read (`_read_suspects`), never in a step
-        self._suspects: dict[str, torch.Tensor] = {}
-        self._suspects_named: set[str] = set()
-        self._candidate_ids = itertools.count()
-        self._warned_softmax: set[str] = set()
         self._warned: set = set()                    # what `_warn_once` has said
         self._warned_padding: set[tuple] = set()     # set_padding shapes already warned about
         self._handles: list = []
@@ -175,6 +163,10 @@ class Monitor:
         self._kind = {name: "zoo" if adapters.is_zoo(m) else "mha"
                       for name, m in modules.items() if adapters.is_zoo(m) or adapters.is_mha(m)}
         self._sinks = {name: sinks for name, m in modules.items() if (sinks := adapters.sink_logits(m)) is not None}
+        # the attention calls of measured passes: handed over by the mode, turned into statistics there
+        self.calls = calls.AttentionCalls(modules, self._kind, self._selected, self._sinks, backend, chunk_bytes,
+                                          self._warn_once)
+        self._mode = adapters.AttentionMode(self.calls)
         named = {name for name, m in modules.items() if adapters.named_attention(m)}
         innermost = {n for n in named if not any(o.startswith(n + ".") for o in named if o != n)}
         self._expected = [n for n in modules if (n in self._kind or n in innermost) and n in self._selected]
@@ -238,7 +230,7 @@ class Monitor:
         holds until the step ends (the forward pass, or `end_step`); None clears every mask. A mask
         that matches no self-attention call of a measured pass is warned about (a ``[T, B]`` mask)."""
         if mask is None:
-            self._padding = []
+            self.calls.padding = []
             return
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             raise ValueError(f"mask: expected a [batch, seq] tensor (True or 1 = real token), got "
@@ -256,51 +248,13 @@ class Monitor:
             raise ValueError("mask: a meta tensor has no values; pass the real-token mask itself ([batch, seq], "
                              "True or 1 = real token)")
         real = mask.detach() if mask.dtype == torch.bool else mask.detach() != 0
-        self._padding = [(w, m) for w, m in self._padding if w != within] + [(within, real)]
-
-    def _with_padding(self, rows: torch.Tensor | None, b: int, t: int, device: torch.device,
-                      name: str) -> torch.Tensor | None:
-        """``rows`` and the handed-in padding of a self-attention call in module ``name`` with batch
-        ``b`` and ``t`` query rows, on the call's device."""
-        for within, padding in self._padding:
-            if within is not None and not (name == within or not within or name.startswith(within + ".")):
-                continue
-            if padding.shape != (b, t):
-                continue
-            self._pass.padding_used = True
-            try:
-                padding = padding.to(device=device, non_blocking=True)
-            except RuntimeError as error:   # a device it cannot come from: never break the step
-                self._warn_once(("padding", str(padding.device)), f"set_padding's mask on {padding.device} cannot be "
-                                f"read on {device} ({error}): its padding rows are not left out")
-                continue
-            rows = padding if rows is None else rows & padding
-        return rows
-
-    def _unconfirmed(self) -> None:
-        """End of a measured pass: a softmax never multiplied with values along its key axis is no
-        attention (a heat map, a router): not a layer, named once; attention written as
-        exp(s − logsumexp) in a module with no statistics is named as unmeasured."""
-        if self._pass.candidates:
-            self._pass.recorder = None    # no plan from a pass that met softmaxes it could not place
-        for name, _, stats, how in self._pass.candidates.values():
-            if name in self._warned_softmax:
-                continue
-            self._warned_softmax.add(name)
-            warnings.warn(f"fastdiag.attach: module {name!r} ({type(self._modules[name]).__name__}) takes a softmax "
-                          "over the last axis of 4-D (or larger) scores whose output is never multiplied with values "
-                          "along that axis: not attention, not recorded", RuntimeWarning, stacklevel=4)
-        self._pass.candidates = {}
-        for name in self._pass.lse:
-            if name not in self._pass.how:
-                self._refuse(name, "it takes logsumexp over [B, H, Tq, Tk] scores with no softmax or SDPA: "
-                                   "attention written as exp(s − logsumexp) cannot be measured")
+        self.calls.padding = [(w, m) for w, m in self.calls.padding if w != within] + [(within, real)]
 
     def _check_padding(self, step: int) -> None:
         """After a measured pass: a handed-in mask that no self-attention call used is named once."""
-        if not self._padding or self._pass.padding_used:
+        if not self.calls.padding or self.calls.state.padding_used:
             return
-        shapes = tuple(tuple(m.shape) for _, m in self._padding)
+        shapes = tuple(tuple(m.shape) for _, m in self.calls.padding)
         if shapes in self._warned_padding:
             return
         self._warned_padding.add(shapes)
@@ -318,14 +272,14 @@ class Monitor:
         def pre(mod, args, kwargs):
             if not self._measuring or self._other_thread():
                 return
-            state = self._pass
+            state = self.calls.state
             call = -1  # compiled: no provenance (a counter in the graph would recompile it every pass)
             if not torch.compiler.is_compiling():
                 call = next(self._calls)
                 if state.plan is not None and not state.careful:
                     self._follow_plan(state, name, call, args, kwargs)
                 else:
-                    self.provenance.seed(call, args, kwargs)
+                    self.calls.provenance.seed(call, args, kwargs)
                     if state.recorder is not None:
                         state.recorder.module_call(name, call, args, kwargs)
             state.stack.append((name, call))
@@ -336,8 +290,8 @@ class Monitor:
             elif selected and kind == "mha":
                 device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
                 dtype = None if device is None else adapters.autocast_dtype(device.type)
-                padding = lambda n, t, dev: self._with_padding(None, n, t, dev, name)  # noqa: E731
-                self._add(name, adapters.own_statistics(adapters.mha_head_stats, mod, args, kwargs,
+                padding = lambda n, t, dev: self.calls.with_padding(None, n, t, dev, name)  # noqa: E731
+                self.calls.add(name, adapters.own_statistics(adapters.mha_head_stats, mod, args, kwargs,
                                                         self.backend, self.chunk_bytes, padding, dtype), "mha")
             if (fast_path or kind == "zoo" and self._only_monitor_mode()) and not self._suspended:
                 self._suspend_mode(name)
@@ -345,7 +299,7 @@ class Monitor:
         def post(mod, args, output):
             if not self._measuring or self._other_thread():
                 return
-            state = self._pass
+            state = self.calls.state
             if state.stack:
                 _, call = state.stack.pop()
                 if state.undo:
@@ -355,9 +309,9 @@ class Monitor:
             if kind == "zoo" and selected:
                 if isinstance(mod.stats, dict):  # a module holding several layers (an ensemble): layer -> stats
                     for layer, stats in mod.stats.items():
-                        self._add(f"{name}.{layer}" if name else layer, stats, "zoo")
+                        self.calls.add(f"{name}.{layer}" if name else layer, stats, "zoo")
                 elif mod.stats is not None:
-                    self._add(name, mod.stats, "zoo")
+                    self.calls.add(name, mod.stats, "zoo")
                 mod.record = record_at_attach
 
         handles.append(module.register_forward_pre_hook(_Hook(pre), with_kwargs=True))
@@ -391,7 +345,7 @@ class Monitor:
         if not on_plan:
             state.off_plan = True
             state.careful += 1
-            self.provenance.seed(call, args, kwargs)
+            self.calls.provenance.seed(call, args, kwargs)
             state.undo[call] = self._mode_for_call(lean=False)
         elif events:
             state.events[call] = (events, [0])
@@ -425,38 +379,6 @@ class Monitor:
             if not self._suspended:
                 self._mode.__exit__(None, None, None)
             self._mode.lean = False
-
-    def _planned_event(self, module_call: int, op: tuple):
-        """The plan's `Event` for the next attention op of the lean call ``module_call``, or None where
-        the op is not the one planned (the pass is off the plan)."""
-        state = self._pass
-        events, seen = state.events[module_call]
-        index = seen[0]
-        seen[0] += 1
-        if index < len(events) and events[index].op == op:
-            return events[index]
-        state.off_plan = True
-        return None
-
-    def _event(self, module_call: int, op: tuple):
-        """An attention op of ``module_call``: False on a careful pass or in a module call handled
-        carefully (`_learn_op` it then); on a lean pass the plan's `Event`, or one with an unknown
-        self-attention verdict where the op is not the one planned (the plan is dropped)."""
-        state = self._pass
-        if state.plan is None or state.careful and module_call not in state.events:
-            return False
-        event = self._planned_event(module_call, op) if module_call in state.events else None
-        if event is None:
-            state.off_plan = True
-            return Event(op, None)
-        return event
-
-    def _learn_op(self, module_call: int, op: tuple, same_input: bool | None) -> bool | None:
-        """A careful pass's attention op, for the plan of the lean passes after it; returns ``same_input``."""
-        recorder = self._pass.recorder
-        if recorder is not None:
-            recorder.event(module_call, op, same_input)
-        return same_input
 
     def _plan_key(self, training: bool) -> tuple:
         return (training, torch.is_grad_enabled(), adapters.autocast_dtype("cpu"), adapters.autocast_dtype("cuda"))
@@ -502,20 +424,20 @@ class Monitor:
                             "functional_call inside one) is not measured: its tensors are batched or "
                             "differentiated per sample, and the statistics' ops have no batching rules; "
                             "passes outside transforms are measured as usual")
-        self.provenance.clear()
+        self.calls.provenance.clear()
         if not self._measuring:
-            self._pass = passes.IDLE
+            self.calls.state = passes.IDLE
             return
         # fresh every pass: a compiled graph sees the same state on every pass
         plan = self._plans.get(self._plan_key(training)) if len(_MONITORS) == 1 else None
-        self._pass = passes.PassState(plan=plan, recorder=None if plan is not None else PlanRecorder())
+        self.calls.state = passes.PassState(plan=plan, recorder=None if plan is not None else PlanRecorder())
         if training:
             for name, module, kind in self._lazy_hooks:
                 self._hook(name, module, kind, False, self._lazy_handles)
         else:
             for name, module, kind in self._lazy_hooks:
                 if kind == "mha" and name in self._selected:
-                    self._refuse(name, "an eval pass: nn.TransformerEncoderLayer keeps torch's eval fast path (one "
+                    self.calls.refuse(name, "an eval pass: nn.TransformerEncoderLayer keeps torch's eval fast path (one "
                                        "fused kernel, no probabilities, and no hooks allowed inside it), so its "
                                        "attention is measured on training passes only")
         if plan is None and not self._mode_entered:   # careful: the mode sees the whole forward
@@ -533,21 +455,21 @@ class Monitor:
             self._mode.lean = False
         measured, self._measuring = self._measuring, False
         if measured and not raised:
-            self._unconfirmed()
-        self.provenance.clear()
+            self.calls.unconfirmed()
+        self.calls.provenance.clear()
         for handle in self._lazy_handles:
             handle.remove()
         self._lazy_handles = []
         if measured and not raised:
             self._check_padding(self.step)
             self._learn(training)
-        self._padding = []
+        self.calls.padding = []
         self._finish(training, measured, raised)
 
     def _learn(self, training: bool) -> None:
         """After a measured pass: a careful pass that met nothing it could not measure leaves the plan of
         the lean passes after it; a lean pass that met something unexpected drops it."""
-        state, key = self._pass, self._plan_key(training)
+        state, key = self.calls.state, self._plan_key(training)
         if state.plan is not None:
             if state.off_plan:
                 self._plans.pop(key, None)
@@ -564,234 +486,17 @@ class Monitor:
             self._warned.add(what)
             warnings.warn(f"fastdiag.attach: {message}", RuntimeWarning, stacklevel=4)
 
-    def _refuse(self, name: str, reason: str) -> None:
-        """An attention call in module ``name`` that cannot be measured exactly: the module gets no
-        statistics this pass, and is named with ``reason`` after it (`_check_coverage`)."""
-        self._pass.refused.setdefault(name, reason)
-
-    def _add(self, name: str, stats: HeadStats, how: str) -> None:
-        key, i = name or "<root>", 1
-        while key in self._pass.pending:  # a module called twice in one pass: "name#1", "name#2", ...
-            key = f"{name}#{i}"
-            i += 1
-        self._pass.pending[key] = stats
-        self._pass.how[name] = how
-
-    def _attention_call(self) -> tuple[str, int] | None:
-        """(name, call number) of the module running an attention op now, if it is to be measured
-        here (not a structural kind measuring itself, not outside the model, selected)."""
-        if not self._pass.stack:
-            return None
-        name, call = self._pass.stack[-1]
-        if name in self._kind or name not in self._selected:
-            return None
-        return name, call
-
-    def _self_attention(self, name: str, same_input: bool | None, tq: int, tk: int) -> bool:
-        """Whether the padding rules of self-attention apply to a call: its queries and keys derive
-        from the same input of the module's call (`adapters.Provenance`), never a guess from shapes.
-        Not known with Tq = Tk: every row that sees a key is counted, and `coverage` says so."""
-        if same_input is None and tq == tk:
-            self._pass.all_rows.setdefault(name, "whether its queries and keys come from the same input was not "
-                                            "known (torch.compile, or keys not computed in the call): every "
-                                            "row that sees a key is counted, padding rows included")
-        return bool(same_input) and tq == tk
-
-    # ---- called by adapters.AttentionMode during a measured pass --------------------------------
-
-    def on_sdpa(self, call: dict):
-        """An SDPA call: the original op, and its statistics re-derived from Q and K."""
-        where = self._attention_call()
-        if where is None:
-            return F.scaled_dot_product_attention(**call)
-        name, module_call = where
-        query, key = call.get("query"), call.get("key")
-        event = self._event(module_call, sdpa_signature(call))
-        if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)) or query.dim() < 4 \
-                or key.dim() < 4:
-            # [B·H, T, D] or [T, D]: torch reads no heads there, and a batch of B·H single heads is not
-            # this layer's heads (s̄ would be NaN, σ_l 0): named, never guessed
-            shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
-            self._refuse(name, f"scaled_dot_product_attention on a {len(shape)}-D query {shape}: heads folded "
-                               "into the batch (or absent) cannot be read from the call; pass [B, H, T, D]")
-            return F.scaled_dot_product_attention(**call)
-        query_passed, key_passed = query, key
-        dtype = adapters.autocast_dtype(query.device.type)
-        if dtype is not None:
-            # Exactly what autocast hands the op (bit-identical output); the statistics then read the
-            # tensors the op used, and run outside the caller's autocast (adapters.own_statistics).
-            call = {k: adapters.as_autocast_casts(v, dtype) for k, v in call.items()}
-            query, key = call["query"], call["key"]
-        attn_mask = call.get("attn_mask")
-        packed = self._packed_query_heads(name, call)
-        if packed == 0:
-            self._refuse(name, f"grouped-query decode call with query {tuple(query.shape)} and a mask of shape "
-                               f"{tuple(attn_mask.shape)} that does not unpack to its heads")
-            return F.scaled_dot_product_attention(**call)
-        rows = None
-        if event is False and (query.dim() != 4 or packed):
-            self._learn_op(module_call, sdpa_signature(call), None)
-        if query.dim() == 4 and not packed:
-            b, h, tq, _ = query.shape
-            tk = key.shape[-2]
-            same_input = event.same_input if event is not False else \
-                self._learn_op(module_call, sdpa_signature(call), self.provenance.same_input(module_call, query_passed, key_passed))
-            if self._self_attention(name, same_input, tq, tk):
-                if attn_mask is not None:
-                    hidden = adapters.masked(adapters.as_bhqk(attn_mask, (b,), h, tq, tk))
-                    rows = adapters.real_positions(hidden).expand(b, tq)
-                    if attn_mask.is_floating_point():  # finite masks: keys the op's softmax zeroes
-                        rows = rows & ~adapters.own_statistics(
-                            adapters.zero_probability_keys, query, key, attn_mask, call.get("is_causal", False),
-                            call.get("scale"), self.chunk_bytes)
-                with_padding = self._with_padding(rows, b, tq, query.device, name)
-                if with_padding is rows and attn_mask is not None:  # no handed-in padding for this call
-                    self._suspect(name, adapters.own_statistics(adapters.seen_only_by_itself, hidden))
-                rows = with_padding
-        measure = adapters.sdpa_reissued_with_stats if adapters.outer_attention_mode() else sdpa_with_stats
-        out, stats = adapters.own_statistics(measure, **call, query_mask=rows, backend=self.backend,
-                                             chunk_bytes=self.chunk_bytes, packed_query_heads=packed)
-        self._add_op(name, module_call, stats, "sdpa")
-        return out
-
-    def _packed_query_heads(self, name: str, call: dict) -> int | None:
-        """H when the call packs a one-token query's H heads as ``[B, Hkv, H / Hkv, D]`` rows (Hugging
-        Face's grouped-query decode, ``pack_gqa``): the module says H (its config) and groups
-        (``num_key_value_groups``), and only that packing gives Hkv query heads in such a module.
-        0 when it is packed but its mask cannot be unpacked; None when not packed."""
-        module = self._modules.get(name)
-        groups = getattr(module, "num_key_value_groups", None)
-        heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
-        query, key = call["query"], call["key"]
-        if not (isinstance(groups, int) and isinstance(heads, int) and groups > 1 and query.dim() == 4
-                and not call.get("enable_gqa") and query.shape[1] * groups == heads
-                and key.shape[1] == query.shape[1] and query.shape[2] == groups):
-            return None
-        mask = call.get("attn_mask")
-        if mask is not None:
-            mask4 = mask.shape if mask.dim() >= 4 else (1,) * (4 - mask.dim()) + tuple(mask.shape)
-            if mask.dim() > 4 or not (mask4[-2] == 1 or (mask4[-3] == query.shape[1] and mask4[-2] == groups)):
-                return 0
-        return heads
-
-    def on_probs(self, scores: torch.Tensor, probs: torch.Tensor) -> None:
-        """A softmax over ``[B, H, Tq, Tk]`` scores: the probabilities the model uses, measured as they are."""
-        where = self._attention_call()
-        if where is None:
-            return
-        name, module_call = where
-        b, h, tq, tk = probs.shape
-        event = self._event(module_call, softmax_signature(scores))
-        if probs.numel() == 0:
-            if b == 0 and min(h, tq, tk) > 0:  # an empty batch: no rows, exactly (as on the SDPA path)
-                zeros = torch.zeros(h, h, dtype=torch.float64, device=probs.device)
-                entry = (name, module_call, HeadStats(zeros, zeros[0], zeros[0, 0], zeros[0, 0]), "probabilities")
-                if event is False:
-                    self._learn_op(module_call, softmax_signature(scores), None)
-                    self._candidate(*entry[:2], probs, *entry[2:])
-                else:
-                    self._confirm_entry(entry)
-            else:
-                self._refuse(name, f"a softmax over empty scores {tuple(probs.shape)}")
-            return
-        # A key is masked where the model's own softmax gave it exactly 0 (a finite mask: XLNet -1e30,
-        # MarkupLM -1e4, Funnel -1e6) or where its score is the dtype's most negative value (a fully
-        # masked row, which HF softmaxes to a uniform row): read from what was computed, no threshold.
-        hidden = adapters.masked(scores.detach()) | (probs.detach() == 0)
-        # An attention sink (a per-head logit concatenated as the last score column, gpt-oss) is in the
-        # measured distribution, but it is no key: the padding rules read the real keys only.
-        sink = name in self._sinks and self._sinks[name] == h and tk > 1
-        if sink:
-            hidden = hidden[..., :-1]
-        rows = adapters.sees_a_key(hidden)
-        same_input = event.same_input if event is not False else \
-            self._learn_op(module_call, softmax_signature(scores), self.provenance.scores_of_same_input(module_call, scores))
-        if self._self_attention(name, same_input, tq, hidden.shape[-1]):
-            from_mask = rows & adapters.real_positions(hidden)
-            rows = self._with_padding(from_mask, b, tq, probs.device, name)
-            if rows is from_mask:  # no handed-in padding for this call
-                self._suspect(name, adapters.own_statistics(adapters.seen_only_by_itself, hidden))
-        stats = adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend)
-        how = "probabilities with sink" if sink else "probabilities"
-        if event is False:
-            self._candidate(name, module_call, probs, stats, how)
-        else:   # a lean pass: the plan says this softmax is multiplied with values
-            self._confirm_entry((name, module_call, stats, how))
-
-    def on_softmax_elsewhere(self, probs: torch.Tensor) -> None:
-        """A softmax over the last axis of a tensor that is not 4-D (ProphetNet's 5-D n-gram streams):
-        if it is attention (multiplied with values), its layout cannot be read, and its module is named."""
-        where = self._attention_call()
-        if where is not None and probs.dim() > 4:
-            self._candidate(*where, probs, None, f"a softmax over {probs.dim()}-D scores {tuple(probs.shape)}: "
-                                                 "no [B, H, Tq, Tk] layout to read heads and rows from")
-
-    def on_logsumexp(self) -> None:
-        """``logsumexp`` over the last axis of 4-D scores: attention written as exp(s − logsumexp)
-        forms its probabilities without a softmax; its module is named unless measured otherwise."""
-        where = self._attention_call()
-        if where is not None:
-            self._pass.lse.add(where[0])
-
-    def on_flex_attention(self) -> None:
-        """``flex_attention`` (a fused kernel with score_mod / block_mask): no probabilities and no
-        SDPA call to re-derive them from, so its module, whatever its class name, is named."""
-        where = self._attention_call()
-        if where is not None:
-            self._refuse(where[0], "it calls flex_attention, whose probabilities (score_mod, block_mask) are never "
-                                   "formed and cannot be re-derived: not measured")
-
-    def _candidate(self, name: str, call: int, probs: torch.Tensor, stats, how: str) -> None:
-        """A softmax in module ``name``: attention once its output is multiplied with values along
-        its key axis (`adapters.Provenance`); ``stats`` None: attention whose layout is unreadable
-        (``how`` says why). Under torch.compile nothing is tracked: it counts as attention at once."""
-        if torch.compiler.is_compiling():
-            self._confirm_entry((name, call, stats, how))
-            return
-        if stats is not None:
-            heads = adapters.module_heads(self._modules.get(name))
-            if heads is not None and probs.shape[1] != heads:
-                stats, how = None, (f"a softmax over {tuple(probs.shape)} whose dim 1 is not the module's {heads} "
-                                    "heads (a [B, T, H, window] or other layout)")
-        candidate = next(self._candidate_ids)
-        self._pass.candidates[candidate] = (name, call, stats, how)
-        self.provenance.mark_candidate(probs, candidate)
-
-    def confirm(self, candidates) -> None:
-        """Softmax outputs just multiplied with values along their key axis: attention."""
-        for candidate in sorted(candidates):
-            entry = self._pass.candidates.pop(candidate, None)
-            if entry is not None:
-                self._confirm_entry(entry)
-
-    def _confirm_entry(self, entry) -> None:
-        name, call, stats, how = entry
-        if stats is None:
-            self._refuse(name, how)
-        else:
-            self._add_op(name, call, stats, how)
-
-    def _add_op(self, name: str, call: int, stats: HeadStats, how: str) -> None:
-        """One attention op of module ``name``'s call ``call``: a second one in the same call (partial
-        or factored softmaxes: BigBird block-sparse, Nyströmformer) makes the module unmeasured."""
-        if call >= 0:
-            ops = self._pass.ops[(name, call)] = self._pass.ops.get((name, call), 0) + 1
-            if ops > 1:
-                self._refuse(name, f"{ops} attention ops (softmaxes or SDPA calls) in one call: partial, "
-                                   "block-sparse or factored attention is not one [B, H, Tq, Tk] map")
-        self._add(name, stats, how)
-
     # ---- end of a pass: eager, outside any compiled graph ---------------------------------------
 
     def _finish(self, training: bool, measured: bool, raised: bool = False) -> None:
-        pending = self._pass.pending
+        pending = self.calls.state.pending
         step = self.step
         if raised:  # not a step: nothing recorded (part of a pass is no number), the next pass is due again
             return
-        for name in self._pass.refused:  # one module = one exact layer record, or none and a warning
+        for name in self.calls.state.refused:  # one module = one exact layer record, or none and a warning
             key = name or "<root>"
             pending = {k: v for k, v in pending.items() if k != key and not k.startswith(key + "#")}
-            self._pass.how.pop(name, None)
+            self.calls.state.how.pop(name, None)
         if training:
             self.step += 1
             self._due = self.step % self.every == 0
@@ -803,10 +508,10 @@ class Monitor:
     def _check_coverage(self, step: int) -> None:
         """After a measured pass: nothing found is an error; an expected module without statistics
         is warned about once (raised with strict)."""
-        self._how.update(self._pass.how)
-        for name, why in self._pass.all_rows.items():
+        self._how.update(self.calls.state.how)
+        for name, why in self.calls.state.all_rows.items():
             self._all_rows.setdefault(name, why)
-        for name, reason in self._pass.refused.items():
+        for name, reason in self.calls.state.refused.items():
             if name in self._missing:
                 continue
             self._missing[name] = reason
@@ -821,11 +526,11 @@ class Monitor:
             raise ValueError(
                 f"attach: found no attention in {type(self.model).__name__} on its measured pass (step "
                 f"{step}): {_LOOKED_FOR}")
-        measured = list(self._pass.how)
+        measured = list(self.calls.state.how)
         for name in self._expected:
-            if name not in self._pass.called:
+            if name not in self.calls.state.called:
                 continue  # not run on this pass (a helper such as Funnel's FunnelAttentionStructure, an unused branch)
-            if name in self._missing or name in self._pass.refused or any(m == name or m.startswith(name + ".") or not name for m in measured):
+            if name in self._missing or name in self.calls.state.refused or any(m == name or m.startswith(name + ".") or not name for m in measured):
                 continue
             reason = (f"no statistics on the measured pass of step {step}: no "
                       "scaled_dot_product_attention call and no softmax over [B, H, Tq, Tk] scores ran "
@@ -839,18 +544,14 @@ class Monitor:
                 raise RuntimeError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
 
-    def _suspect(self, name: str, flag: torch.Tensor) -> None:
-        if name not in self._suspects_named and not torch.compiler.is_compiling():
-            self._suspects[name] = flag if name not in self._suspects else self._suspects[name] | flag
-
     def _read_suspects(self) -> None:
         """At a host read: a layer whose mask let a position be seen by itself only (XLNet's padding)
         has had every such row counted; that is said once, and in ``coverage()["all_rows"]``."""
-        suspects, self._suspects = self._suspects, {}
+        suspects, self.calls.suspects = self.calls.suspects, {}
         for name, flag in suspects.items():
-            if name in self._suspects_named or not bool(flag):
+            if name in self.calls.suspects_named or not bool(flag):
                 continue
-            self._suspects_named.add(name)
+            self.calls.suspects_named.add(name)
             why = ("its mask lets positions be seen by their own query row only (XLNet's padding: a padded query "
                    "attends to itself): they cannot be told from real tokens and are counted; "
                    "monitor.set_padding(attention_mask) leaves them out")

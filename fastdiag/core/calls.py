@@ -1,0 +1,341 @@
+"""The attention calls of a measured forward pass: what `adapters.AttentionMode` hands over (SDPA
+calls, softmaxes, logsumexp, flex attention) turned into layer statistics or a named refusal.
+
+`Monitor` keeps attach, hooks, lifecycle and records; it owns one `AttentionCalls` and gives it a
+fresh `passes.PassState` at the start of every measured pass (``calls.state``). Everything a call
+decides (which module ran it, self- or cross-attention from `adapters.Provenance`, which rows count,
+the handed-in padding of `Monitor.set_padding`, the lean pass's plan events) is read and written
+here, so the mode talks to this object only and nothing travels back up to the monitor but the
+one-time warnings it says through ``warn_once``.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from fastdiag.core import adapters, passes
+from fastdiag.core.diagnostics import head_stats
+from fastdiag.core.plan import Event, sdpa_signature, softmax_signature
+from fastdiag.core.qk import sdpa_with_stats
+from fastdiag.core.stats import HeadStats
+
+__all__ = ["AttentionCalls"]
+
+
+class AttentionCalls:
+    """Handles the attention ops of an attached model's measured passes (`adapters.AttentionMode`
+    calls ``on_sdpa``, ``on_probs``, ``on_softmax_elsewhere``, ``on_logsumexp``,
+    ``on_flex_attention``, ``confirm``). ``modules``: name → module of the attached model;
+    ``kinds``: the modules measured structurally (zoo, MultiheadAttention), which measure themselves;
+    ``selected``: the names the user selected; ``sinks``: modules with attention-sink logits → heads."""
+
+    def __init__(self, modules: dict, kinds: dict, selected: set, sinks: dict, backend: str, chunk_bytes: int,
+                 warn_once):
+        self.modules, self.kinds, self.selected, self.sinks = modules, kinds, selected, sinks
+        self.backend, self.chunk_bytes = backend, chunk_bytes
+        self._warn_once = warn_once
+        self.state = passes.IDLE                  # the measured pass in progress (the monitor sets it)
+        self.provenance = adapters.Provenance()   # which module inputs this pass's tensors derive from
+        self.padding: list[tuple[str | None, torch.Tensor]] = []  # this step's real-token masks [B, T], each
+        #                                  with the module (name) whose attention it belongs to, None = any
+        # self-attention layers whose mask lets a position be seen by itself only (XLNet's padding): a
+        # device flag each, read at the next host read (`Monitor._read_suspects`), never in a step
+        self.suspects: dict[str, torch.Tensor] = {}
+        self.suspects_named: set[str] = set()
+        self.candidate_ids = itertools.count()
+        self.warned_softmax: set[str] = set()
+
+    def with_padding(self, rows: torch.Tensor | None, b: int, t: int, device: torch.device,
+                      name: str) -> torch.Tensor | None:
+        """``rows`` and the handed-in padding of a self-attention call in module ``name`` with batch
+        ``b`` and ``t`` query rows, on the call's device."""
+        for within, padding in self.padding:
+            if within is not None and not (name == within or not within or name.startswith(within + ".")):
+                continue
+            if padding.shape != (b, t):
+                continue
+            self.state.padding_used = True
+            try:
+                padding = padding.to(device=device, non_blocking=True)
+            except RuntimeError as error:   # a device it cannot come from: never break the step
+                self._warn_once(("padding", str(padding.device)), f"set_padding's mask on {padding.device} cannot be "
+                                f"read on {device} ({error}): its padding rows are not left out")
+                continue
+            rows = padding if rows is None else rows & padding
+        return rows
+
+    def unconfirmed(self) -> None:
+        """End of a measured pass: a softmax never multiplied with values along its key axis is no
+        attention (a heat map, a router): not a layer, named once; attention written as
+        exp(s − logsumexp) in a module with no statistics is named as unmeasured."""
+        if self.state.candidates:
+            self.state.recorder = None    # no plan from a pass that met softmaxes it could not place
+        for name, _, stats, how in self.state.candidates.values():
+            if name in self.warned_softmax:
+                continue
+            self.warned_softmax.add(name)
+            warnings.warn(f"fastdiag.attach: module {name!r} ({type(self.modules[name]).__name__}) takes a softmax "
+                          "over the last axis of 4-D (or larger) scores whose output is never multiplied with values "
+                          "along that axis: not attention, not recorded", RuntimeWarning, stacklevel=4)
+        self.state.candidates = {}
+        for name in self.state.lse:
+            if name not in self.state.how:
+                self.refuse(name, "it takes logsumexp over [B, H, Tq, Tk] scores with no softmax or SDPA: "
+                                   "attention written as exp(s − logsumexp) cannot be measured")
+
+    def _planned_event(self, module_call: int, op: tuple):
+        """The plan's `Event` for the next attention op of the lean call ``module_call``, or None where
+        the op is not the one planned (the pass is off the plan)."""
+        state = self.state
+        events, seen = state.events[module_call]
+        index = seen[0]
+        seen[0] += 1
+        if index < len(events) and events[index].op == op:
+            return events[index]
+        state.off_plan = True
+        return None
+
+    def _event(self, module_call: int, op: tuple):
+        """An attention op of ``module_call``: False on a careful pass or in a module call handled
+        carefully (`_learn_op` it then); on a lean pass the plan's `Event`, or one with an unknown
+        self-attention verdict where the op is not the one planned (the plan is dropped)."""
+        state = self.state
+        if state.plan is None or state.careful and module_call not in state.events:
+            return False
+        event = self._planned_event(module_call, op) if module_call in state.events else None
+        if event is None:
+            state.off_plan = True
+            return Event(op, None)
+        return event
+
+    def _learn_op(self, module_call: int, op: tuple, same_input: bool | None) -> bool | None:
+        """A careful pass's attention op, for the plan of the lean passes after it; returns ``same_input``."""
+        recorder = self.state.recorder
+        if recorder is not None:
+            recorder.event(module_call, op, same_input)
+        return same_input
+
+    def refuse(self, name: str, reason: str) -> None:
+        """An attention call in module ``name`` that cannot be measured exactly: the module gets no
+        statistics this pass, and is named with ``reason`` after it (`_check_coverage`)."""
+        self.state.refused.setdefault(name, reason)
+
+    def add(self, name: str, stats: HeadStats, how: str) -> None:
+        key, i = name or "<root>", 1
+        while key in self.state.pending:  # a module called twice in one pass: "name#1", "name#2", ...
+            key = f"{name}#{i}"
+            i += 1
+        self.state.pending[key] = stats
+        self.state.how[name] = how
+
+    def _attention_call(self) -> tuple[str, int] | None:
+        """(name, call number) of the module running an attention op now, if it is to be measured
+        here (not a structural kind measuring itself, not outside the model, selected)."""
+        if not self.state.stack:
+            return None
+        name, call = self.state.stack[-1]
+        if name in self.kinds or name not in self.selected:
+            return None
+        return name, call
+
+    def _self_attention(self, name: str, same_input: bool | None, tq: int, tk: int) -> bool:
+        """Whether the padding rules of self-attention apply to a call: its queries and keys derive
+        from the same input of the module's call (`adapters.Provenance`), never a guess from shapes.
+        Not known with Tq = Tk: every row that sees a key is counted, and `coverage` says so."""
+        if same_input is None and tq == tk:
+            self.state.all_rows.setdefault(name, "whether its queries and keys come from the same input was not "
+                                            "known (torch.compile, or keys not computed in the call): every "
+                                            "row that sees a key is counted, padding rows included")
+        return bool(same_input) and tq == tk
+
+    # ---- called by adapters.AttentionMode during a measured pass --------------------------------
+
+    def on_sdpa(self, call: dict):
+        """An SDPA call: the original op, and its statistics re-derived from Q and K."""
+        where = self._attention_call()
+        if where is None:
+            return F.scaled_dot_product_attention(**call)
+        name, module_call = where
+        query, key = call.get("query"), call.get("key")
+        event = self._event(module_call, sdpa_signature(call))
+        if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)) or query.dim() < 4 \
+                or key.dim() < 4:
+            # [B·H, T, D] or [T, D]: torch reads no heads there, and a batch of B·H single heads is not
+            # this layer's heads (s̄ would be NaN, σ_l 0): named, never guessed
+            shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+            self.refuse(name, f"scaled_dot_product_attention on a {len(shape)}-D query {shape}: heads folded "
+                               "into the batch (or absent) cannot be read from the call; pass [B, H, T, D]")
+            return F.scaled_dot_product_attention(**call)
+        query_passed, key_passed = query, key
+        dtype = adapters.autocast_dtype(query.device.type)
+        if dtype is not None:
+            # Exactly what autocast hands the op (bit-identical output); the statistics then read the
+            # tensors the op used, and run outside the caller's autocast (adapters.own_statistics).
+            call = {k: adapters.as_autocast_casts(v, dtype) for k, v in call.items()}
+            query, key = call["query"], call["key"]
+        attn_mask = call.get("attn_mask")
+        packed = self._packed_query_heads(name, call)
+        if packed == 0:
+            self.refuse(name, f"grouped-query decode call with query {tuple(query.shape)} and a mask of shape "
+                               f"{tuple(attn_mask.shape)} that does not unpack to its heads")
+            return F.scaled_dot_product_attention(**call)
+        rows = None
+        if event is False and (query.dim() != 4 or packed):
+            self._learn_op(module_call, sdpa_signature(call), None)
+        if query.dim() == 4 and not packed:
+            b, h, tq, _ = query.shape
+            tk = key.shape[-2]
+            same_input = event.same_input if event is not False else \
+                self._learn_op(module_call, sdpa_signature(call), self.provenance.same_input(module_call, query_passed, key_passed))
+            if self._self_attention(name, same_input, tq, tk):
+                if attn_mask is not None:
+                    hidden = adapters.masked(adapters.as_bhqk(attn_mask, (b,), h, tq, tk))
+                    rows = adapters.real_positions(hidden).expand(b, tq)
+                    if attn_mask.is_floating_point():  # finite masks: keys the op's softmax zeroes
+                        rows = rows & ~adapters.own_statistics(
+                            adapters.zero_probability_keys, query, key, attn_mask, call.get("is_causal", False),
+                            call.get("scale"), self.chunk_bytes)
+                with_padding = self.with_padding(rows, b, tq, query.device, name)
+                if with_padding is rows and attn_mask is not None:  # no handed-in padding for this call
+                    self.suspect(name, adapters.own_statistics(adapters.seen_only_by_itself, hidden))
+                rows = with_padding
+        measure = adapters.sdpa_reissued_with_stats if adapters.outer_attention_mode() else sdpa_with_stats
+        out, stats = adapters.own_statistics(measure, **call, query_mask=rows, backend=self.backend,
+                                             chunk_bytes=self.chunk_bytes, packed_query_heads=packed)
+        self._add_op(name, module_call, stats, "sdpa")
+        return out
+
+    def _packed_query_heads(self, name: str, call: dict) -> int | None:
+        """H when the call packs a one-token query's H heads as ``[B, Hkv, H / Hkv, D]`` rows (Hugging
+        Face's grouped-query decode, ``pack_gqa``): the module says H (its config) and groups
+        (``num_key_value_groups``), and only that packing gives Hkv query heads in such a module.
+        0 when it is packed but its mask cannot be unpacked; None when not packed."""
+        module = self.modules.get(name)
+        groups = getattr(module, "num_key_value_groups", None)
+        heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+        query, key = call["query"], call["key"]
+        if not (isinstance(groups, int) and isinstance(heads, int) and groups > 1 and query.dim() == 4
+                and not call.get("enable_gqa") and query.shape[1] * groups == heads
+                and key.shape[1] == query.shape[1] and query.shape[2] == groups):
+            return None
+        mask = call.get("attn_mask")
+        if mask is not None:
+            mask4 = mask.shape if mask.dim() >= 4 else (1,) * (4 - mask.dim()) + tuple(mask.shape)
+            if mask.dim() > 4 or not (mask4[-2] == 1 or (mask4[-3] == query.shape[1] and mask4[-2] == groups)):
+                return 0
+        return heads
+
+    def on_probs(self, scores: torch.Tensor, probs: torch.Tensor) -> None:
+        """A softmax over ``[B, H, Tq, Tk]`` scores: the probabilities the model uses, measured as they are."""
+        where = self._attention_call()
+        if where is None:
+            return
+        name, module_call = where
+        b, h, tq, tk = probs.shape
+        event = self._event(module_call, softmax_signature(scores))
+        if probs.numel() == 0:
+            if b == 0 and min(h, tq, tk) > 0:  # an empty batch: no rows, exactly (as on the SDPA path)
+                zeros = torch.zeros(h, h, dtype=torch.float64, device=probs.device)
+                entry = (name, module_call, HeadStats(zeros, zeros[0], zeros[0, 0], zeros[0, 0]), "probabilities")
+                if event is False:
+                    self._learn_op(module_call, softmax_signature(scores), None)
+                    self._candidate(*entry[:2], probs, *entry[2:])
+                else:
+                    self._confirm_entry(entry)
+            else:
+                self.refuse(name, f"a softmax over empty scores {tuple(probs.shape)}")
+            return
+        # A key is masked where the model's own softmax gave it exactly 0 (a finite mask: XLNet -1e30,
+        # MarkupLM -1e4, Funnel -1e6) or where its score is the dtype's most negative value (a fully
+        # masked row, which HF softmaxes to a uniform row): read from what was computed, no threshold.
+        hidden = adapters.masked(scores.detach()) | (probs.detach() == 0)
+        # An attention sink (a per-head logit concatenated as the last score column, gpt-oss) is in the
+        # measured distribution, but it is no key: the padding rules read the real keys only.
+        sink = name in self.sinks and self.sinks[name] == h and tk > 1
+        if sink:
+            hidden = hidden[..., :-1]
+        rows = adapters.sees_a_key(hidden)
+        same_input = event.same_input if event is not False else \
+            self._learn_op(module_call, softmax_signature(scores), self.provenance.scores_of_same_input(module_call, scores))
+        if self._self_attention(name, same_input, tq, hidden.shape[-1]):
+            from_mask = rows & adapters.real_positions(hidden)
+            rows = self.with_padding(from_mask, b, tq, probs.device, name)
+            if rows is from_mask:  # no handed-in padding for this call
+                self.suspect(name, adapters.own_statistics(adapters.seen_only_by_itself, hidden))
+        stats = adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend)
+        how = "probabilities with sink" if sink else "probabilities"
+        if event is False:
+            self._candidate(name, module_call, probs, stats, how)
+        else:   # a lean pass: the plan says this softmax is multiplied with values
+            self._confirm_entry((name, module_call, stats, how))
+
+    def on_softmax_elsewhere(self, probs: torch.Tensor) -> None:
+        """A softmax over the last axis of a tensor that is not 4-D (ProphetNet's 5-D n-gram streams):
+        if it is attention (multiplied with values), its layout cannot be read, and its module is named."""
+        where = self._attention_call()
+        if where is not None and probs.dim() > 4:
+            self._candidate(*where, probs, None, f"a softmax over {probs.dim()}-D scores {tuple(probs.shape)}: "
+                                                 "no [B, H, Tq, Tk] layout to read heads and rows from")
+
+    def on_logsumexp(self) -> None:
+        """``logsumexp`` over the last axis of 4-D scores: attention written as exp(s − logsumexp)
+        forms its probabilities without a softmax; its module is named unless measured otherwise."""
+        where = self._attention_call()
+        if where is not None:
+            self.state.lse.add(where[0])
+
+    def on_flex_attention(self) -> None:
+        """``flex_attention`` (a fused kernel with score_mod / block_mask): no probabilities and no
+        SDPA call to re-derive them from, so its module, whatever its class name, is named."""
+        where = self._attention_call()
+        if where is not None:
+            self.refuse(where[0], "it calls flex_attention, whose probabilities (score_mod, block_mask) are never "
+                                   "formed and cannot be re-derived: not measured")
+
+    def _candidate(self, name: str, call: int, probs: torch.Tensor, stats, how: str) -> None:
+        """A softmax in module ``name``: attention once its output is multiplied with values along
+        its key axis (`adapters.Provenance`); ``stats`` None: attention whose layout is unreadable
+        (``how`` says why). Under torch.compile nothing is tracked: it counts as attention at once."""
+        if torch.compiler.is_compiling():
+            self._confirm_entry((name, call, stats, how))
+            return
+        if stats is not None:
+            heads = adapters.module_heads(self.modules.get(name))
+            if heads is not None and probs.shape[1] != heads:
+                stats, how = None, (f"a softmax over {tuple(probs.shape)} whose dim 1 is not the module's {heads} "
+                                    "heads (a [B, T, H, window] or other layout)")
+        candidate = next(self.candidate_ids)
+        self.state.candidates[candidate] = (name, call, stats, how)
+        self.provenance.mark_candidate(probs, candidate)
+
+    def confirm(self, candidates) -> None:
+        """Softmax outputs just multiplied with values along their key axis: attention."""
+        for candidate in sorted(candidates):
+            entry = self.state.candidates.pop(candidate, None)
+            if entry is not None:
+                self._confirm_entry(entry)
+
+    def _confirm_entry(self, entry) -> None:
+        name, call, stats, how = entry
+        if stats is None:
+            self.refuse(name, how)
+        else:
+            self._add_op(name, call, stats, how)
+
+    def _add_op(self, name: str, call: int, stats: HeadStats, how: str) -> None:
+        """One attention op of module ``name``'s call ``call``: a second one in the same call (partial
+        or factored softmaxes: BigBird block-sparse, Nyströmformer) makes the module unmeasured."""
+        if call >= 0:
+            ops = self.state.ops[(name, call)] = self.state.ops.get((name, call), 0) + 1
+            if ops > 1:
+                self.refuse(name, f"{ops} attention ops (softmaxes or SDPA calls) in one call: partial, "
+                                   "block-sparse or factored attention is not one [B, H, Tq, Tk] map")
+        self.add(name, stats, how)
+
+    def suspect(self, name: str, flag: torch.Tensor) -> None:
+        if name not in self.suspects_named and not torch.compiler.is_compiling():
+            self.suspects[name] = flag if name not in self.suspects else self.suspects[name] | flag
+
