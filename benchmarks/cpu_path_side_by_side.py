@@ -16,7 +16,7 @@ import types
 
 import torch
 
-from fastdiag.bench import KERNEL_SHAPES
+from fastdiag.bench_workloads import KERNEL_SHAPES
 from fastdiag.core.kernels.head_stats_ref import head_stats_ref
 from fastdiag.core.kernels.head_stats_torch import head_stats_torch
 from fastdiag.testing import random_probs

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import fastdiag
-from fastdiag.bench import KERNEL_SHAPES, kernel_dtypes
+from fastdiag.bench import kernel_dtypes
+from fastdiag.bench_workloads import KERNEL_SHAPES
 from fastdiag.core.kernels import head_stats_ref
 from fastdiag.testing import random_probs
 

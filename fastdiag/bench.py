@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from fastdiag.bench_workloads import ENSEMBLE_WORKLOADS, KERNEL_SHAPES
 from fastdiag.core.diagnostics import head_stats
 from fastdiag.grokking.build import build_model
 from fastdiag.grokking.config import RunConfig
@@ -33,14 +34,6 @@ from fastdiag.store import Store
 from fastdiag.sweep.plan import available_cores
 from fastdiag.sweep.run import run_sweep
 from fastdiag.testing import NanoGPT, random_probs
-
-# (name, [N, B, H, T]) — N stacked problems (layers) in one call.
-KERNEL_SHAPES = {
-    "grokking": (4, 512, 8, 3),
-    "gpt2-small": (1, 8, 12, 1024),
-    "long-context": (1, 1, 16, 4096),
-}
-
 
 @dataclass
 class Timing:
@@ -419,17 +412,7 @@ def format_step_table(rows: list[dict]) -> str:
 
 
 # ---- sweep throughput: vectorised ensembles against one run at a time -------------------------
-
-# The target model, and the small model of the README sweep (where per-op overhead matters more).
-ENSEMBLE_WORKLOADS: dict[str, dict] = {
-    "canonical": dict(epochs=3),
-    "small": dict(preset="custom", n_layers=2, n_heads=4, d_model=64, d_ff=256, p=31, train_frac=0.7,
-                  lr=3e-3, batch_size=128, epochs=30),
-    # the small Mamba of tests/test_ensemble.py (2 layers, d 32, expand 4, d_state 16; 42 k parameters)
-    "mamba-small": dict(arch="mamba", n_layers=2, d_model=32, p=31, train_frac=0.7, lr=3e-3, batch_size=128,
-                        epochs=30),
-}
-
+# (the workloads: fastdiag/bench_workloads.py)
 
 @dataclass
 class EnsembleResult:

@@ -5,6 +5,7 @@ import json
 import torch
 
 from fastdiag import bench
+from fastdiag.bench_workloads import ENSEMBLE_WORKLOADS, KERNEL_SHAPES
 from fastdiag.cli import main
 from fastdiag.cli.bench import FULL, QUICK
 
@@ -25,8 +26,8 @@ def test_bench_plans_first_and_saves_each_section(capsys, tmp_path):
 
 
 def test_quick_is_a_subset_of_full():
-    assert set(QUICK["shapes"].split(",")) <= set(FULL["shapes"].split(",")) == set(bench.KERNEL_SHAPES)
-    assert set(QUICK["workloads"].split(",")) <= set(FULL["workloads"].split(",")) == set(bench.ENSEMBLE_WORKLOADS)
+    assert set(QUICK["shapes"].split(",")) <= set(FULL["shapes"].split(",")) == set(KERNEL_SHAPES)
+    assert set(QUICK["workloads"].split(",")) <= set(FULL["workloads"].split(",")) == set(ENSEMBLE_WORKLOADS)
     assert QUICK["repeats"] < FULL["repeats"] and QUICK["blocks"] < FULL["blocks"]
     assert FULL["ensembles"] and not QUICK["ensembles"]
 

@@ -124,7 +124,7 @@ def test_option_defaults_are_the_settings_dataclasses_defaults():
     from fastdiag.cli import cli
     from fastdiag.cli.intervene import HEADDIM_PATIENCE_EPOCHS
     from fastdiag.grokking.config import RunConfig
-    from fastdiag.grokking.interventions import InterventionSettings, parse_heads
+    from fastdiag.grokking.intervention_settings import InterventionSettings, parse_heads
 
     run, settings = RunConfig(), InterventionSettings()
     overrides = {("intervene", "epochs"): settings.max_epochs, ("headdim", "epochs"): settings.max_epochs,

@@ -12,6 +12,7 @@ from fastdiag.analysis import headdim as hd
 from fastdiag.analysis import predict as pred
 from fastdiag.analysis import trajectories as traj
 from fastdiag.grokking import interventions as iv
+from fastdiag.grokking.intervention_settings import PEAK_PATIENCE_EPOCHS, InterventionSettings
 from fastdiag.grokking.build import heads_width
 from fastdiag import sweep as sw
 from fastdiag.cli import main
@@ -339,7 +340,7 @@ def test_peak_confirmed_in_epochs_branches_at_the_phase2_peak():
     """The default rule (500 epochs without a new σ_H maximum) branches at the paper's Phase-2 peak; the
     old rule (10 evaluations) confirmed the transient maximum just after grokking."""
     ckpt, info = iv.find_peak(_SigmaTrainer(_paper_like_sigma))
-    assert iv.PEAK_PATIENCE_EPOCHS == 500
+    assert PEAK_PATIENCE_EPOCHS == 500
     assert info["peak_confirmed"] and ckpt.epoch == 1300 and info["search_epochs"] == 1800
     ckpt_old, info_old = iv.find_peak(_SigmaTrainer(_paper_like_sigma), patience=10)
     assert info_old["peak_confirmed"] and ckpt_old.epoch == 140           # the transient right after grokking
@@ -350,7 +351,7 @@ def test_peak_confirmed_in_epochs_branches_at_the_phase2_peak():
 
 
 def test_intervention_defaults_are_named_and_overridable():
-    settings = iv.InterventionSettings()
-    assert settings.peak_patience_epochs == iv.PEAK_PATIENCE_EPOCHS and settings.peak_patience is None
+    settings = InterventionSettings()
+    assert settings.peak_patience_epochs == PEAK_PATIENCE_EPOCHS and settings.peak_patience is None
     with pytest.raises(ValueError, match="peak_patience_epochs"):
-        iv.InterventionSettings(peak_patience_epochs=0).validate()
+        InterventionSettings(peak_patience_epochs=0).validate()

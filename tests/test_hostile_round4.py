@@ -120,7 +120,7 @@ def test_every_numeric_option_is_range_checked_by_the_one_table_or_its_settings(
 
     from fastdiag.cli.options import OPTION_RANGES
     from fastdiag.grokking.config import RunConfig
-    from fastdiag.grokking.interventions import InterventionSettings
+    from fastdiag.grokking.intervention_settings import InterventionSettings
     settings = {f.name for cls in (RunConfig, InterventionSettings) for f in dataclasses.fields(cls)}
     unchecked = []
     for command, param in _every_numeric_option():

@@ -11,6 +11,7 @@ from scipy import stats
 from fastdiag.analysis.paired import compare_arms
 from fastdiag.cli.analyze import format_comparison
 from fastdiag.grokking import interventions as iv
+from fastdiag.grokking.intervention_settings import InterventionSettings, parse_heads
 from fastdiag.store import interventions as tables
 from fastdiag.cli import main
 from fastdiag.grokking.config import RunConfig
@@ -65,9 +66,9 @@ def test_reinit_changes_exactly_the_chosen_heads():
         iv.choose_heads(model, 2, 0, explicit=((0, 4),))
     with pytest.raises(ValueError, match="5 heads per layer"):
         iv.choose_heads(model, 5, 0)
-    assert iv.parse_heads("0:1, 1:3") == ((0, 1), (1, 3))
+    assert parse_heads("0:1, 1:3") == ((0, 1), (1, 3))
     with pytest.raises(ValueError, match="LAYER:HEAD"):
-        iv.parse_heads("0-1")
+        parse_heads("0-1")
 
 
 @pytest.mark.parametrize("scope", ["all-2d", "attention"])
@@ -96,7 +97,7 @@ def test_clip_caps_norms_at_the_median(scope):
 
 def test_seed_run_control_is_the_unbranched_run_and_arms_differ():
     cfg = RunConfig(**SMALL, seed=0, epochs=300)
-    settings = iv.InterventionSettings(after_peak_epochs=10, peak_patience=3, max_epochs=300)
+    settings = InterventionSettings(after_peak_epochs=10, peak_patience=3, max_epochs=300)
     out = iv.run_seed(cfg, settings)
     info = out["info"]
     assert info["peak_confirmed"] and info["t_grok_epoch"] <= info["peak_epoch"] == info["branch_epoch"]

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from fastdiag.bench import KERNEL_SHAPES
+from fastdiag.bench_workloads import KERNEL_SHAPES
 from fastdiag import kernel_report as report
 
 pytest.importorskip("triton", reason="the kernel report compiles Triton kernels")

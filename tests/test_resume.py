@@ -14,8 +14,8 @@ import warnings
 
 import pytest
 
-from fastdiag.grokking.checkpoint import Checkpointer, checkpoint_path, parse_cadence
-from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.checkpoint import Checkpointer, checkpoint_path
+from fastdiag.grokking.config import RunConfig, parse_cadence
 from fastdiag.grokking.train import Trainer, train_run
 
 TINY_RUN = ["--preset", "custom", "--layers", "1", "--heads", "2", "--d-model", "32", "--d-ff", "64", "--p", "23",

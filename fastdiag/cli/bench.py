@@ -8,17 +8,13 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 
 import click
-import torch
 
-from fastdiag import bench
-from fastdiag import kernel_report as report
+from fastdiag.bench_workloads import ENSEMBLE_WORKLOADS, KERNEL_SHAPES
 from fastdiag.cli.app import CLIError, os_error_text
-from fastdiag.grokking.build import TRAINING_BYTES_PER_PARAMETER, parameter_count
 from fastdiag.grokking.config import RunConfig
-from fastdiag.grokking.tasks import available_memory
 from fastdiag.store.files import atomic_path, check_writable_file
-from fastdiag.sweep.grid import MAX_GRID_RUNS
-from fastdiag.sweep.plan import available_cores
+# The measurements (fastdiag.bench, kernel_report, the models, the sweep) import torch: the functions below
+# load them, so that `fastdiag bench --help` does not.
 
 
 def _status_line(msg: str) -> None:
@@ -30,6 +26,8 @@ def _status_line(msg: str) -> None:
 
 
 def _device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
@@ -38,6 +36,8 @@ def _device(name: str) -> torch.device:
 
 
 def _machine(device: torch.device) -> str:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
@@ -49,6 +49,13 @@ def _check_members(members: int | None, workloads: list[str], dev: torch.device)
     must fit in memory (the GPU's on CUDA)."""
     if members is None:
         return
+    import torch
+
+    from fastdiag.grokking.build import TRAINING_BYTES_PER_PARAMETER, parameter_count
+    from fastdiag.grokking.tasks import available_memory
+    from fastdiag.sweep.grid import MAX_GRID_RUNS
+    from fastdiag.sweep.plan import available_cores
+
     runs = members * (1 if dev.type == "cuda" else available_cores())
     if runs > MAX_GRID_RUNS:
         raise CLIError(f"--members: {members:,} members make a benchmark sweep of {runs:,} runs; a sweep takes "
@@ -56,7 +63,7 @@ def _check_members(members: int | None, workloads: list[str], dev: torch.device)
     memory = (torch.cuda.get_device_properties(dev.index or 0).total_memory if dev.type == "cuda"
               else available_memory())
     for workload in workloads:
-        n = parameter_count(RunConfig(device=dev.type, **bench.ENSEMBLE_WORKLOADS[workload])) or 0
+        n = parameter_count(RunConfig(device=dev.type, **ENSEMBLE_WORKLOADS[workload])) or 0
         need = members * n * TRAINING_BYTES_PER_PARAMETER
         if memory is not None and need > memory:
             raise CLIError(f"--members: {members:,} members of the {workload} workload's model ({n:,} parameters) "
@@ -75,7 +82,7 @@ def _known_names(text: str, known, option: str, what: str) -> list[str]:
 # The default run is quick (one kernel shape, few repeats, the small sweep workload) so that a first
 # `fastdiag bench` finishes in minutes on a laptop; --full is the measurement benchmarks/RESULTS.md reports.
 QUICK = {"shapes": "grokking", "repeats": 5, "blocks": 5, "workloads": "small", "ensembles": False}
-FULL = {"shapes": ",".join(bench.KERNEL_SHAPES), "repeats": 15, "blocks": 21, "workloads": ",".join(bench.ENSEMBLE_WORKLOADS),
+FULL = {"shapes": ",".join(KERNEL_SHAPES), "repeats": 15, "blocks": 21, "workloads": ",".join(ENSEMBLE_WORKLOADS),
         "ensembles": True}
 
 
@@ -88,7 +95,7 @@ FULL = {"shapes": ",".join(bench.KERNEL_SHAPES), "repeats": 15, "blocks": 21, "w
                    f"(shape {QUICK['shapes']}, {QUICK['repeats']} repeats, {QUICK['blocks']} blocks, no "
                    f"ensembles); options given explicitly override either.")
 @click.option("--shapes", default=None,
-              help="Comma list of kernel shapes: " + ", ".join(f"{k}={v}" for k, v in bench.KERNEL_SHAPES.items()) + ".")
+              help="Comma list of kernel shapes: " + ", ".join(f"{k}={v}" for k, v in KERNEL_SHAPES.items()) + ".")
 @click.option("--steps/--no-steps", default=True, show_default=True, help="Also time training steps with attach.")
 @click.option("--ensembles/--no-ensembles", default=None,
               help="Also time a sweep's runs as one vectorised ensemble against one by one [default: only with "
@@ -97,7 +104,7 @@ FULL = {"shapes": ",".join(bench.KERNEL_SHAPES), "repeats": 15, "blocks": 21, "w
               help="Also time a Mamba training step beside the transformer's (batch 512, T 3).")
 @click.option("--members", type=click.IntRange(2), default=None, help="Ensemble size K (default: what `sweep --ensemble auto` picks).")
 @click.option("--workloads", default=None,
-              help="Comma list of sweep workloads for the ensemble rows: " + ", ".join(bench.ENSEMBLE_WORKLOADS) + ".")
+              help="Comma list of sweep workloads for the ensemble rows: " + ", ".join(ENSEMBLE_WORKLOADS) + ".")
 @click.option("--no-compile", is_flag=True, help="Skip the torch.compile'd reference.")
 @click.option("--repeats", type=click.IntRange(3), default=None, help="Timed repeats of each kernel (CPU).")
 @click.option("--blocks", type=click.IntRange(3), default=None, help="Alternating blocks of each step timing.")
@@ -111,6 +118,9 @@ FULL = {"shapes": ",".join(bench.KERNEL_SHAPES), "repeats": 15, "blocks": 21, "w
 def bench_command(device, full, shapes, steps, ensembles, archs, members, workloads, no_compile, repeats, blocks,
                   kernel_report, json_path):
     """Measure fastdiag's overhead against a pure-PyTorch reference (kernel) and per training step."""
+    import torch
+
+    from fastdiag import bench
     if json_path:                                # refused now, not after the whole benchmark
         try:
             check_writable_file(json_path)
@@ -122,14 +132,14 @@ def bench_command(device, full, shapes, steps, ensembles, archs, members, worklo
     repeats = preset["repeats"] if repeats is None else repeats
     blocks = preset["blocks"] if blocks is None else blocks
     ensembles = preset["ensembles"] if ensembles is None else ensembles
-    names = _known_names(shapes, bench.KERNEL_SHAPES, "--shapes", "shape")   # "" = no kernel rows
+    names = _known_names(shapes, KERNEL_SHAPES, "--shapes", "shape")   # "" = no kernel rows
 
     progress = _status_line
     if kernel_report:
         _kernel_report(names, json_path, progress)
         return
     dev = _device(device)
-    sweep_workloads = _known_names(workloads, bench.ENSEMBLE_WORKLOADS, "--workloads", "workload")
+    sweep_workloads = _known_names(workloads, ENSEMBLE_WORKLOADS, "--workloads", "workload")
     _check_members(members, sweep_workloads, dev)    # also when unused: an absurd value is a typo
     if not names and not steps and not archs and not (ensembles and sweep_workloads):
         raise click.ClickException("nothing to run: --shapes and --workloads are empty or --no-steps, "
@@ -155,7 +165,7 @@ def bench_command(device, full, shapes, steps, ensembles, archs, members, worklo
 
     for name in names:
         for dtype in bench.kernel_dtypes(dev):
-            r = bench.bench_kernel(name, bench.KERNEL_SHAPES[name], dtype, dev, compiled=not no_compile,
+            r = bench.bench_kernel(name, KERNEL_SHAPES[name], dtype, dev, compiled=not no_compile,
                                    repeats=repeats, progress=progress)
             payload["kernel"].append(r.row())
     if names:
@@ -178,6 +188,9 @@ def bench_command(device, full, shapes, steps, ensembles, archs, members, worklo
 
 
 def _kernel_report(names: list[str], json_path: str | None, progress) -> None:
+    from fastdiag import bench
+    from fastdiag import kernel_report as report
+
     try:
         rows = bench.kernel_report(names, progress=progress)
     except (ImportError, RuntimeError) as e:

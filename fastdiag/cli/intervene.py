@@ -8,20 +8,16 @@ import time
 from pathlib import Path
 
 import click
-import torch
 
 from fastdiag.cli.analyze import format_comparison, format_headdim
 from fastdiag.cli.app import CLIError, create_store, option_errors
-from fastdiag.cli.options import PARAM_FLAGS, QUIET_HELP, THREADS_HELP, dataclass_options, numeric, run_fields, run_options
-from fastdiag.grokking import interventions as iv
-from fastdiag.grokking.build import build_model, check_buildable, heads_width
+from fastdiag.cli.options import (PARAM_FLAGS, QUIET_HELP, SEEDS_HELP, THREADS_HELP, dataclass_options, numeric,
+                                  run_fields, run_options)
 from fastdiag.grokking.config import ARMS, N_BOOT, RunConfig
+from fastdiag.grokking.intervention_settings import CLIP_SCOPES, REINIT_INITS, InterventionSettings, parse_heads
 from fastdiag.store import dumps
 from fastdiag.store.files import atomic_path
 from fastdiag.store import interventions as tables
-from fastdiag.sweep.grid import SEEDS_HELP, parse_seeds
-from fastdiag.sweep.plan import plan_threads
-from fastdiag.sweep.run import run_sweep
 
 def _experiment_options(command):
     """What intervene and headdim share beyond the run options: seeds, store, outputs, threads."""
@@ -41,6 +37,8 @@ def _experiment_options(command):
 
 
 def _check_runnable(cfg: RunConfig, threads: int | None) -> None:
+    from fastdiag.grokking.build import check_buildable
+
     with option_errors():
         check_buildable(cfg, device=True)
 
@@ -53,7 +51,7 @@ def _write_json(path: Path, data: dict) -> None:
 # ============================================================================ intervene
 
 
-SETTINGS_DEFAULTS = iv.InterventionSettings()
+SETTINGS_DEFAULTS = InterventionSettings()
 # InterventionSettings field → (flags, help): the options of `fastdiag intervene`, with the field's type
 # and default (reinit_seed_offset is not a flag; max_epochs is the run options' --epochs).
 INTERVENTION_FIELDS = {
@@ -81,7 +79,13 @@ INTERVENE_FLAGS = {**PARAM_FLAGS, **{name: flags[0] for name, (flags, _) in INTE
 
 def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epochs, peak_patience,
                peak_patience_epochs, **kw):
-    from fastdiag.analysis.paired import compare_arms     # scipy: not for --help
+    import torch          # torch (the models, the trainer) and scipy load here, not for --help
+
+    from fastdiag.analysis.paired import compare_arms
+    from fastdiag.grokking import interventions as iv
+    from fastdiag.grokking.build import build_model
+    from fastdiag.sweep.grid import parse_seeds
+    from fastdiag.sweep.plan import plan_threads
 
     with option_errors():
         seeds = parse_seeds(kw["seeds"])
@@ -90,8 +94,8 @@ def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epoc
         raise CLIError(f"--arch: interventions re-initialise attention heads; need transformer, got {cfg0.arch!r}")
     _check_runnable(cfg0, kw["threads"])
     with option_errors(INTERVENE_FLAGS):
-        settings = iv.InterventionSettings(
-            heads_to_reinit=heads_to_reinit, reinit_heads=iv.parse_heads(reinit_heads), reinit_init=reinit_init,
+        settings = InterventionSettings(
+            heads_to_reinit=heads_to_reinit, reinit_heads=parse_heads(reinit_heads), reinit_init=reinit_init,
             clip=clip, after_peak_epochs=after_peak_epochs, peak_patience=peak_patience,
             peak_patience_epochs=peak_patience_epochs,
             max_epochs=kw["epochs"]).validate()
@@ -162,11 +166,11 @@ def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epoc
 @run_options(skip=("seed", "stop_at_grok", "patience"), defaults={"epochs": SETTINGS_DEFAULTS.max_epochs},
              helps={"epochs": "Search horizon: epochs allowed for grokking and the σ_H peak."})
 @_experiment_options
-@dataclass_options(iv.InterventionSettings, INTERVENTION_FIELDS,
-                   # heads are typed as text, parsed by iv.parse_heads: none typed (None) is the settings' ()
+@dataclass_options(InterventionSettings, INTERVENTION_FIELDS,
+                   # heads are typed as text, parsed by parse_heads: none typed (None) is the settings' ()
                    defaults={"reinit_heads": None}, metavars={"reinit_heads": "L:H[,L:H...]"},
-                   kinds={"reinit_heads": str, "reinit_init": click.Choice(iv.REINIT_INITS),
-                          "clip": click.Choice(iv.CLIP_SCOPES)})
+                   kinds={"reinit_heads": str, "reinit_init": click.Choice(REINIT_INITS),
+                          "clip": click.Choice(CLIP_SCOPES)})
 def intervene_cmd(**kw):
     """Causal interventions at the Phase-2 peak: per seed, train until the σ_H peak after grokking,
     then continue three arms from that checkpoint (control; k heads re-initialised; weight norms
@@ -187,6 +191,8 @@ def _int_list(spec: str, name: str) -> list[int]:
 def headdim_configs(base: dict, widths: list[int], heads: list[int], weight_decay: float, seeds: list[int],
                     ff_mult: int = 4) -> tuple[list[RunConfig], list[str]]:
     """Every (d_model, n_heads, seed) with H dividing d; d_ff = ff_mult·d. Returns (configs, skipped)."""
+    from fastdiag.grokking.build import check_buildable
+
     configs, skipped = {}, []
     for d in widths:
         for h in heads:
@@ -226,7 +232,10 @@ def headdim_cmd(widths, heads, ff_mult, workers, n_boot, **kw):
     """Per-head dimension: train every (d, H, seed) at fixed λ (transformer, custom preset) into a store
     (finished runs are skipped), then fit peak σ_H after grokking against d/H with the saturating curve
     σ_max = c + a(1 − exp(−b·d/H)) and draw it."""
-    from fastdiag.analysis.headdim import headdim_analysis     # scipy: not for --help
+    from fastdiag.analysis.headdim import headdim_analysis     # scipy and torch: not for --help
+    from fastdiag.grokking.build import heads_width
+    from fastdiag.sweep.grid import parse_seeds
+    from fastdiag.sweep.run import run_sweep
 
     if kw["store_path"] is None:
         raise CLIError("--store: required (the runs go into a result store)")

@@ -8,7 +8,7 @@ import os
 
 import click
 
-from fastdiag.grokking.config import ARCHS, OPS, RunConfig
+from fastdiag.grokking.config import ARCHS, CHECKPOINT_EVERY_S, OPS, RunConfig
 
 # RunConfig field → (flags: the spelling first, then aliases; help).
 RUN_FIELDS = {
@@ -87,6 +87,13 @@ THREADS_DEFAULT = ("[default: 1 for models below 0.5 M parameters (× ensemble m
                    "does not pay; else the cores, shared among the workers]")
 THREADS_HELP = "CPU threads for torch " + THREADS_DEFAULT + "."
 QUIET_HELP = "No progress output (the bar on a terminal, the status lines in a log)."
+SEEDS_HELP = ("Seeds: a count N means seeds 0..N-1 ('9' is seeds 0-8), a range A-B is inclusive ('0-8'), "
+              "a comma list names seeds ('0,3,5'; one seed k alone: 'k,'); ranges and seeds mix ('0-3,7').")
+# --checkpoint-every (run, sweep), parsed by fastdiag.grokking.config.parse_cadence
+CADENCE_HELP = ("When a run saves its checkpoint (right after an evaluation): every N epochs ('500'), every "
+                "so many minutes or seconds of training ('5m', '90s'), or 'off'. A rerun resumes from it; it "
+                "is removed once the run's outcome is written.")
+DEFAULT_CADENCE = f"{CHECKPOINT_EVERY_S / 60:g}m"
 
 # Library parameter names (the prefix of a ValueError's message) → the flags the user typed.
 PARAM_FLAGS = {

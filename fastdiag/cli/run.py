@@ -4,11 +4,9 @@ from __future__ import annotations
 import click
 
 from fastdiag.cli.app import CLIError, option_errors, os_error_text
-from fastdiag.cli.options import QUIET_HELP, THREADS_HELP, numeric, run_fields, run_options
-# The option's default and help live with the checkpoints, which import torch: `fastdiag run --help`
-# loads torch for them (until they have a torch-free home), but not the trainer (torch._dynamo).
-from fastdiag.grokking.checkpoint import CADENCE_HELP, DEFAULT_CADENCE, checkpoint_path, make_checkpointer, parse_cadence
-from fastdiag.grokking.config import RunConfig, fmt_or_dash
+from fastdiag.cli.options import (CADENCE_HELP, DEFAULT_CADENCE, QUIET_HELP, THREADS_HELP, numeric, run_fields,
+                                  run_options)
+from fastdiag.grokking.config import RunConfig, fmt_or_dash, parse_cadence
 from fastdiag.store.files import prepare_out_dir
 
 
@@ -33,9 +31,10 @@ def parse_checkpoint_every(text: str):
 @checkpoint_option
 def run(threads, out_dir, quiet, checkpoint_every, **fields) -> None:
     """Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."""
-    import torch
+    import torch            # torch and the trainer (torch._dynamo) load here, not for --help
 
     from fastdiag.grokking.build import check_buildable
+    from fastdiag.grokking.checkpoint import checkpoint_path, make_checkpointer
     from fastdiag.grokking.train import train_run
     from fastdiag.sweep.plan import plan_threads
     from fastdiag.sweep.progress import RunProgress

@@ -6,14 +6,9 @@ import sys
 import click
 
 from fastdiag.cli.app import CLIError, create_store, option_errors
-from fastdiag.cli.options import QUIET_HELP, THREADS_DEFAULT, numeric, run_fields, run_options
+from fastdiag.cli.options import QUIET_HELP, SEEDS_HELP, THREADS_DEFAULT, numeric, run_fields, run_options
 from fastdiag.cli.run import checkpoint_option, parse_checkpoint_every
-from fastdiag.grokking.build import uses_cuda
-from fastdiag.grokking.config import ARCHS, RunConfig
-from fastdiag.sweep.grid import SEEDS_HELP, build_grid, parse_list, parse_seeds, parse_shard, parse_wd
-from fastdiag.sweep.grid import shard as shard_grid
-from fastdiag.sweep.plan import describe_estimate, estimate_sweep
-from fastdiag.sweep.run import BACKENDS, check_devices, run_sweep
+from fastdiag.grokking.config import ARCHS, SWEEP_BACKENDS, RunConfig
 
 _DEFAULTS = RunConfig()
 
@@ -43,7 +38,7 @@ def _parse_ensemble(spec: str) -> int | None:
 @run_options(skip=("arch", "preset", "weight_decay", "seed"))
 @click.option("--store", "store_path", default="sweep.sqlite", show_default=True, type=click.Path(),
               help="The SQLite result store (created if missing; finished runs in it are skipped).")
-@click.option("--backend", type=click.Choice(BACKENDS), default="local", show_default=True,
+@click.option("--backend", type=click.Choice(SWEEP_BACKENDS), default="local", show_default=True,
               help="Where the runs execute: local processes or a Ray cluster.")
 @click.option("--workers", type=numeric("workers"), default=None,
               help="Local processes (default: what the cores and memory hold).")
@@ -68,6 +63,11 @@ def _parse_ensemble(spec: str) -> int | None:
 def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, address, max_retries, shard,
               retry_failed, ensemble, dry_run, calibrate_steps, quiet, checkpoint_every, **fields):
     """Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."""
+    # the grid, the planner and the runner import torch: loaded here, not for --help
+    from fastdiag.sweep.grid import build_grid, parse_list, parse_seeds, parse_shard, parse_wd
+    from fastdiag.sweep.grid import shard as shard_grid
+    from fastdiag.sweep.run import check_devices, run_sweep
+
     ensemble_size = _parse_ensemble(ensemble)
     cadence = parse_checkpoint_every(checkpoint_every)
     with option_errors():
@@ -123,6 +123,8 @@ def _print_estimate(configs, ensemble_size, workers, threads, steps) -> None:
     import torch
 
     from fastdiag.analysis.paper_data import PAPER, predicted_t_grok     # scipy: not for --help
+    from fastdiag.grokking.build import uses_cuda
+    from fastdiag.sweep.plan import describe_estimate, estimate_sweep
 
     if steps == 0:
         return

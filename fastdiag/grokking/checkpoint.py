@@ -35,9 +35,9 @@ from contextlib import suppress as contextlib_suppress
 
 import torch
 
+from fastdiag.grokking.config import CHECKPOINT_EVERY_S
 from fastdiag.store.files import atomic_path
 
-CHECKPOINT_EVERY_S = 300.0      # default cadence: at most 5 minutes of a run are lost to a kill
 CHECKPOINT_FORMAT = 1           # bumped when the state's layout changes: an older file is not resumed
 CHECKPOINT_SUFFIX = ".ckpt.pt"
 
@@ -344,36 +344,9 @@ def restore_tracker(tracker, state: dict) -> None:
     tracker.diverged = bool(state["diverged"])
 
 
-CADENCE_HELP = ("When a run saves its checkpoint (right after an evaluation): every N epochs ('500'), every "
-                "so many minutes or seconds of training ('5m', '90s'), or 'off'. A rerun resumes from it; it "
-                "is removed once the run's outcome is written.")
-DEFAULT_CADENCE = f"{CHECKPOINT_EVERY_S / 60:g}m"
-
-
-def parse_cadence(text: str) -> tuple[float | None, int | None] | None:
-    """``--checkpoint-every``: '500' → every 500 epochs, '5m' / '90s' → by wall time, 'off' → None
-    (no checkpoints). Returns (every_s, every_epochs); raises ValueError naming checkpoint_every."""
-    spec = str(text).strip().lower()
-    if spec == "off":
-        return None
-    try:
-        if spec.endswith(("m", "s")):
-            seconds = float(spec[:-1]) * (60 if spec.endswith("m") else 1)
-            if not 0 <= seconds < float("inf"):
-                raise ValueError
-            return seconds, None
-        epochs = int(spec)
-        if epochs < 1:
-            raise ValueError
-        return None, epochs
-    except ValueError:
-        raise ValueError(f"checkpoint_every: expected a number of epochs >= 1 ('500'), a time ('5m', '90s') "
-                         f"or 'off', got {text!r}") from None
-
-
 def make_checkpointer(path: str | os.PathLike, key: str, cadence: tuple[float | None, int | None] | None
                       ) -> Checkpointer | None:
-    """A Checkpointer at ``path`` for ``parse_cadence``'s result (None: checkpoints off)."""
+    """A Checkpointer at ``path`` for ``config.parse_cadence``'s result (None: checkpoints off)."""
     if cadence is None:
         return None
     every_s, every_epochs = cadence

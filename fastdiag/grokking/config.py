@@ -33,6 +33,9 @@ GROKKED = ("grok", "anti-grok")          # reached t_grok within the horizon
 # compared with the control by paired tests; every metric is listed in grokking/interventions.py).
 ARMS = ("control", "reinit", "clip")
 
+# Where a sweep's runs execute (fastdiag.sweep.run_sweep): local worker processes or a Ray cluster.
+SWEEP_BACKENDS = ("local", "ray")
+
 # RunConfig fields that say where and how a run executes, not what it computes: not part of run_id.
 EXECUTION_FIELDS = ("device", "graphed")
 # RunConfig fields newer than some stores: a stored config without them takes their defaults.
@@ -153,3 +156,30 @@ def fmt_or_dash(value: float | None, spec: str = ".4f") -> str:
     """A number as the project writes it in tables and progress lines: ``format(value, spec)``, or
     "–" where there is no value (a run that never grokked has no t_grok)."""
     return "–" if value is None else format(value, spec)
+
+
+# ---------------------------------------------------------------------------- checkpoint cadence
+# How often a run saves its checkpoint (fastdiag/grokking/checkpoint.py); here, torch-free, so that the
+# commands' --checkpoint-every option and its parsing load no torch.
+CHECKPOINT_EVERY_S = 300.0      # default cadence: at most 5 minutes of a run are lost to a kill
+
+
+def parse_cadence(text: str) -> tuple[float | None, int | None] | None:
+    """``--checkpoint-every``: '500' → every 500 epochs, '5m' / '90s' → by wall time, 'off' → None
+    (no checkpoints). Returns (every_s, every_epochs); raises ValueError naming checkpoint_every."""
+    spec = str(text).strip().lower()
+    if spec == "off":
+        return None
+    try:
+        if spec.endswith(("m", "s")):
+            seconds = float(spec[:-1]) * (60 if spec.endswith("m") else 1)
+            if not 0 <= seconds < float("inf"):
+                raise ValueError
+            return seconds, None
+        epochs = int(spec)
+        if epochs < 1:
+            raise ValueError
+        return None, epochs
+    except ValueError:
+        raise ValueError(f"checkpoint_every: expected a number of epochs >= 1 ('500'), a time ('5m', '90s') "
+                         f"or 'off', got {text!r}") from None

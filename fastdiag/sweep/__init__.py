@@ -4,7 +4,7 @@
 from fastdiag.sweep.grid import MAX_GRID_RUNS, build_grid, parse_list, parse_seeds, parse_shard, parse_wd, shard
 from fastdiag.sweep.plan import available_cores, plan_local, plan_packs
 from fastdiag.sweep.progress import Progress, RunProgress
-from fastdiag.sweep.run import BACKENDS, SweepSummary, run_sweep
+from fastdiag.sweep.run import SweepSummary, run_sweep
 
-__all__ = ["BACKENDS", "MAX_GRID_RUNS", "Progress", "RunProgress", "SweepSummary", "available_cores", "build_grid",
+__all__ = ["MAX_GRID_RUNS", "Progress", "RunProgress", "SweepSummary", "available_cores", "build_grid",
            "parse_list", "parse_seeds", "parse_shard", "parse_wd", "plan_local", "plan_packs", "run_sweep", "shard"]

@@ -55,10 +55,6 @@ def parse_wd(spec: str) -> list[float]:
     return sorted(set(values))
 
 
-SEEDS_HELP = ("Seeds: a count N means seeds 0..N-1 ('9' is seeds 0-8), a range A-B is inclusive ('0-8'), "
-              "a comma list names seeds ('0,3,5'; one seed k alone: 'k,'); ranges and seeds mix ('0-3,7').")
-
-
 def parse_seeds(spec: str | int) -> list[int]:
     """``"5"`` → seeds 0..4 (a count); ``"2-5"`` → seeds 2..5 (a range, both ends included);
     ``"0,3,7"`` → those seeds; ``"0-2,7"`` → 0, 1, 2, 7; ``"7,"`` → seed 7 alone (a one-item list)."""

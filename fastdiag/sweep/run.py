@@ -23,16 +23,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from fastdiag.grokking.build import resolve_device
-from fastdiag.grokking.checkpoint import CHECKPOINT_EVERY_S
-from fastdiag.grokking.config import RunConfig
+from fastdiag.grokking.config import CHECKPOINT_EVERY_S, SWEEP_BACKENDS, RunConfig
 from fastdiag.grokking.ensemble_train import describe_packs, pack_runs
 from fastdiag.store import Lease, Store
 from fastdiag.sweep.backends import run_local, run_ray
 from fastdiag.sweep.checkpoints import SweepCheckpoints, checkpoint_dir
 from fastdiag.sweep.plan import default_workers, plan_local, spread_packs
 from fastdiag.sweep.progress import Progress
-
-BACKENDS = ("local", "ray")
 
 
 @dataclass
@@ -74,12 +71,12 @@ def run_sweep(configs: Sequence[RunConfig], store: Store, *, backend: str = "loc
     An interrupt (KeyboardInterrupt, SystemExit) stops the workers, keeps every finished run and
     frees the claims of the unfinished ones, then propagates.
 
-    ``checkpoint_every`` (`fastdiag.grokking.checkpoint.parse_cadence`: (seconds, None), (None,
+    ``checkpoint_every`` (`fastdiag.grokking.config.parse_cadence`: (seconds, None), (None,
     epochs), or None for no checkpoints): on the local backend each run and pack keeps a checkpoint
     in ``<store>.checkpoints/`` (`fastdiag.sweep.checkpoints`), so a rerun after a kill resumes the
     unfinished runs where they were; the files go as their runs end."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend not in SWEEP_BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(SWEEP_BACKENDS)}, got {backend!r}")
     if max_retries < 0:
         raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
     if train_fn is None:
