@@ -9,8 +9,8 @@ the layer's `HeadStats` from Q, K and the masks without holding ``[B, H, Tq, Tk]
 
 Backends: ``"triton"`` (two fused kernels, `fastdiag/core/kernels/qk_stats_triton.py`; the default on CUDA),
 ``"torch"`` (chunked over query rows, keys sliced to the causal bound; the default elsewhere) and
-``"reference"`` (float64, the ground truth). Masking semantics (docs/attach.md, "Padding": the attach contract): see
-`fastdiag/core/kernels/qk_stats_ref.py`. Row validity is read from the masks, never from the LSE (a fully masked
+``"reference"`` (float64, the ground truth). Which keys are masked and which rows count: the one rule,
+`fastdiag/core/kernels/rows.py` (docs/attach.md, "Padding"). Row validity is read from the masks, never from the LSE (a fully masked
 row has LSE 0 on the CPU flash op and inf on CUDA).
 """
 from __future__ import annotations
@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from fastdiag.core.diagnostics import BACKENDS, run_triton, triton_available
-from fastdiag.core.kernels.qk_stats_ref import masked_threshold, qk_stats_ref
+from fastdiag.core.kernels.qk_stats_ref import qk_stats_ref
+from fastdiag.core.kernels.rows import additive_mask, mask_as_4d, valid_rows, visible  # noqa: F401 (fastdiag.qk names)
 from fastdiag.core.kernels.qk_stats_torch import CHUNK_BYTES, qk_stats_torch
 from fastdiag.core.stats import HeadStats
 
@@ -85,7 +86,7 @@ def _as_batched_heads(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor 
         except RuntimeError:
             raise ValueError(f"attn_mask: shape {tuple(mask4.shape)} does not broadcast to "
                              f"{list(full)}") from None
-        mask4 = _mask_as_4d(mask4, lead, b)
+        mask4 = mask_as_4d(mask4, lead, b)
     qm = None
     if query_mask is not None:
         if not isinstance(query_mask, torch.Tensor) or query_mask.dtype != torch.bool:
@@ -103,45 +104,6 @@ def _as_batched_heads(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor 
         if lse3.shape != (b, h, tq):
             lse3 = lse3.reshape(b, h, tq)
     return q4, k4, mask4, qm, lse3
-
-
-def _mask_as_4d(mask: torch.Tensor, lead: tuple, b: int) -> torch.Tensor:
-    """A mask broadcastable to ``[*lead, H, Tq, Tk]`` as ``[B or 1, H or 1, Tq or 1, Tk or 1]``: its
-    own trailing sizes are kept, and the batch dimensions are copied out only where the mask itself
-    varies over them (a shared [Tq, Tk] mask under a 5-D q stays one [Tq, Tk] matrix)."""
-    mask = mask.reshape((1,) * (len(lead) + 3 - mask.dim()) + tuple(mask.shape))
-    own_lead, tail = tuple(mask.shape[:len(lead)]), tuple(mask.shape[len(lead):])
-    if all(n == 1 for n in own_lead):
-        return mask.reshape(1, *tail)
-    return mask.expand(*lead, *tail).reshape(b, *tail)
-
-
-def visible(mask4: torch.Tensor) -> torch.Tensor:
-    """Bool: which keys the mask leaves visible (True = may attend), same shape as the mask."""
-    if mask4.dtype == torch.bool:
-        return mask4
-    return ~(mask4 <= masked_threshold(mask4.dtype))   # NaN stays visible: it must show up as NaN
-
-
-def valid_rows(mask4: torch.Tensor | None, is_causal: bool, shape: tuple,
-               query_mask: torch.Tensor | None) -> torch.Tensor:
-    """Bool ``[B, Tq]``: the row sees at least one key in every head, and query_mask keeps it.
-
-    Works on the mask as given (``[B, 1, 1, Tk]`` padding masks stay that small): with
-    ``is_causal``, a row sees a key iff the mask's first visible key is not in its future."""
-    b, h, tq, tk = shape
-    device = query_mask.device if mask4 is None else mask4.device
-    ok = torch.ones(b, tq, dtype=torch.bool, device=device)
-    if mask4 is not None:
-        vis = visible(mask4)
-        seen = vis.any(-1)                                              # [B?, H?, Tq?]
-        if is_causal:
-            first = vis.to(torch.uint8).argmax(-1)                       # first visible key
-            seen = seen & (first <= torch.arange(tq, device=device))
-        ok = seen.expand(b, h, tq).all(1)
-    if query_mask is not None:
-        ok = ok & query_mask
-    return ok
 
 
 # ---- the public entry points ------------------------------------------------------------------
@@ -233,17 +195,6 @@ def unpack_query_heads(query: torch.Tensor, attn_mask: torch.Tensor | None, lse:
     if lse is not None:
         lse = lse.reshape(b, heads, 1)
     return query, attn_mask, lse
-
-
-def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype, true_attends: bool) -> torch.Tensor | None:
-    """A bool mask as an additive one in ``dtype``, 0 where a key may be attended and -inf where not
-    (as F.scaled_dot_product_attention hands a bool mask to its fused ops). ``true_attends``: True
-    marks keys that may be attended (SDPA's convention); False: keys masked out (torch.nn's
-    ``key_padding_mask`` / MultiheadAttention's). Other masks pass through as they are."""
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    blocked = ~mask if true_attends else mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(blocked, float("-inf"))
 
 
 def _attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):

@@ -4,9 +4,7 @@ Builds the full probabilities ``softmax(q kᵀ · scale + mask)`` in float64 and
 `head_stats_ref`, so the Q/K kernels are checked against the same ground truth as the probability
 kernels. Tests and benchmarks import this function; it is written the obvious way on purpose.
 
-Masking semantics (shared by every Q/K path): a key is masked when a bool mask says False (SDPA
-convention), when an additive mask holds -inf or a value ≤ ``finfo(mask.dtype).min / 2`` (HF eager
-masks use finfo.min; two such terms added may overflow to -inf), or when ``is_causal`` puts it in
+Masking semantics: the one rule of `rows` (shared by every path), plus ``is_causal`` putting a key in
 the future of the query (top-left aligned). A query row counts iff it sees at least one key in every
 head and ``query_mask`` (bool ``[B, Tq]``, True = valid) keeps it.
 """
@@ -15,28 +13,10 @@ from __future__ import annotations
 import torch
 
 from .head_stats_ref import head_stats_ref
+from .rows import visible_keys
 
 
-def masked_threshold(dtype: torch.dtype) -> float:
-    """Additive mask values at or below this mask the key (-inf included)."""
-    return torch.finfo(dtype).min / 2
-
-
-def visible_keys_ref(attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple, device=None) -> torch.Tensor:
-    """Bool ``[B, H, Tq, Tk]`` on ``device`` (default the mask's): which keys each query row of each
-    head may attend to."""
-    b, h, tq, tk = shape
-    if device is None:
-        device = attn_mask.device if attn_mask is not None else None
-    visible = torch.ones(shape, dtype=torch.bool, device=device)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            visible = visible & attn_mask
-        else:
-            visible = visible & ~(attn_mask <= masked_threshold(attn_mask.dtype))
-    if is_causal:
-        visible = visible & torch.ones(tq, tk, dtype=torch.bool, device=visible.device).tril()
-    return visible
+visible_keys_ref = visible_keys   # the rule as the references read it (tests import this name)
 
 
 def qk_stats_ref(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None,
