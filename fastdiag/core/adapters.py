@@ -18,13 +18,12 @@ Two structural kinds keep their own adapters: fastdiag's models (class attribute
 ``records_head_stats``: the module computes its statistics itself) and `torch.nn.MultiheadAttention`
 (a pre-hook re-projects Q and K with the module's weights, whatever path torch takes inside).
 
-**Masks and padding rows (docs/attach.md, "Padding").** A key is masked where the model's own softmax
-gives it probability exactly 0 (eager: the probabilities; SDPA: ``exp(s + mask − LSE) == 0`` in
-float32), where a bool mask is False, or where a score or mask is −inf or ≤ finfo(dtype).min / 2 (HF's fully
-masked rows, softmaxed to uniform rows) — so finite masks (−1e4, −1e6, −1e30) count as the model applies them. A query row counts when it sees
-an unmasked key in every head, and, in self-attention (queries and keys from the same input of the
-call, `Provenance`), when its own position is not a padding key (a key no query of that sequence
-may see). Both paths apply the same rule, so eager and SDPA give the same statistics.
+**Masks and padding rows (docs/attach.md, "Padding").** One rule, `fastdiag.core.kernels.rows`, on
+every path: a key is masked where a bool mask is False or a mask value (eager: the score the mask was
+added into) is −inf or ≤ −5000 — never where a probability underflowed to 0. A query row counts when
+it sees an unmasked key in every head, and, in self-attention (queries and keys from the same input
+of the call, `Provenance`), when its own position is not a padding key (a key no query of that
+sequence may see). Eager, SDPA and MultiheadAttention give the same rows on the same batch.
 """
 from __future__ import annotations
 
@@ -36,72 +35,13 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fastdiag.core.qk import CHUNK_BYTES, additive_mask, qk_head_stats, unpack_query_heads, visible
+from fastdiag.core.kernels import rows as row_rule
+from fastdiag.core.qk import CHUNK_BYTES, qk_head_stats, unpack_query_heads
 from fastdiag.core.stats import HeadStats
 
 
 
-# ---- masks and valid query rows -----------------------------------------------------------------
-
-def masked(mask: torch.Tensor) -> torch.Tensor:
-    """True where a bool (True = may attend) or additive mask, or a score tensor, masks the entry:
-    the one rule of `fastdiag.qk.visible`."""
-    return ~visible(mask)
-
-
-def sees_a_key(hidden: torch.Tensor) -> torch.Tensor:
-    """Bool ``[B, Tq]``: the rows that see an unmasked key in every head; ``hidden`` (True = masked)
-    is ``[B, H, Tq, Tk]``, B and H possibly broadcast (size 1)."""
-    return (~hidden).any(-1).all(1)
-
-
-def real_positions(hidden: torch.Tensor) -> torch.Tensor:
-    """Bool ``[B, T]`` for self-attention (Tq = Tk = T): False at a padding position, a key that no
-    query row of its sequence may see in any head (its own query row is padding too)."""
-    return ~hidden.all(-2).all(1)
-
-
-def seen_only_by_itself(hidden: torch.Tensor) -> torch.Tensor:
-    """Bool scalar for self-attention (``hidden`` True = masked, ``[B, H, T, T]``, B and H possibly
-    broadcast): some sequence's mask is not causal (a row sees a later key) and lets a position's key
-    be seen by its own row only, in every head — XLNet's padding, where each padded query still
-    attends to itself, so `real_positions` cannot tell it from a real token. A device tensor (no sync)."""
-    seen = (~hidden).any(1)                                            # [B, T, T]: in some head
-    t = seen.shape[-1]
-    eye = torch.eye(t, dtype=torch.bool, device=seen.device)
-    only_self = seen.diagonal(dim1=-2, dim2=-1) & ~(seen & ~eye).any(-2)   # [B, T] by key
-    not_causal = (seen & torch.ones_like(eye).triu(1)).flatten(1).any(1)   # [B]
-    return (only_self.any(-1) & not_causal).any()
-
-
-def zero_probability_keys(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor, is_causal: bool,
-                          scale: float | None, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
-    """Bool ``[B, Tk]``: the keys an SDPA call's own softmax gives probability exactly 0 in every query
-    row and head, ``exp(s + mask − LSE) == 0`` in float32 (what SDPA computes its softmax in). A
-    finite additive mask (MarkupLM −1e4, Funnel −1e6, XLNet −1e30) masks a key by driving it there:
-    its effect on the row's LSE, read from the call, not a threshold on the mask value. ``query``
-    ``[B, H, Tq, D]``, ``key`` ``[B, Hk, Tk, D]``, ``attn_mask`` additive, broadcastable to the scores.
-    Chunked over query rows (at most ``chunk_bytes`` of scores at a time)."""
-    acc = torch.promote_types(query.dtype, torch.float32)
-    b, h, tq, d = query.shape
-    q = query.detach().to(acc) * (d ** -0.5 if scale is None else float(scale))
-    k = key.detach().to(acc).repeat_interleave(h // key.shape[1], dim=1).transpose(-1, -2)
-    tk = k.shape[-1]
-    mask = attn_mask.detach().to(acc)
-    while mask.dim() < 4:
-        mask = mask.unsqueeze(0)
-    zero = torch.ones(b, tk, dtype=torch.bool, device=query.device)
-    rows = min(tq, max(1, chunk_bytes // max(1, b * h * tk * 4)))
-    for r0 in range(0, tq, rows):
-        r1 = min(tq, r0 + rows)
-        s = (q[:, :, r0:r1] @ k) + (mask[..., r0:r1, :] if mask.shape[-2] > 1 else mask)
-        if is_causal:
-            future = torch.ones(r1 - r0, tk, dtype=torch.bool, device=s.device).triu(r0 + 1)
-            s = s.masked_fill(future, float("-inf"))
-        p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))
-        zero &= (p == 0).all(1).all(1)
-    return zero
-
+# ---- structural facts -------------------------------------------------------------------------
 
 def sink_logits(module) -> int | None:
     """Heads of a module's attention-sink logits (a 1-D ``sinks`` tensor, one logit per head, which the
@@ -110,27 +50,16 @@ def sink_logits(module) -> int | None:
     return sinks.numel() if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 else None
 
 
-def as_bhqk(mask: torch.Tensor, lead: tuple, h: int, tq: int, tk: int) -> torch.Tensor:
-    """A mask broadcastable to ``[*lead, H, Tq, Tk]`` as a 4-D view ``[B or 1, H or 1, Tq, Tk]``,
-    copied only when ``lead`` has more than one dimension."""
-    mask = mask.detach()
-    while mask.dim() < len(lead) + 3:
-        mask = mask.unsqueeze(0)
-    if len(lead) != 1:
-        return mask.expand(*lead, h, tq, tk).reshape(-1, h, tq, tk)
-    return mask.expand(*mask.shape[:2], tq, tk)
-
-
-def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A torch.nn mask (bool: True = masked out) as an additive float mask in ``dtype``."""
-    mask = additive_mask(mask, dtype, true_attends=False)
-    return None if mask is None else mask.to(dtype)
-
-
 # ---- torch.nn.MultiheadAttention ----------------------------------------------------------------
 
 _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
              "average_attn_weights", "is_causal")
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A torch.nn mask (bool: True = masked out) as an additive float mask in ``dtype``."""
+    mask = row_rule.additive_mask(mask, dtype, true_attends=False)
+    return None if mask is None else mask.to(dtype)
 
 
 def mha_head_stats(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict,
@@ -138,8 +67,8 @@ def mha_head_stats(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dic
                    padding=None, autocast: torch.dtype | None = None) -> HeadStats:
     """The statistics `module(*args, **kwargs)` computes in its softmax, from Q and K re-projected.
 
-    Self-attention (``query is key``): a query row whose position is a padded key
-    (``key_padding_mask``) is left out, and so is one that ``padding(N, T, device)`` (the monitor's
+    Self-attention (``query is key``): a query row whose position is a padding key (``key_padding_mask``,
+    or an ``attn_mask`` that hides it from every query: `rows.self_attention_rows`) is left out, and so is one that ``padding(N, T, device)`` (the monitor's
     handed-in mask for this call, bool ``[N, T]``, True = real token, or None) marks. ``autocast``: the dtype the caller's autocast runs the module's projections in (Q
     and K are re-projected in it, as the module computes them; the statistics accumulate in fp32).
     """
@@ -185,8 +114,8 @@ def mha_head_stats(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dic
         mask = kpm if mask is None else mask + kpm
     query_mask = None
     if self_attention:
-        if kpm is not None:
-            query_mask = ~masked(kpm.reshape(n, -1))
+        if mask is not None:   # the rule of every path: a position no query may see is padding, its row too
+            query_mask = row_rule.self_attention_rows(row_rule.hidden_keys(mask, n, heads, tq, tq)).expand(n, tq)
         handed_in = None if padding is None else padding(n, tq, q.device)
         if handed_in is not None:
             query_mask = handed_in if query_mask is None else query_mask & handed_in

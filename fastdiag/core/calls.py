@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from fastdiag.core import adapters, passes
 from fastdiag.core.diagnostics import head_stats
+from fastdiag.core.kernels import rows as row_rule
 from fastdiag.core.plan import Event, sdpa_signature, softmax_signature
 from fastdiag.core.qk import sdpa_with_stats
 from fastdiag.core.stats import HeadStats
@@ -191,16 +192,12 @@ class AttentionCalls:
             same_input = event.same_input if event is not False else \
                 self._learn_op(module_call, sdpa_signature(call), self.provenance.same_input(module_call, query_passed, key_passed))
             if self._self_attention(name, same_input, tq, tk):
-                if attn_mask is not None:
-                    hidden = adapters.masked(adapters.as_bhqk(attn_mask, (b,), h, tq, tk))
-                    rows = adapters.real_positions(hidden).expand(b, tq)
-                    if attn_mask.is_floating_point():  # finite masks: keys the op's softmax zeroes
-                        rows = rows & ~adapters.own_statistics(
-                            adapters.zero_probability_keys, query, key, attn_mask, call.get("is_causal", False),
-                            call.get("scale"), self.chunk_bytes)
+                if attn_mask is not None:   # the rule of every path (row_rule), read from the mask
+                    hidden = row_rule.hidden_keys(attn_mask, b, h, tq, tk)
+                    rows = row_rule.self_attention_rows(hidden).expand(b, tq)
                 with_padding = self.with_padding(rows, b, tq, query.device, name)
                 if with_padding is rows and attn_mask is not None:  # no handed-in padding for this call
-                    self.suspect(name, adapters.own_statistics(adapters.seen_only_by_itself, hidden))
+                    self.suspect(name, adapters.own_statistics(row_rule.seen_only_by_itself, hidden))
                 rows = with_padding
         measure = adapters.sdpa_reissued_with_stats if adapters.outer_attention_mode() else sdpa_with_stats
         out, stats = adapters.own_statistics(measure, **call, query_mask=rows, backend=self.backend,
@@ -248,23 +245,23 @@ class AttentionCalls:
             else:
                 self.refuse(name, f"a softmax over empty scores {tuple(probs.shape)}")
             return
-        # A key is masked where the model's own softmax gave it exactly 0 (a finite mask: XLNet -1e30,
-        # MarkupLM -1e4, Funnel -1e6) or where its score is the dtype's most negative value (a fully
-        # masked row, which HF softmaxes to a uniform row): read from what was computed, no threshold.
-        hidden = adapters.masked(scores.detach()) | (probs.detach() == 0)
+        # Masked keys are read from the scores the model's mask was added into (row_rule: -inf, HF's
+        # finfo.min, XLNet -1e30, Funnel -1e6, MarkupLM -1e4), never from zeros in P: a sharp softmax
+        # gives real keys exactly 0 (float32 at a logit gap of 104), and a real key is not padding.
+        hidden = row_rule.masked(scores.detach())
         # An attention sink (a per-head logit concatenated as the last score column, gpt-oss) is in the
         # measured distribution, but it is no key: the padding rules read the real keys only.
         sink = name in self.sinks and self.sinks[name] == h and tk > 1
         if sink:
             hidden = hidden[..., :-1]
-        rows = adapters.sees_a_key(hidden)
+        rows = row_rule.sees_a_key(hidden)
         same_input = event.same_input if event is not False else \
             self._learn_op(module_call, softmax_signature(scores), self.provenance.scores_of_same_input(module_call, scores))
         if self._self_attention(name, same_input, tq, hidden.shape[-1]):
-            from_mask = rows & adapters.real_positions(hidden)
+            from_mask = rows & row_rule.real_positions(hidden)
             rows = self.with_padding(from_mask, b, tq, probs.device, name)
             if rows is from_mask:  # no handed-in padding for this call
-                self.suspect(name, adapters.own_statistics(adapters.seen_only_by_itself, hidden))
+                self.suspect(name, adapters.own_statistics(row_rule.seen_only_by_itself, hidden))
         stats = adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend)
         how = "probabilities with sink" if sink else "probabilities"
         if event is False:

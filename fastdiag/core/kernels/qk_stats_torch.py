@@ -61,8 +61,8 @@ def qk_stats_torch(q4, k4, mask4, is_causal: bool, scale: float, rows_ok, lse, c
             top = s.amax(-1)                                               # [B, H, rows], float64
             ok = None if rows_ok is None else rows_ok[:, None, r0:r1]    # [B, 1, rows]
             if ok is not None:
-                # an invalid row's maximum may be -inf or garbage: 0 keeps x finite, p is zeroed below
-                top = torch.where(ok, top, torch.zeros((), dtype=acc, device=s.device))
+                # an invalid row's maximum may be ±inf or NaN: finite keeps x finite, p is zeroed below
+                top = torch.where(ok, top, top.nan_to_num(0.0, 0.0, 0.0))
             x = s.sub_(top[..., None]).to(torch.float32).clamp_min_(LOG_P_FLOOR)   # s − max: 0 at the top
             e = torch.exp(x)
             at_top = x == 0
