@@ -283,10 +283,12 @@ _INTERRUPT_WHILE_LOADING = textwrap.dedent('''
 
 @pytest.mark.parametrize("module, command", [
     ("click", ["analyze", "nothing.sqlite"]),
-    # after main() started, while the command's module loads torch: an interrupt inside a library's
-    # import once left numpy half loaded and gave an ImportError traceback (1 of 7 `export` trials;
-    # export loads no torch since, sweep's module still does for its options)
+    # after main() started, while the command loads torch: an interrupt inside a library's import once
+    # left numpy half loaded and gave an ImportError traceback (1 of 7 `export` trials). The commands
+    # import torch and scipy in their bodies (their --help loads neither), under the same handler
+    # (`app.loading`): sweep's grid loads torch, analyze's statistics scipy
     ("torch", ["sweep", "--wd", "nan"]),
+    ("scipy", ["analyze", "nothing.sqlite"]),
     ("fastdiag.cli.sweep", ["sweep", "--wd", "nan"]),
     ("fastdiag.cli.stores", ["export", "nothing.sqlite", "--out", "o.csv"]),
 ])

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from fastdiag.cli.app import CLIError, open_store
+from fastdiag.cli.app import CLIError, loading, open_store
 from fastdiag.cli.options import numeric
 from fastdiag.grokking.config import N_BOOT, REGIMES, fmt_or_dash
 
@@ -30,8 +30,9 @@ def _width(regime: str) -> int:
 def store_report(store, n_boot: int = N_BOOT, seed: int = 0, retention_threshold: float = 0.9,
                  predict: PredictSettings | None = None, fit_max_lambda: float | None = None) -> Report:
     """The report of an open store, with the model zoo's head counts for the per-head-dimension sets."""
-    from fastdiag.analysis.report import build_report
-    from fastdiag.grokking.build import heads_width
+    with loading():
+        from fastdiag.analysis.report import build_report
+        from fastdiag.grokking.build import heads_width
 
     return build_report(store, heads_width, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,
                         fit_max_lambda=fit_max_lambda, predict=predict)
@@ -229,7 +230,8 @@ def analyze_cmd(store_path, as_json, n_boot, seed, fit_max_lambda, retention_thr
                 split_seed):
     """Critical weight decay λ_c, exponent ν (with bootstrap CIs), regime table and median t_grok
     per architecture/size group of a sweep store."""
-    from fastdiag.analysis.report import PredictSettings
+    with loading():         # scipy: after the command line's own start-up, under its Ctrl-C handler
+        from fastdiag.analysis.report import PredictSettings
 
     with open_store(store_path) as store:
         report = store_report(store, n_boot=n_boot, seed=seed, retention_threshold=retention_threshold,

@@ -14,13 +14,23 @@ def _interrupted_while_loading(signum, frame) -> None:
 
 # Ctrl-C while the command line is still loading (click, the store: a tenth of a second, seconds on a
 # loaded machine) ends it with the same one line and status as later, not a traceback from inside an
-# import; Python's own handler is put back once the command's module is loaded (`_loaded`). Only where
+# import; Python's own handler is put back once the command's module is loaded (`_loaded`), and the
+# commands import torch, scipy and matplotlib in their bodies under the same handler (`loading`). Only where
 # this process is the `fastdiag` program (its script, or `python -m` finding fastdiag.cli), never in a
 # program that imports fastdiag.cli.
-if (os.path.basename(sys.argv[0]) == "fastdiag" or sys.argv[0] == "-m") \
-        and threading.current_thread() is threading.main_thread() \
-        and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted_while_loading)
+_THE_PROGRAM = os.path.basename(sys.argv[0]) == "fastdiag" or sys.argv[0] == "-m"
+
+
+def _arm() -> bool:
+    """Install the loading handler where this is the program and Python's own handler is in place."""
+    if _THE_PROGRAM and threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_while_loading)
+        return True
+    return False
+
+
+_arm()
 
 
 def _loaded() -> None:
@@ -41,6 +51,19 @@ import click  # noqa: E402
 from fastdiag.cli.options import PARAM_FLAGS  # noqa: E402
 from fastdiag.grokking.config import RunConfig  # noqa: E402
 from fastdiag.store import Store, open_existing  # noqa: E402
+
+
+@contextmanager
+def loading():
+    """Around a command's own imports of torch, scipy and the like (kept out of its module so that its
+    --help loads none of them): Ctrl-C inside them ends the program with the start-up's one line and
+    status 130, not a traceback from inside a library's import; Python's handler is back afterwards."""
+    armed = _arm()
+    try:
+        yield
+    finally:
+        if armed:
+            _loaded()
 
 
 class CLIError(click.ClickException):

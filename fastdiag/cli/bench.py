@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 import click
 
 from fastdiag.bench_workloads import ENSEMBLE_WORKLOADS, KERNEL_SHAPES
-from fastdiag.cli.app import CLIError, os_error_text
+from fastdiag.cli.app import CLIError, loading, os_error_text
 from fastdiag.grokking.config import RunConfig
 from fastdiag.store.files import atomic_path, check_writable_file
 # The measurements (fastdiag.bench, kernel_report, the models, the sweep) import torch: the functions below
@@ -118,9 +118,10 @@ FULL = {"shapes": ",".join(KERNEL_SHAPES), "repeats": 15, "blocks": 21, "workloa
 def bench_command(device, full, shapes, steps, ensembles, archs, members, workloads, no_compile, repeats, blocks,
                   kernel_report, json_path):
     """Measure fastdiag's overhead against a pure-PyTorch reference (kernel) and per training step."""
-    import torch
+    with loading():
+        import torch
 
-    from fastdiag import bench
+        from fastdiag import bench
     if json_path:                                # refused now, not after the whole benchmark
         try:
             check_writable_file(json_path)

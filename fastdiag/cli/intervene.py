@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from fastdiag.cli.analyze import format_comparison, format_headdim
-from fastdiag.cli.app import CLIError, create_store, option_errors
+from fastdiag.cli.app import CLIError, create_store, loading, option_errors
 from fastdiag.cli.options import (PARAM_FLAGS, QUIET_HELP, SEEDS_HELP, THREADS_HELP, dataclass_options, numeric,
                                   run_fields, run_options)
 from fastdiag.grokking.config import ARMS, N_BOOT, RunConfig
@@ -79,13 +79,14 @@ INTERVENE_FLAGS = {**PARAM_FLAGS, **{name: flags[0] for name, (flags, _) in INTE
 
 def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epochs, peak_patience,
                peak_patience_epochs, **kw):
-    import torch          # torch (the models, the trainer) and scipy load here, not for --help
+    with loading():       # torch (the models, the trainer) and scipy load here, not for --help
+        import torch
 
-    from fastdiag.analysis.paired import compare_arms
-    from fastdiag.grokking import interventions as iv
-    from fastdiag.grokking.build import build_model
-    from fastdiag.sweep.grid import parse_seeds
-    from fastdiag.sweep.plan import plan_threads
+        from fastdiag.analysis.paired import compare_arms
+        from fastdiag.grokking import interventions as iv
+        from fastdiag.grokking.build import build_model
+        from fastdiag.sweep.grid import parse_seeds
+        from fastdiag.sweep.plan import plan_threads
 
     with option_errors():
         seeds = parse_seeds(kw["seeds"])
@@ -232,10 +233,11 @@ def headdim_cmd(widths, heads, ff_mult, workers, n_boot, **kw):
     """Per-head dimension: train every (d, H, seed) at fixed λ (transformer, custom preset) into a store
     (finished runs are skipped), then fit peak σ_H after grokking against d/H with the saturating curve
     σ_max = c + a(1 − exp(−b·d/H)) and draw it."""
-    from fastdiag.analysis.headdim import headdim_analysis     # scipy and torch: not for --help
-    from fastdiag.grokking.build import heads_width
-    from fastdiag.sweep.grid import parse_seeds
-    from fastdiag.sweep.run import run_sweep
+    with loading():       # scipy and torch: not for --help
+        from fastdiag.analysis.headdim import headdim_analysis
+        from fastdiag.grokking.build import heads_width
+        from fastdiag.sweep.grid import parse_seeds
+        from fastdiag.sweep.run import run_sweep
 
     if kw["store_path"] is None:
         raise CLIError("--store: required (the runs go into a result store)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from fastdiag.cli.analyze import analysis_options, store_report
-from fastdiag.cli.app import CLIError, open_store
+from fastdiag.cli.app import CLIError, loading, open_store
 from fastdiag.cli.options import numeric
 from fastdiag.grokking.config import N_BOOT
 
@@ -27,8 +27,9 @@ def plot_cmd(store_path, out_dir, n_boot, n_band, seed, fit_max_lambda, predict,
     bad = [f for f in fmts if f not in ("png", "svg", "pdf")]
     if not fmts or bad:
         raise CLIError(f"--format: expected a comma list of png, svg, pdf, got {formats!r}")
-    from fastdiag.analysis.report import PredictSettings   # scipy and matplotlib: loaded only when figures are drawn
-    from fastdiag.plots.render import plot_report
+    with loading():         # scipy and matplotlib: loaded only when figures are drawn
+        from fastdiag.analysis.report import PredictSettings
+        from fastdiag.plots.render import plot_report
 
     with open_store(store_path) as store:
         report = store_report(store, n_boot=n_boot, seed=seed, fit_max_lambda=fit_max_lambda,

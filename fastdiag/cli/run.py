@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from fastdiag.cli.app import CLIError, option_errors, os_error_text
+from fastdiag.cli.app import CLIError, loading, option_errors, os_error_text
 from fastdiag.cli.options import (CADENCE_HELP, DEFAULT_CADENCE, QUIET_HELP, THREADS_HELP, numeric, run_fields,
                                   run_options)
 from fastdiag.grokking.config import RunConfig, fmt_or_dash, parse_cadence
@@ -31,13 +31,14 @@ def parse_checkpoint_every(text: str):
 @checkpoint_option
 def run(threads, out_dir, quiet, checkpoint_every, **fields) -> None:
     """Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."""
-    import torch            # torch and the trainer (torch._dynamo) load here, not for --help
+    with loading():         # torch and the trainer (torch._dynamo) load here, not for --help
+        import torch
 
-    from fastdiag.grokking.build import check_buildable
-    from fastdiag.grokking.checkpoint import checkpoint_path, make_checkpointer
-    from fastdiag.grokking.train import train_run
-    from fastdiag.sweep.plan import plan_threads
-    from fastdiag.sweep.progress import RunProgress
+        from fastdiag.grokking.build import check_buildable
+        from fastdiag.grokking.checkpoint import checkpoint_path, make_checkpointer
+        from fastdiag.grokking.train import train_run
+        from fastdiag.sweep.plan import plan_threads
+        from fastdiag.sweep.progress import RunProgress
 
     cadence = parse_checkpoint_every(checkpoint_every)
     # Check everything the run needs before any training: the values, the task (÷ needs a prime p,

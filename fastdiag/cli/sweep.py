@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from fastdiag.cli.app import CLIError, create_store, option_errors
+from fastdiag.cli.app import CLIError, create_store, loading, option_errors
 from fastdiag.cli.options import QUIET_HELP, SEEDS_HELP, THREADS_DEFAULT, numeric, run_fields, run_options
 from fastdiag.cli.run import checkpoint_option, parse_checkpoint_every
 from fastdiag.grokking.config import ARCHS, SWEEP_BACKENDS, RunConfig
@@ -63,10 +63,10 @@ def _parse_ensemble(spec: str) -> int | None:
 def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, address, max_retries, shard,
               retry_failed, ensemble, dry_run, calibrate_steps, quiet, checkpoint_every, **fields):
     """Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."""
-    # the grid, the planner and the runner import torch: loaded here, not for --help
-    from fastdiag.sweep.grid import build_grid, parse_list, parse_seeds, parse_shard, parse_wd
-    from fastdiag.sweep.grid import shard as shard_grid
-    from fastdiag.sweep.run import check_devices, run_sweep
+    with loading():         # the grid, the planner and the runner import torch: loaded here, not for --help
+        from fastdiag.sweep.grid import build_grid, parse_list, parse_seeds, parse_shard, parse_wd
+        from fastdiag.sweep.grid import shard as shard_grid
+        from fastdiag.sweep.run import check_devices, run_sweep
 
     ensemble_size = _parse_ensemble(ensemble)
     cadence = parse_checkpoint_every(checkpoint_every)
@@ -120,11 +120,12 @@ def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, ad
 
 def _print_estimate(configs, ensemble_size, workers, threads, steps) -> None:
     """The dry run's time estimate (`fastdiag.sweep.plan.estimate_sweep`), or why there is none."""
-    import torch
+    with loading():         # scipy: not for --help
+        import torch
 
-    from fastdiag.analysis.paper_data import PAPER, predicted_t_grok     # scipy: not for --help
-    from fastdiag.grokking.build import uses_cuda
-    from fastdiag.sweep.plan import describe_estimate, estimate_sweep
+        from fastdiag.analysis.paper_data import PAPER, predicted_t_grok
+        from fastdiag.grokking.build import uses_cuda
+        from fastdiag.sweep.plan import describe_estimate, estimate_sweep
 
     if steps == 0:
         return
