@@ -1,4 +1,5 @@
 """`fastdiag run`: a tiny real run, and bad input as one line with exit status 2."""
+import csv
 import dataclasses
 import json
 import subprocess
@@ -31,6 +32,11 @@ def test_tiny_run_writes_outputs(capsys, tmp_path):
     result = json.loads((out_dir / "result.json").read_text())
     assert result["config"]["p"] == 7 and result["epochs_run"] == 3
     assert (out_dir / "trace.csv").exists() and (out_dir / "trajectory.png").exists()
+    # the summary names the largest s̄ and σ_H with their epochs, read here from the trace it wrote
+    rows = list(csv.DictReader((out_dir / "trace.csv").open()))
+    for name, key in (("s̄", "s_bar"), ("σ_H", "sigma_h")):
+        top = max(rows, key=lambda row: float(row[key]))
+        assert f"largest {name} {float(top[key]):.3f} (epoch {top['epoch']})" in out, out
 
 
 def test_help_lists_the_options(capsys):

@@ -136,3 +136,19 @@ def test_a_real_three_epoch_run_is_too_short():
                     batch_size=8, epochs=3, eval_every=1, diag_every=2, device="cpu", seed=0)
     result = train_run(cfg).result
     assert result["final_train_acc"] < 0.99 and result["regime"] == "too-short"
+
+
+def test_largest_and_the_phase2_peak_name_the_transient_and_the_peak_apart():
+    """`fastdiag run`'s summary and figure: the largest σ_H at any evaluation (here the transient at epoch 6)
+    and the Phase-2 peak (the largest from t_grok on), which a run stopped at t_grok does not have."""
+    sigma = {1: 0.01, 6: 0.07, 50: 0.02, 100: 0.015, 400: 0.05, 900: 0.06, 1200: 0.04}
+    trace = [{"epoch": e, "sigma_h": s, "s_bar": 0.9} for e, s in sigma.items()]
+    trace.insert(3, {"epoch": 70, "sigma_h": float("nan"), "s_bar": None})      # not finite: never the largest
+    assert labels.largest(trace, "sigma_h") == (0.07, 6)
+    assert labels.largest(trace, "s_bar") == (0.9, 1)                           # the first of equals
+    assert labels.largest(trace, "sigma_h", from_epoch=100) == (0.06, 900)
+    assert labels.largest(trace, "missing") is None
+    assert labels.phase2_peak(trace, 100) == (0.06, 900)
+    assert labels.phase2_peak(trace, None) is None
+    stopped = [r for r in trace if r["epoch"] <= 100]
+    assert labels.phase2_peak(stopped, 100) is None and labels.largest(stopped, "sigma_h", from_epoch=100) == (0.015, 100)

@@ -286,4 +286,7 @@ def test_the_run_figure_says_what_its_peak_sigma_h_is():
     fig = draw_trajectory(trace, {"t_grok_epoch": 40, "t_mem_epoch": 20})
     labels = [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
     assert "largest σ_H 0.070 (epoch 6)" in labels
-    assert "largest after t_grok (Phase 2) 0.030 (epoch 60)" in labels
+    assert "largest from t_grok on (Phase 2) 0.030 (epoch 60)" in labels
+    stopped = draw_trajectory([r for r in trace if r["epoch"] <= 40], {"t_grok_epoch": 40, "t_mem_epoch": 20})
+    labels = [t.get_text() for t in stopped.axes[2].get_legend().get_texts()]      # stopped at t_grok: no Phase 2
+    assert "largest σ_H 0.070 (epoch 6)" in labels and not any("Phase 2" in label for label in labels)

@@ -164,6 +164,20 @@ def test_demo_block_and_figure_are_the_committed_run():
     assert "![trajectory of the demo run](docs/img/demo_trajectory.png)" in (ROOT / "README.md").read_text()
 
 
+def test_the_demo_prose_quotes_what_run_prints_for_its_largest_values():
+    """The log predates the summary's wording ("peak s̄/σ_H"); the prose under it quotes what `fastdiag run`
+    prints now for the same trace ("largest s̄ … (epoch N)")."""
+    import csv
+
+    from fastdiag.cli.run import at_epoch
+    from fastdiag.grokking.labels import largest
+
+    trace = [{"epoch": int(row["epoch"]), "s_bar": float(row["s_bar"]), "sigma_h": float(row["sigma_h"])}
+             for row in csv.DictReader((DATA / "demo" / "trace.csv").open())]
+    quoted = f"`largest s̄ {at_epoch(largest(trace, 's_bar'))}  largest σ_H {at_epoch(largest(trace, 'sigma_h'))}`"
+    assert quoted in (ROOT / "README.md").read_text(), quoted
+
+
 @pytest.mark.parametrize("name,args", [("sweep", ["readme.sqlite", "--n-boot", "500"]),
                                        ("predict", ["readme.sqlite", "--predict"]), ("intervention", ["iv.sqlite"])])
 def test_sweep_blocks_are_what_analyze_prints_from_the_committed_store(name, args, monkeypatch, capsys):

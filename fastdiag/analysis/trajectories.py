@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from fastdiag.grokking.config import GROK_THRESHOLD, GROKKED
-from fastdiag.grokking.labels import anti_grok_epoch, first_epoch_at_or_above
+from fastdiag.grokking.labels import anti_grok_epoch, first_epoch_at_or_above, largest
 
 
 STAGES = ("coordination", "differentiation", "re-synchronisation", "second differentiation", "collapse")
@@ -209,9 +209,8 @@ def phase2_peak_sigma_h(trace: Sequence[dict], t_grok_epoch: int | None) -> floa
     """Largest σ_H at or after grokking (None if the run did not grok or has no σ_H there)."""
     if t_grok_epoch is None:
         return None
-    values = [r["sigma_h"] for r in trace if finite(r.get("epoch")) and r["epoch"] >= t_grok_epoch
-              and finite(r.get("sigma_h"))]
-    return max(values) if values else None
+    found = largest(trace, "sigma_h", from_epoch=t_grok_epoch)
+    return None if found is None else found[0]
 
 
 def _largest_fall(rows: Sequence[dict]) -> dict | None:

@@ -7,12 +7,18 @@ from fastdiag.cli.app import CLIError, loading, option_errors, os_error_text
 from fastdiag.cli.options import (CADENCE_HELP, DEFAULT_CADENCE, QUIET_HELP, THREADS_HELP, numeric, run_fields,
                                   run_options)
 from fastdiag.grokking.config import RunConfig, fmt_or_dash, parse_cadence
+from fastdiag.grokking.labels import largest, phase2_peak
 from fastdiag.store.files import prepare_out_dir
 
 
 # Shared with `fastdiag sweep`: one spelling, one default.
 checkpoint_option = click.option("--checkpoint-every", "checkpoint_every", default=DEFAULT_CADENCE,
                                  show_default=True, metavar="N|Nm|Ns|off", help=CADENCE_HELP)
+
+
+def at_epoch(found: tuple[float, int] | None) -> str:
+    """A (value, epoch) of `labels.largest` as the summary line prints it: "0.069 (epoch 6)", or "–"."""
+    return "–" if found is None else f"{found[0]:.3f} (epoch {found[1]})"
 
 
 def parse_checkpoint_every(text: str):
@@ -69,9 +75,13 @@ def run(threads, out_dir, quiet, checkpoint_every, **fields) -> None:
 
     # The summary first: if the outputs cannot be written (disk full), the run's outcome is still said.
     click.echo(f"regime: {r['regime']}   t_mem: {when('mem')}   t_grok: {when('grok')}")
-    train, test, s_bar, sigma_h = (fmt_or_dash(r[k], ".3f") for k in
-                                   ("final_train_acc", "final_test_acc", "peak_s_bar", "peak_sigma_h"))
-    click.echo(f"final: train acc {train}  test acc {test}  peak s̄ {s_bar}  peak σ_H {sigma_h}  "
+    train, test = (fmt_or_dash(r[k], ".3f") for k in ("final_train_acc", "final_test_acc"))
+    # The largest s̄ and σ_H at any evaluation (σ_H's is often the transient after initialisation), and the
+    # Phase-2 peak where the run went on past t_grok: what the figure marks (fastdiag/grokking/labels.py).
+    peak = phase2_peak(outcome.trace, r["t_grok_epoch"])
+    sigma_h = at_epoch(largest(outcome.trace, "sigma_h")) + (f", from t_grok on {at_epoch(peak)}" if peak else "")
+    click.echo(f"final: train acc {train}  test acc {test}  largest s̄ {at_epoch(largest(outcome.trace, 's_bar'))}  "
+               f"largest σ_H {sigma_h}  "
                f"({r['epochs_run']} epochs, {r['steps']} steps, {r['wall_seconds']:.1f} s on {r['device']}"
                + (f"; resumed from the checkpoint at epoch {checkpoint.resumed_epoch}"
                   if checkpoint is not None and checkpoint.resumed_epoch is not None else "") + ")")

@@ -61,6 +61,28 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def largest(trace: Sequence[dict], key: str, from_epoch: int | None = None) -> tuple[float, int] | None:
+    """(value, epoch) of the evaluation with the largest finite ``key`` (the first of equals), only among
+    epochs >= ``from_epoch`` where given; None if there is none. A run's largest σ_H is often the transient
+    a few epochs after initialisation; the paper's Phase-2 peak is the largest from t_grok on
+    (``analysis.trajectories.phase2_peak_sigma_h``). `fastdiag run`'s summary and figure name both this way."""
+    rows = [r for r in trace if _finite(r.get(key)) and _finite(r.get("epoch"))
+            and (from_epoch is None or r["epoch"] >= from_epoch)]
+    if not rows:
+        return None
+    top = max(rows, key=lambda r: r[key])
+    return top[key], top["epoch"]
+
+
+def phase2_peak(trace: Sequence[dict], t_grok_epoch: int | None) -> tuple[float, int] | None:
+    """(σ_H, epoch) of the Phase-2 peak as `fastdiag run` reports and draws it: the largest σ_H from t_grok
+    on, where the run went on past t_grok (``--no-stop-at-grok``, ``--patience``); None otherwise -- the
+    value at the evaluation a run stopped on is not a peak."""
+    if t_grok_epoch is None or not any(_finite(r.get("epoch")) and r["epoch"] > t_grok_epoch for r in trace):
+        return None
+    return largest(trace, "sigma_h", from_epoch=t_grok_epoch)
+
+
 def first_epoch_at_or_above(trace: Sequence[dict], key: str, threshold: float) -> int | None:
     """Epoch of the first evaluation whose ``key`` (train_acc, test_acc) is ≥ ``threshold``."""
     return next((r["epoch"] for r in trace if _finite(r.get(key)) and r[key] >= threshold), None)

@@ -10,7 +10,7 @@ from pathlib import Path
 from matplotlib.figure import Figure  # no pyplot: renders with Agg, no GUI backend, no global state
 
 from fastdiag.grokking.config import GROK_THRESHOLD
-from fastdiag.grokking.labels import first_epoch_at_or_above
+from fastdiag.grokking.labels import first_epoch_at_or_above, largest, phase2_peak
 from fastdiag.plots.style import readable_log_axis
 from fastdiag.store.files import atomic_path, prepare_out_dir
 
@@ -58,15 +58,14 @@ def draw_trajectory(trace: list[dict], result: dict | None = None, title: str | 
         xs, ys = _series(trace, "sigma_h")
         axes[2].plot(xs, ys, color="tab:green", lw=1.6, label="σ_H (std of head entropies)")
         axes[2].set_ylabel("entropy spread σ_H (nats)")
-        if ys:      # "peak σ_H" of the run's summary is the largest at any evaluation: say which and when
-            top = max(range(len(ys)), key=ys.__getitem__)
-            axes[2].plot([xs[top]], [ys[top]], "o", color="tab:green", mfc="white",
-                         label=f"largest σ_H {ys[top]:.3f} (epoch {xs[top]})")
-            after = [(x, y) for x, y in zip(xs, ys) if t_grok is not None and x > t_grok]
-            if after:
-                x2, y2 = max(after, key=lambda xy: xy[1])
-                axes[2].plot([x2], [y2], "D", color="tab:purple", mfc="white",
-                             label=f"largest after t_grok (Phase 2) {y2:.3f} (epoch {x2})")
+        # the run's summary line names the same two points (cli/run.py)
+        top, peak = largest(trace, "sigma_h"), phase2_peak(trace, t_grok)
+        if top is not None:
+            axes[2].plot([top[1]], [top[0]], "o", color="tab:green", mfc="white",
+                         label=f"largest σ_H {top[0]:.3f} (epoch {top[1]})")
+        if peak is not None:
+            axes[2].plot([peak[1]], [peak[0]], "D", color="tab:purple", mfc="white",
+                         label=f"largest from t_grok on (Phase 2) {peak[0]:.3f} (epoch {peak[1]})")
 
     for ax in axes:
         for epoch, label, color in ((t_mem, "t_mem", "tab:gray"), (t_grok, "t_grok", "tab:purple")):
