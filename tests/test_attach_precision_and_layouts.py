@@ -190,10 +190,10 @@ def test_sdpa_without_a_head_dimension_runs_unchanged_and_is_named_not_measured(
     torch.manual_seed(0)
     model, x = HandWritten(how), torch.randn(*x)
     monitor, problems = attached_unchanged(model, lambda m: m(x))
-    assert len(problems) == 1 and "'' (HandWritten) is not measured" in problems[0] \
+    assert len(problems) == 1 and "'<root>' (HandWritten) is not measured" in problems[0] \
         and f"{x.dim()}-D query" in problems[0]
     assert monitor.latest() is None and monitor.coverage()["measured"] == {}
-    assert "cannot be read" in monitor.coverage()["missing"][""]
+    assert "cannot be read" in monitor.coverage()["missing"]["<root>"]
     with fastdiag.attach(model, every=1, strict=True):
         with pytest.raises(RuntimeError, match="not measured"):
             model(x)
@@ -343,7 +343,7 @@ def test_compiled_self_attention_counts_every_row_and_says_so():
     with fastdiag.attach(model, every=1) as monitor:
         compiled(x, context_mask=mask)
     assert monitor.latest_stats()["<root>"].rows.item() == 12
-    assert "not known" in monitor.coverage()["all_rows"][""]
+    assert "not known" in monitor.coverage()["all_rows"]["<root>"]
 
 
 # ---- 4. finite masks: a key is masked where the model's softmax gave it exactly 0 -----------------
@@ -494,9 +494,10 @@ class OddSoftmaxes(nn.Module):
         if self.how == "5-D":           # n-gram streams: [B, S, H, T, T]
             probs = torch.stack([scores, scores * 2], 1).softmax(-1)
             return (probs @ v.unsqueeze(1)).sum(1)
-        if self.how == "window":        # Longformer-like [B, T, H, window] scores
+        if self.how == "window":        # Longformer-like [B, T, H, window] scores: each query its own keys
             window = scores.transpose(1, 2)[..., :3]
-            return torch.einsum("bthw,bhwd->bhtd", window.softmax(-1), v[:, :, :3])
+            values = v.transpose(1, 2).unsqueeze(1).expand(b, t, t, 2, 4)[:, :, :3]     # [B, T, window, H, D]
+            return torch.einsum("bthw,btwhd->bhtd", window.softmax(-1), values)
         if self.how == "logsumexp":     # exp(s - logsumexp), no softmax
             return torch.exp(scores - scores.logsumexp(-1, keepdim=True)) @ v
         if self.how == "flex":          # flex_attention in a class not named like attention

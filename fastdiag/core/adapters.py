@@ -65,41 +65,69 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
 def mha_head_stats(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict,
                    backend: str = "auto", chunk_bytes: int = CHUNK_BYTES,
                    padding=None, autocast: torch.dtype | None = None) -> HeadStats:
-    """The statistics `module(*args, **kwargs)` computes in its softmax, from Q and K re-projected.
-
-    Self-attention (``query is key``): a query row whose position is a padding key (``key_padding_mask``,
-    or an ``attn_mask`` that hides it from every query: `rows.self_attention_rows`) is left out, and so is one that ``padding(N, T, device)`` (the monitor's
-    handed-in mask for this call, bool ``[N, T]``, True = real token, or None) marks. ``autocast``: the dtype the caller's autocast runs the module's projections in (Q
-    and K are re-projected in it, as the module computes them; the statistics accumulate in fp32).
-    """
+    """The statistics `module(*args, **kwargs)` computes in its softmax, from Q and K re-projected
+    with the module's weights (`mha_forward_head_stats`)."""
     call = dict(zip(_MHA_ARGS, args), **kwargs)
-    query, key = as_autocast_casts(call["query"].detach(), autocast), as_autocast_casts(call["key"].detach(), autocast)
     self_attention = call["query"] is call["key"]
+    query, key = call["query"], call["key"]
+    if query.dim() == 3 and module.batch_first:
+        query, key = query.transpose(0, 1), key.transpose(0, 1)
+    separate = not module._qkv_same_embed_dim
+    forward = dict(query=query, key=key, num_heads=module.num_heads, in_proj_weight=module.in_proj_weight,
+                   in_proj_bias=module.in_proj_bias, bias_k=module.bias_k, add_zero_attn=module.add_zero_attn,
+                   key_padding_mask=call.get("key_padding_mask"), attn_mask=call.get("attn_mask"),
+                   is_causal=call.get("is_causal", False), use_separate_proj_weight=separate,
+                   q_proj_weight=module.q_proj_weight if separate else None,
+                   k_proj_weight=module.k_proj_weight if separate else None)
+    return mha_forward_head_stats(forward, self_attention, backend, chunk_bytes, padding, autocast)
+
+
+MHA_FORWARD_ARGS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
+                    "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias",
+                    "training", "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight",
+                    "q_proj_weight", "k_proj_weight", "v_proj_weight", "static_k", "static_v",
+                    "average_attn_weights", "is_causal")
+
+
+def mha_forward_head_stats(call: dict, self_attention: bool, backend: str = "auto",
+                           chunk_bytes: int = CHUNK_BYTES, padding=None,
+                           autocast: torch.dtype | None = None) -> HeadStats:
+    """The statistics ``F.multi_head_attention_forward(**call)`` computes in its softmax (what
+    `torch.nn.MultiheadAttention` runs), from Q and K re-projected with the call's weights: inputs
+    ``[T, N, E]`` (or unbatched ``[T, E]``), ``in_proj_weight`` or the separate ``q_proj_weight`` /
+    ``k_proj_weight``, ``in_proj_bias``, ``bias_k``, ``add_zero_attn``, ``attn_mask`` (bool: True =
+    masked; float: added; 2-D or ``[N·H, Tq, Tk]``), ``key_padding_mask``, ``is_causal``.
+
+    ``self_attention``: a query row whose position is a padding key (``key_padding_mask``, or an
+    ``attn_mask`` that hides it from every query: `rows.self_attention_rows`) is left out, and so is one that ``padding(N, T, device)`` (the monitor's handed-in mask for this call, bool
+    ``[N, T]``, True = real token, or None) marks. ``autocast``: the dtype the caller's autocast runs the
+    projections in (Q and K are re-projected in it, as torch computes them; the statistics accumulate
+    in fp32)."""
+    query, key = as_autocast_casts(call["query"].detach(), autocast), as_autocast_casts(call["key"].detach(), autocast)
     kpm, attn_mask, is_causal = call.get("key_padding_mask"), call.get("attn_mask"), call.get("is_causal", False)
     if query.dim() == 2:  # unbatched [T, E]
         query, key = query.unsqueeze(1), key.unsqueeze(1)
         kpm = None if kpm is None else kpm.unsqueeze(0)
-    elif module.batch_first:
-        query, key = query.transpose(0, 1), key.transpose(0, 1)
     tq, n, e = query.shape
-    heads, hd = module.num_heads, module.head_dim
-    if module._qkv_same_embed_dim:
-        wq, wk = module.in_proj_weight[:e], module.in_proj_weight[e:2 * e]
+    heads = call["num_heads"]
+    hd = e // heads
+    if call.get("use_separate_proj_weight"):
+        wq, wk = call["q_proj_weight"], call["k_proj_weight"]
     else:
-        wq, wk = module.q_proj_weight, module.k_proj_weight
-    bias = module.in_proj_bias
+        wq, wk = call["in_proj_weight"][:e], call["in_proj_weight"][e:2 * e]
+    bias = call.get("in_proj_bias")
     bq, bk = (None, None) if bias is None else (bias[:e], bias[e:2 * e])
     wq, wk = as_autocast_casts(wq.detach(), autocast), as_autocast_casts(wk.detach(), autocast)
     bq, bk = (None if b is None else as_autocast_casts(b.detach(), autocast) for b in (bq, bk))
     q = F.linear(query, wq, bq)
     k = F.linear(key, wk, bk)
     extra = 0
-    if module.bias_k is not None:
-        k = torch.cat([k, module.bias_k.detach().expand(1, n, e)])
+    if call.get("bias_k") is not None:
+        k = torch.cat([k, call["bias_k"].detach().expand(1, n, e)])
         extra += 1
     q = q.reshape(tq, n, heads, hd).permute(1, 2, 0, 3)       # [N, H, Tq, hd]
     k = k.reshape(-1, n, heads, hd).permute(1, 2, 0, 3)       # [N, H, Tk, hd]
-    if module.add_zero_attn:
+    if call.get("add_zero_attn"):
         k = torch.cat([k, k.new_zeros(n, heads, 1, hd)], dim=2)
         extra += 1
     tk = k.shape[2]
@@ -130,6 +158,10 @@ SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "sc
 _SDPA = F.scaled_dot_product_attention
 _SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax}
 _LOGSUMEXPS = {torch.logsumexp, torch.Tensor.logsumexp}
+_LOG_SOFTMAXES = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax, torch.special.log_softmax}
+_EXPS = {torch.exp, torch.Tensor.exp}
+_MHA_FORWARD = F.multi_head_attention_forward
+_HANDED_OVER = _SOFTMAXES | {_MHA_FORWARD}   # besides SDPA: what the mode hands to `AttentionCalls` as it runs
 
 
 def is_flex_attention(func) -> bool:
@@ -245,6 +277,38 @@ def _tensors(args, kwargs):
             yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
+_TRANSPOSES = {torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes, torch.swapdims,
+               torch.Tensor.swapdims}
+_PERMUTES = {torch.permute, torch.Tensor.permute}
+_MT = torch.Tensor.mT.__get__
+
+
+def _operands(func, args, kwargs, product):
+    """The two multiplied operands of a product call (`_PRODUCTS`)."""
+    (i, j), (name_a, name_b) = product[0], product[1] or (None, None)
+    flat = list(args)
+    if func is torch.einsum and len(args) == 2 and isinstance(args[1], (list, tuple)):
+        flat = [args[0], *args[1]]
+    a = flat[i] if i < len(flat) else kwargs.get(name_a)
+    b = flat[j] if j < len(flat) else kwargs.get(name_b)
+    return a, b
+
+
+def _layout(lead: tuple, rows, key) -> tuple | None:
+    """The softmax output's axes as ``(batch, heads, query, key)``, read from the operand a product
+    multiplies values with: its query and key axes, and its leading (batch-like) axes in order — two
+    axes, or one that merges two (a ``[B·H, Tq, Tk]`` bmm). One leading axis not known, with the query and
+    key axes in place, is a ``[B·H]`` merge of ``[B, H]`` in order. None where it cannot be read."""
+    if len(lead) == 1 and isinstance(lead[0], tuple):
+        lead = lead[0]
+    elif len(lead) == 1 and lead[0] is None and (rows, key) == (2, 3):
+        lead = (0, 1)
+    layout = (*lead, rows, key)
+    if len(layout) != 4 or not all(isinstance(a, int) for a in layout) or len(set(layout)) != 4:
+        return None
+    return layout
+
+
 class Provenance:
     """Which inputs of which module call each tensor of a measured pass derives from: the fact that
     decides self-attention (queries and keys computed from the same input of the attention module's
@@ -265,74 +329,125 @@ class Provenance:
     def _reset(self):
         self.labels = WeakIdKeyDictionary()    # tensor -> frozenset of (call, argument)
         self.products = WeakIdKeyDictionary()  # tensor -> frozenset of (query labels, key labels)
-        self.candidates = WeakIdKeyDictionary()  # tensor -> frozenset of softmax candidates it carries
-        self.candidate_rows: dict[int, int] = {}  # candidate -> B·H·Tq, the rows of its probabilities
+        # tensor -> {softmax candidate it carries: which axis of the softmax output each of its axes is}
+        self.candidates = WeakIdKeyDictionary()
+        self.candidate_rows: dict[int, int] = {}  # candidate -> its probabilities' rows (numel / key axis)
+        self.key_axis: dict[int, int] = {}        # candidate -> the axis its softmax normalised
+        self.log_probs = WeakIdKeyDictionary()    # log_softmax output over 4-D scores -> those scores
 
-    def mark_candidate(self, probs: torch.Tensor, candidate: int) -> None:
-        """``probs`` (a softmax output) is attention if it, or a tensor with its rows made from it (a
-        dropout, a cast, the sink column sliced off, a reshape), is then multiplied with values along
-        its last (key) axis: `propagate` returns the candidate when that product runs."""
-        self.candidates[probs] = frozenset({candidate})
-        self.candidate_rows[candidate] = probs.numel() // max(1, probs.shape[-1])
+    def mark_candidate(self, probs: torch.Tensor, candidate: int, key_axis: int = -1) -> None:
+        """``probs`` (a softmax output over ``key_axis``) is attention if it, or a tensor with its rows
+        made from it (a dropout, a cast, the sink column sliced off, a transpose, a reshape), is then
+        multiplied with values along that axis: `propagate` returns the candidate, and the layout the
+        product reads it in, when that product runs."""
+        key_axis %= probs.dim()
+        self.candidates[probs] = {candidate: tuple(range(probs.dim()))}
+        self.key_axis[candidate] = key_axis
+        self.candidate_rows[candidate] = probs.numel() // max(1, probs.shape[key_axis])
 
     def seed(self, call: int, args: tuple, kwargs: dict) -> None:
         for slot, value in (*enumerate(args), *kwargs.items()):
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 self.labels[value] = self.labels.get(value, frozenset()) | {(call, slot)}
 
-    def propagate(self, func, args: tuple, kwargs: dict, out) -> frozenset:
+    def propagate(self, func, args: tuple, kwargs: dict, out) -> dict:
         """Hands labels, products and softmax candidates on to ``out``; returns the candidates this
-        call confirms as attention."""
+        call confirms as attention, each with its layout (`_layout`)."""
         if torch.compiler.is_compiling():
-            return frozenset()
+            return {}
         inputs = list(_tensors(args, kwargs))
         labels = frozenset().union(*(self.labels.get(t, ()) for t in inputs))
         product = _PRODUCTS.get(func)
         if product is not None:
-            (i, j), (name_a, name_b) = product[0], product[1] or (None, None)
-            flat = list(args)
-            if func is torch.einsum and len(args) == 2 and isinstance(args[1], (list, tuple)):
-                flat = [args[0], *args[1]]
-            a = flat[i] if i < len(flat) else kwargs.get(name_a)
-            b = flat[j] if j < len(flat) else kwargs.get(name_b)
+            a, b = _operands(func, args, kwargs, product)
             products = frozenset({tuple(self.labels.get(t, frozenset()) if isinstance(t, torch.Tensor)
                                         else frozenset() for t in (a, b))})
         else:
             products = frozenset().union(*(self.products.get(t, ()) for t in inputs))
-        confirmed = self._confirmed(func, args, kwargs, product) if self.candidates else frozenset()
-        carried = frozenset() if product is not None or not self.candidates else \
-            frozenset().union(*(self.candidates.get(t, ()) for t in inputs))
+        confirmed = self._confirmed(func, args, kwargs, product) if self.candidates else {}
+        carrier = None if product is not None or not self.candidates else \
+            next((t for t in inputs if t in self.candidates), None)
         for o in (out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(o, torch.Tensor):
                 if labels:
                     self.labels[o] = labels
                 if products:
                     self.products[o] = products
-                kept = frozenset(c for c in carried if o.dim() >= 2 and o.shape[-1] > 0
-                                 and o.numel() // o.shape[-1] == self.candidate_rows[c])
-                if kept:
-                    self.candidates[o] = kept
+                if carrier is not None:
+                    kept = {c: axes for c, axes in ((c, self._carried(func, args, kwargs, carrier, o, c, axes))
+                                                    for c, axes in self.candidates[carrier].items()) if axes}
+                    if kept:
+                        self.candidates[o] = kept
         return confirmed
 
-    def _confirmed(self, func, args, kwargs, product) -> frozenset:
-        """The softmax candidates this call multiplies with values along their key axis: the first
-        operand of a matmul / bmm (its last axis is contracted), or an einsum operand whose last
-        subscript is summed over."""
+    def _carried(self, func, args, kwargs, src: torch.Tensor, out: torch.Tensor, candidate: int, axes: tuple):
+        """Which axis of the softmax output each axis of ``out`` is, ``out`` made from ``src`` (whose axes
+        are ``axes``) by ``func``; None where ``out`` no longer has the candidate's rows. A merged leading
+        axis (``[B·H, Tq, Tk]``) is the tuple of the axes it merges; None marks an axis not known."""
+        if out.dim() < 2 or out.shape[-1] == 0:
+            return None
+        if func in _TRANSPOSES and out.dim() == src.dim():
+            d0, d1 = (args[1], args[2]) if len(args) >= 3 else (kwargs.get("dim0"), kwargs.get("dim1"))
+            if isinstance(d0, int) and isinstance(d1, int):
+                moved = list(axes)
+                moved[d0], moved[d1] = moved[d1], moved[d0]
+                return tuple(moved)
+            return None
+        if func in _PERMUTES and out.dim() == src.dim():
+            dims = args[1:] if len(args) > 2 else (args[1] if len(args) == 2 else kwargs.get("dims"))
+            dims = tuple(dims) if isinstance(dims, (list, tuple, torch.Size)) else None
+            if dims is None or len(dims) != len(axes) or not all(isinstance(d, int) for d in dims):
+                return None
+            return tuple(axes[d] for d in dims)
+        if func is _MT and out.dim() == src.dim():
+            return (*axes[:-2], axes[-1], axes[-2])
+        if out.shape == src.shape:
+            return axes
+        if out.dim() == src.dim() and out.shape[:-1] == src.shape[:-1]:
+            return axes                      # a slice of the last axis (an attention sink's column)
+        if out.shape[-2:] == src.shape[-2:] and out.numel() == src.numel():
+            if out.dim() == 3 and src.dim() == 4:
+                return ((axes[0], axes[1]), axes[2], axes[3])     # [B, H] merged for a bmm
+            if out.dim() == 4 and src.dim() == 3 and isinstance(axes[0], tuple):
+                return (*axes[0], axes[1], axes[2])
+            return (None,) * (out.dim() - 2) + tuple(axes[-2:])
+        if axes[-1] == self.key_axis[candidate] and out.numel() // out.shape[-1] == self.candidate_rows[candidate]:
+            return (None,) * (out.dim() - 1) + (axes[-1],)
+        return None
+
+    def _confirmed(self, func, args, kwargs, product) -> dict:
+        """The softmax candidates this call multiplies with values along their key axis — an operand
+        of a matmul / bmm whose contracted axis (the first operand's last, the second's second-to-last)
+        is that axis, or an einsum operand whose key subscript is summed over — each with its layout."""
         if product is None:
-            return frozenset()
+            return {}
+        found = {}
         if func is torch.einsum:
             operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
             equation = args[0] if args and isinstance(args[0], str) else ""
             inputs, _, output = equation.replace(" ", "").partition("->")
-            found = frozenset()
-            for subscripts, operand in zip(inputs.split(","), operands):
-                if isinstance(operand, torch.Tensor) and subscripts and subscripts[-1].isalpha() \
-                        and output and subscripts[-1] not in output:
-                    found |= self.candidates.get(operand, frozenset())
+            subscripts = inputs.split(",")
+            for index, (letters, operand) in enumerate(zip(subscripts, operands)):
+                if not isinstance(operand, torch.Tensor) or operand not in self.candidates or not output \
+                        or len(letters) != operand.dim() or not letters.isalpha():
+                    continue
+                others = "".join(s for i, s in enumerate(subscripts) if i != index)
+                for c, axes in self.candidates[operand].items():
+                    keys = [l for l, a in zip(letters, axes) if a == self.key_axis[c]]
+                    if len(keys) != 1 or keys[0] in output:
+                        continue
+                    rows = [a for l, a in zip(letters, axes) if l in output and l not in others]
+                    lead = tuple(a for l, a in zip(letters, axes) if l in output and l in others)
+                    found[c] = _layout(lead, rows[0], self.key_axis[c]) if len(rows) == 1 else None
             return found
-        (i, _), (name, _) = product[0], product[1] or (None, None)
-        first = args[i] if i < len(args) else kwargs.get(name)
-        return self.candidates.get(first, frozenset()) if isinstance(first, torch.Tensor) else frozenset()
+        first, second = _operands(func, args, kwargs, product)
+        for operand, contracted, rows in ((first, -1, -2), (second, -2, -1)):
+            if not isinstance(operand, torch.Tensor) or operand.dim() < 2 or operand not in self.candidates:
+                continue
+            for c, axes in self.candidates[operand].items():
+                if axes[contracted] == self.key_axis[c]:
+                    found[c] = _layout(axes[:-2], axes[rows], axes[contracted])
+        return found
 
     @staticmethod
     def _of(labels, call: int) -> frozenset:
@@ -379,7 +494,7 @@ class AttentionMode(TorchFunctionMode):
             return func(*args, **kwargs)
         # fastdiag's statistics never call SDPA: an SDPA call inside them is the model's own, re-issued
         # by an inner monitor's adapter, and measured here too; their softmaxes are never attention
-        if self.busy or (func is not _SDPA and (func not in _SOFTMAXES or _computing_own_statistics())) \
+        if self.busy or (func is not _SDPA and (func not in _HANDED_OVER or _computing_own_statistics())) \
                 or _in_compiled_graph():
             out = func(*args, **kwargs)
             if not self.busy and not torch.compiler.is_compiling() and not _computing_own_statistics():
@@ -392,11 +507,26 @@ class AttentionMode(TorchFunctionMode):
                     self.calls.on_logsumexp()
                 elif is_flex_attention(func):
                     self.calls.on_flex_attention()
+                elif func in _LOG_SOFTMAXES and isinstance(out, torch.Tensor) and out.dim() == 4 \
+                        and softmax_dim(args, kwargs) in (-1, 3):
+                    self.calls.provenance.log_probs[out] = scores
+                elif func in _EXPS and isinstance(scores, torch.Tensor) and scores in self.calls.provenance.log_probs:
+                    # exp(log_softmax(s)): probabilities formed in two steps, measured as the softmax's
+                    self.busy = True
+                    try:
+                        self.calls.on_probs(self.calls.provenance.log_probs[scores], out)
+                    finally:
+                        self.busy = False
             return out
         self.busy = True
         try:
             if func is _SDPA:
                 out = self.calls.on_sdpa(dict(zip(SDPA_ARGS, args), **kwargs))
+                if not self.lean:
+                    self.calls.provenance.propagate(func, args, kwargs, out)
+                return out
+            if func is _MHA_FORWARD:
+                out = self.calls.on_mha_forward(args, kwargs)
                 if not self.lean:
                     self.calls.provenance.propagate(func, args, kwargs, out)
                 return out
@@ -406,6 +536,9 @@ class AttentionMode(TorchFunctionMode):
             if func in _SOFTMAXES and isinstance(out, torch.Tensor) and out.dim() == 4 \
                     and softmax_dim(args, kwargs) in (-1, 3):
                 self.calls.on_probs(softmax_input(args, kwargs), out)
+            elif func in _SOFTMAXES and isinstance(out, torch.Tensor) and out.dim() == 4 \
+                    and softmax_dim(args, kwargs) in (-2, 2):
+                self.calls.on_probs(softmax_input(args, kwargs), out, key_axis=2)
             elif func in _SOFTMAXES and isinstance(out, torch.Tensor) and softmax_dim(args, kwargs) in (-1, out.dim() - 1):
                 self.calls.on_softmax_elsewhere(out)
             return out

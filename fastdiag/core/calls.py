@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,23 @@ from fastdiag.core.plan import Event, sdpa_signature, softmax_signature
 from fastdiag.core.qk import sdpa_with_stats
 from fastdiag.core.stats import HeadStats
 
-__all__ = ["AttentionCalls"]
+__all__ = ["AttentionCalls", "ROOT"]
+
+ROOT = "<root>"   # the attached module's own name, everywhere (its children have their own)
+
+IN_PLACE = (0, 1, 2, 3)   # a softmax output read as written: [B, H, Tq, Tk]
+
+
+@dataclass(eq=False)
+class Candidate:
+    """A softmax of a measured pass, waiting for its product with values (or confirmed at once)."""
+    name: str                     # the module whose call took it
+    call: int                     # that module call's number
+    stats: HeadStats | None       # its statistics read as written, or None: it cannot be measured so
+    how: str                      # how it is measured, or (stats None) why it is not
+    shape: tuple                  # the softmax output's shape
+    key_axis: int = 3             # the axis the softmax normalised
+    measure: object = None        # layout -> (stats, how): the statistics read in another layout
 
 
 class AttentionCalls:
@@ -48,13 +65,14 @@ class AttentionCalls:
         self.suspects_named: set[str] = set()
         self.candidate_ids = itertools.count()
         self.warned_softmax: set[str] = set()
+        self.warned_foreign: set[tuple] = set()
 
     def with_padding(self, rows: torch.Tensor | None, b: int, t: int, device: torch.device,
                       name: str) -> torch.Tensor | None:
         """``rows`` and the handed-in padding of a self-attention call in module ``name`` with batch
         ``b`` and ``t`` query rows, on the call's device."""
         for within, padding in self.padding:
-            if within is not None and not (name == within or not within or name.startswith(within + ".")):
+            if within is not None and not (name == within or within == ROOT or name.startswith(within + ".")):
                 continue
             if padding.shape != (b, t):
                 continue
@@ -74,14 +92,24 @@ class AttentionCalls:
         exp(s − logsumexp) in a module with no statistics is named as unmeasured."""
         if self.state.candidates:
             self.state.recorder = None    # no plan from a pass that met softmaxes it could not place
-        for name, _, stats, how in self.state.candidates.values():
+        for entry in self.state.candidates.values():
+            name = entry.name
             if name in self.warned_softmax:
                 continue
             self.warned_softmax.add(name)
             warnings.warn(f"fastdiag.attach: module {name!r} ({type(self.modules[name]).__name__}) takes a softmax "
-                          "over the last axis of 4-D (or larger) scores whose output is never multiplied with values "
+                          f"over {'the last axis' if entry.key_axis == len(entry.shape) - 1 else 'dim -2'} of 4-D (or "
+                          "larger) scores whose output is never multiplied with values "
                           "along that axis: not attention, not recorded", RuntimeWarning, stacklevel=4)
         self.state.candidates = {}
+        for (caller, outer), inner in self.state.foreign.items():
+            if (caller, outer) in self.warned_foreign:
+                continue
+            self.warned_foreign.add((caller, outer))
+            where = "" if caller is None else f" called by {caller!r} ({type(self.modules[caller]).__name__})"
+            warnings.warn(f"fastdiag.attach: attention in {inner}, part of {outer}: a module outside the attached "
+                          f"model{where}, is not recorded as a layer of this model; attach that model itself to "
+                          "measure it as its own", RuntimeWarning, stacklevel=4)
         for name in self.state.lse:
             if name not in self.state.how:
                 self.refuse(name, "it takes logsumexp over [B, H, Tq, Tk] scores with no softmax or SDPA: "
@@ -125,7 +153,7 @@ class AttentionCalls:
         self.state.refused.setdefault(name, reason)
 
     def add(self, name: str, stats: HeadStats, how: str) -> None:
-        key, i = name or "<root>", 1
+        key, i = name, 1
         while key in self.state.pending:  # a module called twice in one pass: "name#1", "name#2", ...
             key = f"{name}#{i}"
             i += 1
@@ -135,9 +163,17 @@ class AttentionCalls:
     def _attention_call(self) -> tuple[str, int] | None:
         """(name, call number) of the module running an attention op now, if it is to be measured
         here (not a structural kind measuring itself, not outside the model, selected)."""
-        if not self.state.stack:
+        stack = self.state.stack
+        if not stack:
             return None
-        name, call = self.state.stack[-1]
+        name, call = stack[-1]
+        if name is None:   # a model outside the attached one, run inside it: its attention is not ours
+            outer = len(stack) - 1
+            while outer > 0 and stack[outer - 1][0] is None:
+                outer -= 1
+            caller = stack[outer - 1][0] if outer > 0 else None
+            self.state.foreign.setdefault((caller, type(stack[outer][1]).__name__), type(call).__name__)
+            return None
         if name in self.kinds or name not in self.selected:
             return None
         return name, call
@@ -225,26 +261,55 @@ class AttentionCalls:
                 return 0
         return heads
 
-    def on_probs(self, scores: torch.Tensor, probs: torch.Tensor) -> None:
-        """A softmax over ``[B, H, Tq, Tk]`` scores: the probabilities the model uses, measured as they are."""
+    def on_probs(self, scores: torch.Tensor, probs: torch.Tensor, key_axis: int = 3) -> None:
+        """A softmax over axis ``key_axis`` of 4-D scores (3: ``[B, H, Tq, Tk]`` as written; 2: scores
+        ``[B, H, Tk, Tq]`` normalised over dim -2): the probabilities the model uses, measured as they are,
+        in the layout the product with values reads them in (`_confirm_entry`)."""
         where = self._attention_call()
         if where is None:
             return
         name, module_call = where
-        b, h, tq, tk = probs.shape
         event = self._event(module_call, softmax_signature(scores))
         if probs.numel() == 0:
-            if b == 0 and min(h, tq, tk) > 0:  # an empty batch: no rows, exactly (as on the SDPA path)
+            b, h, tq, tk = probs.shape
+            if b == 0 and min(h, tq, tk) > 0 and key_axis == 3:  # an empty batch: no rows, exactly (as on the SDPA path)
                 zeros = torch.zeros(h, h, dtype=torch.float64, device=probs.device)
-                entry = (name, module_call, HeadStats(zeros, zeros[0], zeros[0, 0], zeros[0, 0]), "probabilities")
+                entry = Candidate(name, module_call, HeadStats(zeros, zeros[0], zeros[0, 0], zeros[0, 0]),
+                                  "probabilities", tuple(probs.shape))
                 if event is False:
                     self._learn_op(module_call, softmax_signature(scores), None)
-                    self._candidate(*entry[:2], probs, *entry[2:])
+                    self._candidate(entry, probs)
                 else:
                     self._confirm_entry(entry)
             else:
                 self.refuse(name, f"a softmax over empty scores {tuple(probs.shape)}")
             return
+        if event is not False:
+            same_input = event.same_input
+        elif key_axis == 3:
+            same_input = self._learn_op(module_call, softmax_signature(scores),
+                                        self.provenance.scores_of_same_input(module_call, scores))
+        else:   # the lean passes' plan knows the [B, H, Tq, Tk] softmax only
+            same_input, self.state.recorder = self.provenance.scores_of_same_input(module_call, scores), None
+
+        def measure(layout: tuple) -> tuple:
+            return self._probs_stats(name, scores.permute(layout), probs.permute(layout), same_input)
+
+        if key_axis == 3:
+            entry = Candidate(name, module_call, *self._probs_stats(name, scores, probs, same_input),
+                              tuple(probs.shape), key_axis, measure)
+        else:
+            entry = Candidate(name, module_call, None, f"a softmax over dim {key_axis - 4} of scores {tuple(probs.shape)} "
+                              "whose product with values does not say which axis holds the queries and which the heads",
+                              tuple(probs.shape), key_axis, measure)
+        if event is False:
+            self._candidate(entry, probs)
+        else:   # a lean pass: the plan says this softmax is multiplied with values
+            self._confirm_entry(entry)
+
+    def _probs_stats(self, name: str, scores: torch.Tensor, probs: torch.Tensor, same_input: bool | None) -> tuple:
+        """(`HeadStats`, how) of probabilities ``probs`` ``[B, H, Tq, Tk]`` formed from ``scores``."""
+        b, h, tq, tk = probs.shape
         # Masked keys are read from the scores the model's mask was added into (row_rule: -inf, HF's
         # finfo.min, XLNet -1e30, Funnel -1e6, MarkupLM -1e4), never from zeros in P: a sharp softmax
         # gives real keys exactly 0 (float32 at a logit gap of 104), and a real key is not padding.
@@ -255,27 +320,51 @@ class AttentionCalls:
         if sink:
             hidden = hidden[..., :-1]
         rows = row_rule.sees_a_key(hidden)
-        same_input = event.same_input if event is not False else \
-            self._learn_op(module_call, softmax_signature(scores), self.provenance.scores_of_same_input(module_call, scores))
         if self._self_attention(name, same_input, tq, hidden.shape[-1]):
             from_mask = rows & row_rule.real_positions(hidden)
             rows = self.with_padding(from_mask, b, tq, probs.device, name)
             if rows is from_mask:  # no handed-in padding for this call
                 self.suspect(name, adapters.own_statistics(row_rule.seen_only_by_itself, hidden))
         stats = adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend)
-        how = "probabilities with sink" if sink else "probabilities"
-        if event is False:
-            self._candidate(name, module_call, probs, stats, how)
-        else:   # a lean pass: the plan says this softmax is multiplied with values
-            self._confirm_entry((name, module_call, stats, how))
+        return stats, "probabilities with sink" if sink else "probabilities"
+
+    def on_mha_forward(self, args: tuple, kwargs: dict):
+        """``F.multi_head_attention_forward`` called by a module's own code (open_clip, WavLM): the
+        original op, and its statistics from Q and K re-projected with the call's weights, as for
+        `torch.nn.MultiheadAttention` (`adapters.mha_forward_head_stats`). Inside an
+        ``nn.MultiheadAttention`` it is that module's call, measured by its own pre-hook."""
+        out = F.multi_head_attention_forward(*args, **kwargs)
+        where = self._attention_call()
+        if where is None:
+            return out
+        name, module_call = where
+        self.state.recorder = None   # the lean passes' plan knows SDPA calls and softmaxes only
+        call = dict(zip(adapters.MHA_FORWARD_ARGS, args), **kwargs)
+        query, key = call["query"], call["key"]
+        if call.get("static_k") is not None:
+            self.refuse(name, "multi_head_attention_forward with static_k: keys handed in already projected "
+                              "and split into heads are not re-derived")
+            return out
+        same_input = query is key or self._self_attention(name, self.provenance.same_input(module_call, query, key),
+                                                           query.shape[0], key.shape[0])
+        dtype = adapters.autocast_dtype(query.device.type)
+
+        def padding(n: int, t: int, device) -> torch.Tensor | None:
+            return self.with_padding(None, n, t, device, name)
+
+        stats = adapters.own_statistics(adapters.mha_forward_head_stats, call, bool(same_input), self.backend,
+                                        self.chunk_bytes, padding, dtype)
+        self._add_op(name, module_call, stats, "mha_forward")
+        return out
 
     def on_softmax_elsewhere(self, probs: torch.Tensor) -> None:
         """A softmax over the last axis of a tensor that is not 4-D (ProphetNet's 5-D n-gram streams):
         if it is attention (multiplied with values), its layout cannot be read, and its module is named."""
         where = self._attention_call()
         if where is not None and probs.dim() > 4:
-            self._candidate(*where, probs, None, f"a softmax over {probs.dim()}-D scores {tuple(probs.shape)}: "
-                                                 "no [B, H, Tq, Tk] layout to read heads and rows from")
+            self._candidate(Candidate(*where, None, f"a softmax over {probs.dim()}-D scores {tuple(probs.shape)}: "
+                                                    "no [B, H, Tq, Tk] layout to read heads and rows from",
+                                      tuple(probs.shape), probs.dim() - 1), probs)
 
     def on_logsumexp(self) -> None:
         """``logsumexp`` over the last axis of 4-D scores: attention written as exp(s − logsumexp)
@@ -292,35 +381,49 @@ class AttentionCalls:
             self.refuse(where[0], "it calls flex_attention, whose probabilities (score_mod, block_mask) are never "
                                    "formed and cannot be re-derived: not measured")
 
-    def _candidate(self, name: str, call: int, probs: torch.Tensor, stats, how: str) -> None:
-        """A softmax in module ``name``: attention once its output is multiplied with values along
-        its key axis (`adapters.Provenance`); ``stats`` None: attention whose layout is unreadable
-        (``how`` says why). Under torch.compile nothing is tracked: it counts as attention at once."""
+    def _candidate(self, entry: "Candidate", probs: torch.Tensor) -> None:
+        """A softmax in module ``entry.name``: attention once its output is multiplied with values along
+        its key axis (`adapters.Provenance`), in the layout that product reads; ``entry.stats`` None:
+        attention whose layout is unreadable (``entry.how`` says why). Under torch.compile nothing is
+        tracked: it counts as attention at once, read as written."""
         if torch.compiler.is_compiling():
-            self._confirm_entry((name, call, stats, how))
+            self._confirm_entry(entry)
             return
-        if stats is not None:
-            heads = adapters.module_heads(self.modules.get(name))
-            if heads is not None and probs.shape[1] != heads:
-                stats, how = None, (f"a softmax over {tuple(probs.shape)} whose dim 1 is not the module's {heads} "
-                                    "heads (a [B, T, H, window] or other layout)")
         candidate = next(self.candidate_ids)
-        self.state.candidates[candidate] = (name, call, stats, how)
-        self.provenance.mark_candidate(probs, candidate)
+        self.state.candidates[candidate] = entry
+        self.provenance.mark_candidate(probs, candidate, entry.key_axis)
 
-    def confirm(self, candidates) -> None:
-        """Softmax outputs just multiplied with values along their key axis: attention."""
+    def confirm(self, candidates: dict) -> None:
+        """Softmax outputs just multiplied with values along their key axis (candidate → the layout the
+        product reads them in, `adapters._layout`): attention."""
         for candidate in sorted(candidates):
             entry = self.state.candidates.pop(candidate, None)
             if entry is not None:
-                self._confirm_entry(entry)
+                self._confirm_entry(entry, candidates[candidate], read=True)
 
-    def _confirm_entry(self, entry) -> None:
-        name, call, stats, how = entry
+    def _confirm_entry(self, entry: "Candidate", layout: tuple | None = IN_PLACE, read: bool = False) -> None:
+        """Record a confirmed softmax in ``layout`` (its axes as batch, heads, query, key). The head axis
+        is the one the product reads as heads (the second batch-like axis), or, where the module states
+        its head count and only the other batch-like axis has it, that one; where neither has it the
+        module is named. A softmax over dim -2 whose layout cannot be read is named too."""
+        name, stats, how, shape = entry.name, entry.stats, entry.how, entry.shape
+        if layout is None and entry.key_axis == 3:
+            layout, read = IN_PLACE, False     # read as written, as the product left it open
+        if entry.measure is not None and layout is not None:
+            heads = adapters.module_heads(self.modules.get(name))
+            if heads is not None and shape[layout[1]] != heads:
+                if not read or shape[layout[0]] != heads:
+                    self.refuse(name, f"a softmax over {shape} whose head axis (dim {layout[1]}) is not the module's "
+                                      f"{heads} heads (a [B, T, H, window] or other layout)")
+                    return
+                layout = (layout[1], layout[0], *layout[2:])
+            if layout != IN_PLACE:
+                self.state.recorder = None   # the lean passes' plan reads softmaxes as written
+                stats, how = entry.measure(layout)
         if stats is None:
             self.refuse(name, how)
         else:
-            self._add_op(name, call, stats, how)
+            self._add_op(name, entry.call, stats, how)
 
     def _add_op(self, name: str, call: int, stats: HeadStats, how: str) -> None:
         """One attention op of module ``name``'s call ``call``: a second one in the same call (partial

@@ -39,6 +39,7 @@ import weakref
 import torch
 
 from fastdiag.core import adapters, calls, passes, zoo_handoff
+from fastdiag.core.calls import ROOT
 from fastdiag.core.diagnostics import BACKENDS, triton_available
 from fastdiag.core.qk import CHUNK_BYTES
 from fastdiag.core.plan import Plan, PlanRecorder
@@ -49,6 +50,7 @@ __all__ = ["Monitor", "attach"]
 
 HOW = {"zoo": "the module's own probabilities (records_head_stats)",
        "mha": "Q and K re-projected with the MultiheadAttention weights",
+       "mha_forward": "Q and K re-projected with the weights of its multi_head_attention_forward call",
        "probabilities": "the softmax output the model used",
        "probabilities with sink": "the softmax output the model used, over its keys and its attention-sink column",
        "sdpa": "re-derived from the SDPA call's Q, K, mask and scale"}
@@ -157,7 +159,8 @@ class Monitor:
         self._zoo: list[torch.nn.Module] = []       # fastdiag-model attention whose attributes are set
         self._id = next(_IDS)
 
-        modules = dict(model.named_modules())
+        # the root is named ROOT everywhere (records, coverage, warnings), its children by their own names
+        modules = {name or ROOT: m for name, m in model.named_modules()}
         self._modules = modules
         self._selected = self._select(layers, modules)
         self._kind = {name: "zoo" if adapters.is_zoo(m) else "mha"
@@ -183,6 +186,8 @@ class Monitor:
         self._suspended: list[str] = []              # fast-path modules running with the mode left out
         self._lazy_hooks: list[tuple] = []           # (name, module, kind) hooked on measured training passes
         self._lazy_handles: list = []
+        self._ours = {id(m) for m in modules.values()}
+        self._foreign_handles: list = []             # global module hooks, held during measured passes only
         if not self._expected and all(adapters.is_torch_builtin(m) for m in modules.values()):
             raise ValueError(f"attach: found no attention in {type(model).__name__}: {_LOOKED_FOR}; "
                              "it is made of torch.nn modules only, none of them attention")
@@ -209,15 +214,15 @@ class Monitor:
         if layers is None:
             return set(modules)
         if callable(layers):
-            return {n for n in modules if layers(n)}
+            return {n for n in modules if layers("" if n == ROOT else n)}
         if isinstance(layers, str):
             layers = [layers]
-        layers = list(layers)
+        layers = [l or ROOT if isinstance(l, str) else l for l in layers]
         unknown = [n for n in layers if n not in modules]
         if unknown:
             raise ValueError(f"layers: no module named {', '.join(map(repr, unknown))} in the model")
         # a listed module selects the attention inside it too (a block selects its attention)
-        return {n for n in modules if any(n == l or not l or n.startswith(l + ".") for l in layers)}
+        return {n for n in modules if any(n == l or l == ROOT or n.startswith(l + ".") for l in layers)}
 
     # ---- padding ---------------------------------------------------------------------------------
 
@@ -242,6 +247,8 @@ class Monitor:
             if not names:
                 raise ValueError(f"within: a {type(within).__name__} that is not part of the attached model")
             within = names[0]
+        elif within == "":
+            within = ROOT
         elif within is not None and (not isinstance(within, str) or within not in self._modules):
             raise ValueError(f"within: no module named {within!r} in the model")
         if mask.is_meta:
@@ -275,6 +282,8 @@ class Monitor:
             state = self.calls.state
             call = -1  # compiled: no provenance (a counter in the graph would recompile it every pass)
             if not torch.compiler.is_compiling():
+                if root and not self._foreign_handles:
+                    self._watch_foreign_modules()
                 call = next(self._calls)
                 if state.plan is not None and not state.careful:
                     self._follow_plan(state, name, call, args, kwargs)
@@ -309,7 +318,7 @@ class Monitor:
             if kind == "zoo" and selected:
                 if isinstance(mod.stats, dict):  # a module holding several layers (an ensemble): layer -> stats
                     for layer, stats in mod.stats.items():
-                        self.calls.add(f"{name}.{layer}" if name else layer, stats, "zoo")
+                        self.calls.add(layer if name == ROOT else f"{name}.{layer}", stats, "zoo")
                 elif mod.stats is not None:
                     self.calls.add(name, mod.stats, "zoo")
                 mod.record = record_at_attach
@@ -457,14 +466,38 @@ class Monitor:
         if measured and not raised:
             self.calls.unconfirmed()
         self.calls.provenance.clear()
-        for handle in self._lazy_handles:
+        for handle in self._lazy_handles + self._foreign_handles:
             handle.remove()
-        self._lazy_handles = []
+        self._lazy_handles, self._foreign_handles = [], []
         if measured and not raised:
             self._check_padding(self.step)
             self._learn(training)
         self.calls.padding = []
         self._finish(training, measured, raised)
+
+    def _watch_foreign_modules(self) -> None:
+        """For a measured pass: a module outside the attached model (a frozen teacher, a reward model, an
+        encoder kept in a list) that runs inside it is put on the pass's module stack as foreign
+        (``(None, module)``), so that its attention is not taken for a layer of the module calling it
+        (`AttentionCalls._attention_call`). torch's global module hooks see every module call; they are
+        held from the root's call to the pass's end, on passes that are not compiled (a compiled graph
+        guards on the global hooks: hooks held on some passes only would recompile it; its provenance is
+        not tracked either, see docs/attach.md)."""
+        self._foreign_handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._foreign_enter),
+            torch.nn.modules.module.register_module_forward_hook(self._foreign_leave, always_call=True)]
+
+    def _foreign_enter(self, module, args) -> None:
+        """A torch.nn leaf made on the fly (``nn.Softmax(-1)(s)``) is the calling module's own code, not another model."""
+        if id(module) in self._ours or not self._measuring or self._other_thread() \
+                or adapters.is_torch_builtin(module) and not module._modules:
+            return
+        self.calls.state.stack.append((None, module))
+
+    def _foreign_leave(self, module, args, output) -> None:
+        stack = self.calls.state.stack
+        if stack and stack[-1][0] is None and stack[-1][1] is module:
+            stack.pop()
 
     def _learn(self, training: bool) -> None:
         """After a measured pass: a careful pass that met nothing it could not measure leaves the plan of
@@ -494,7 +527,7 @@ class Monitor:
         if raised:  # not a step: nothing recorded (part of a pass is no number), the next pass is due again
             return
         for name in self.calls.state.refused:  # one module = one exact layer record, or none and a warning
-            key = name or "<root>"
+            key = name
             pending = {k: v for k, v in pending.items() if k != key and not k.startswith(key + "#")}
             self.calls.state.how.pop(name, None)
         if training:
@@ -530,7 +563,7 @@ class Monitor:
         for name in self._expected:
             if name not in self.calls.state.called:
                 continue  # not run on this pass (a helper such as Funnel's FunnelAttentionStructure, an unused branch)
-            if name in self._missing or name in self.calls.state.refused or any(m == name or m.startswith(name + ".") or not name for m in measured):
+            if name in self._missing or name in self.calls.state.refused or any(m == name or m.startswith(name + ".") or name == ROOT for m in measured):
                 continue
             reason = (f"no statistics on the measured pass of step {step}: no "
                       "scaled_dot_product_attention call and no softmax over [B, H, Tq, Tk] scores ran "
@@ -538,7 +571,7 @@ class Monitor:
                       "(attention it computes some other way — flash-attn, xformers, a fused or 3-D "
                       "kernel, flex attention, a windowed layout — cannot be measured)")
             self._missing[name] = reason
-            message = f"fastdiag.attach: attention module {name!r} ({type(self.model.get_submodule(name)).__name__}): {reason}"
+            message = f"fastdiag.attach: attention module {name!r} ({type(self._modules[name]).__name__}): {reason}"
             if self.strict:
                 self.detach()
                 raise RuntimeError(message)
@@ -640,9 +673,9 @@ class Monitor:
             if self._records.log is not None:
                 self.flush()
         finally:
-            for handle in self._handles + self._lazy_handles:
+            for handle in self._handles + self._lazy_handles + self._foreign_handles:
                 handle.remove()
-            self._lazy_handles = []
+            self._lazy_handles, self._foreign_handles = [], []
             if self._mode_entered:  # detached inside a measured pass
                 self._mode_entered = False
                 if not self._suspended:

@@ -21,6 +21,7 @@ class PassState:
     candidates: dict = field(default_factory=dict)   # softmaxes not yet multiplied with values
     ops: dict = field(default_factory=dict)          # (module, call) -> attention ops in that call
     lse: set = field(default_factory=set)            # modules taking logsumexp over 4-D scores
+    foreign: dict = field(default_factory=dict)      # (calling module, foreign model class) -> its attention's class
     padding_used: bool = False                       # a handed-in mask matched an attention call
     # lean passes
     runs: dict = field(default_factory=dict)         # module -> calls so far
