@@ -255,67 +255,51 @@ def test_a_softmax_over_an_axis_that_is_not_multiplied_with_values_is_named_not_
     assert any("'gate'" in w and "not attention" in w for w in warned), warned
 
 
-def test_a_layout_whose_head_axis_cannot_be_told_is_named():
-    """Scores [Tq, B, H, Tk] (sequence first) in a module that states 8 heads while neither batch-like
-    axis the product with values reads (batch 3, heads 4) has 8: which axis holds the heads cannot
-    be told, so the module is named, not measured."""
+class Projected(nn.Module):
+    """A projection, then ``module`` (named ``name``) on ``[T, B, 16]`` inputs."""
 
-    class Odd(nn.Module):
-        num_heads = 8
+    def __init__(self, name, module):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.name = name
+        setattr(self, name, module)
 
-        def forward(self, x):
-            t, b, d = x.shape
-            q = k = v = x.view(t, b, 4, 4)
-            p = torch.einsum("qbhd,kbhd->qbhk", q, k).softmax(-1)
-            return torch.einsum("qbhk,kbhd->qbhd", p, v).reshape(t, b, d)
+    def forward(self, x):
+        return getattr(self, self.name)(self.proj(x))
 
-    class Holder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.odd = Odd()
-            self.proj = nn.Linear(16, 16)
 
-        def forward(self, x):
-            return self.odd(self.proj(x))
+class SeqFirst(nn.Module):
+    """Scores [Tq, B, H, Tk] (sequence first, 4 heads) multiplied with values by einsum; the module
+    states ``num_heads`` heads."""
 
+    def __init__(self, num_heads):
+        super().__init__()
+        self.num_heads = num_heads
+
+    def forward(self, x):
+        t, b, d = x.shape
+        q = k = v = x.view(t, b, 4, 4)
+        p = torch.einsum("qbhd,kbhd->qbhk", q, k).softmax(-1)
+        self.used = p.detach().double().permute(1, 2, 0, 3)
+        return torch.einsum("qbhk,kbhd->qbhd", p, v).reshape(t, b, d)
+
+
+@pytest.mark.parametrize("stated", [4, 8])
+def test_a_sequence_first_layout_is_read_from_the_product_with_values_or_named(stated):
+    """Stated 4 heads: measured, heads read from the einsum with values, exact. Stated 8 while neither
+    batch-like axis the product reads (batch 3, heads 4) has 8: which axis holds the heads cannot be
+    told, so the module is named, not measured."""
     torch.manual_seed(0)
-    model = Holder()
+    model = Projected("attn", SeqFirst(stated))
     x = torch.randn(6, 3, 16)
     monitor, warned = attached_unchanged(model, lambda m: m(x))
-    assert any("'odd'" in w and "not the module's 8 heads" in w for w in warned), warned
-    assert monitor.latest() is None
-    assert "odd" in monitor.coverage()["missing"]
-
-
-def test_a_sequence_first_layout_is_read_from_the_product_with_values():
-    """The same [Tq, B, H, Tk] scores in a module that states its 4 heads: measured, heads read from
-    the einsum with values, exact."""
-
-    class SeqFirst(nn.Module):
-        num_heads = 4
-
-        def forward(self, x):
-            t, b, d = x.shape
-            q = k = v = x.view(t, b, 4, 4)
-            p = torch.einsum("qbhd,kbhd->qbhk", q, k).softmax(-1)
-            self.used = p.detach().double().permute(1, 2, 0, 3)
-            return torch.einsum("qbhk,kbhd->qbhd", p, v).reshape(t, b, d)
-
-    class Holder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = SeqFirst()
-            self.proj = nn.Linear(16, 16)
-
-        def forward(self, x):
-            return self.attn(self.proj(x))
-
-    torch.manual_seed(0)
-    model = Holder()
-    x = torch.randn(6, 3, 16)
-    monitor, warned = attached_unchanged(model, lambda m: m(x))
-    assert not warned, warned
-    assert_stats_close(monitor.latest_stats()["attn"], _hs(model.attn.used), EXACT)
+    if stated == 4:
+        assert not warned, warned
+        assert_stats_close(monitor.latest_stats()["attn"], _hs(model.attn.used), EXACT)
+    else:
+        assert any("'attn'" in w and "not the module's 8 heads" in w for w in warned), warned
+        assert monitor.latest() is None
+        assert "attn" in monitor.coverage()["missing"]
 
 
 # ---- real Hugging Face: WavLM calls F.multi_head_attention_forward -----------------------------------
@@ -360,3 +344,34 @@ def test_wavlm_multi_head_attention_forward_is_measured_exactly():
     assert list(stats) == ["encoder.layers.0.attention", "encoder.layers.1.attention"], list(stats)
     for got, want in zip(stats.values(), ref):
         assert_stats_close(got, want, EXACT)
+
+
+def test_a_hugging_face_teacher_outside_the_tree_is_no_layer_of_the_student():
+    """Distillation as users write it: a tiny HF GPT-2 student (eager) in the attached module, a tiny
+    HF Llama teacher (sdpa) kept in a list and run under no_grad inside ``forward``. Only the
+    student's two layers are recorded, each exact against its own attention probabilities."""
+    pytest.importorskip("transformers")
+    from tests.helpers import tiny_hf
+
+    class Distill(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.student = tiny_hf("gpt2", "eager")
+            self.frozen = [tiny_hf("llama", "sdpa").eval()]
+
+        def forward(self, ids):
+            with torch.no_grad():
+                target = self.frozen[0](ids).logits.softmax(-1)
+            logits = self.student(ids).logits
+            return (logits.log_softmax(-1) * target).sum(-1)
+
+    model = Distill()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(4))
+    monitor, warned = attached_unchanged(model, lambda m: m(ids))
+    with torch.no_grad():
+        want = model.student(ids, output_attentions=True).attentions
+    stats = monitor.latest_stats()
+    assert list(stats) == ["student.transformer.h.0.attn", "student.transformer.h.1.attn"], list(stats)
+    for got, probs in zip(stats.values(), want):
+        assert_stats_close(got, _hs(probs), EXACT)
+    assert any("outside the attached model" in w and "LlamaForCausalLM" in w for w in warned), warned
