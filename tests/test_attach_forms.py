@@ -136,6 +136,7 @@ class Mixer(nn.Module):
     transpose_bqhk: scores [B, Tq, H, Tk], softmax(-1), then ``P.transpose(1, 2) @ V``;
     dim2: scores [B, H, Tk, Tq], softmax(dim=-2), then ``Pᵀ @ V``;
     dim2_right: scores [B, H, Tk, Tq], softmax(dim=-2), then ``(Vᵀ @ P)ᵀ``;
+    dim1: scores [B, Tk, H, Tq], softmax(dim=1), einsum with V;
     log_softmax_exp: ``log_softmax(s, -1).exp() @ V``;
     mha_forward: ``F.multi_head_attention_forward`` with its own packed weights (open_clip style);
     ``self.used``: the probabilities it multiplied V by, as [B, H, Tq, Tk] float64."""
@@ -159,7 +160,8 @@ class Mixer(nn.Module):
                 self.out.weight, self.out.bias, training=self.training, need_weights=False)
             self.used = x.detach()   # its probabilities are formed by the test, after the pass (`reference`)
             return y.transpose(0, 1)
-        q, k, v = (z.view(b, t, self.h, self.hd) for z in F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, -1))
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
+        q, k, v = (z.view(b, t, self.h, self.hd) for z in qkv.chunk(3, -1))
         scale = self.hd ** -0.5
         if self.form == "einsum_bqhk":
             p = torch.einsum("bqhd,bkhd->bqhk", q, k).mul(scale).softmax(-1)
@@ -176,6 +178,10 @@ class Mixer(nn.Module):
             self.used = p.detach().double().transpose(-1, -2)
             y = p.transpose(-1, -2) @ v if self.form == "dim2" else (v.transpose(-1, -2) @ p).transpose(-1, -2)
             y = y.transpose(1, 2)
+        elif self.form == "dim1":          # scores [B, Tk, H, Tq] normalised over dim 1, then einsum with V
+            p = torch.einsum("bqhd,bkhd->bkhq", q, k).mul(scale).softmax(dim=1)
+            self.used = p.detach().double().permute(0, 2, 3, 1)
+            y = torch.einsum("bkhq,bkhd->bqhd", p, v)
         elif self.form == "log_softmax_exp":
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             p = F.log_softmax((q @ k.transpose(-1, -2)) * scale, dim=-1).exp()
@@ -214,6 +220,7 @@ class Net(nn.Module):
     ("transpose_bqhk", 4, True),
     ("dim2", 6, False),               # item 4: softmax over dim=-2, Pᵀ·V
     ("dim2_right", 5, False),
+    ("dim1", 6, False),               # item 4: any softmax axis that is not the last, read from the einsum
     ("log_softmax_exp", 6, False),    # item 4: log_softmax(...).exp()
     ("mha_forward", 6, False),        # item 4: F.multi_head_attention_forward in a module not named like attention
 ])
@@ -375,3 +382,19 @@ def test_a_hugging_face_teacher_outside_the_tree_is_no_layer_of_the_student():
     for got, probs in zip(stats.values(), want):
         assert_stats_close(got, _hs(probs), EXACT)
     assert any("outside the attached model" in w and "LlamaForCausalLM" in w for w in warned), warned
+
+
+@pytest.mark.parametrize("form", ["einsum_bqhk", "transpose_bqhk", "dim2", "dim2_right", "dim1", "log_softmax_exp",
+                                  "mha_forward"])
+def test_every_measured_pass_records_the_form_not_only_the_first(form):
+    """The first measured pass is careful; later ones may follow its plan (lean passes, which hand
+    over SDPA calls and softmaxes over the last axis only): a form they do not see leaves no plan,
+    so every pass records the layer."""
+    torch.manual_seed(0)
+    model = Net(form)
+    x = _x()
+    with fastdiag.attach(model, every=1) as monitor:
+        for _ in range(4):
+            model(x)
+            assert_stats_close(monitor.latest_stats()["mixer"], _hs(model.mixer.reference()), EXACT)
+    assert [("sync/mixer" in r) for r in monitor.history()] == [True] * 4

@@ -333,7 +333,7 @@ class Provenance:
         self.candidates = WeakIdKeyDictionary()
         self.candidate_rows: dict[int, int] = {}  # candidate -> its probabilities' rows (numel / key axis)
         self.key_axis: dict[int, int] = {}        # candidate -> the axis its softmax normalised
-        self.log_probs = WeakIdKeyDictionary()    # log_softmax output over 4-D scores -> those scores
+        self.log_probs = WeakIdKeyDictionary()    # log_softmax output over 4-D scores -> (those scores, its axis)
 
     def mark_candidate(self, probs: torch.Tensor, candidate: int, key_axis: int = -1) -> None:
         """``probs`` (a softmax output over ``key_axis``) is attention if it, or a tensor with its rows
@@ -508,13 +508,13 @@ class AttentionMode(TorchFunctionMode):
                 elif is_flex_attention(func):
                     self.calls.on_flex_attention()
                 elif func in _LOG_SOFTMAXES and isinstance(out, torch.Tensor) and out.dim() == 4 \
-                        and softmax_dim(args, kwargs) in (-1, 3):
-                    self.calls.provenance.log_probs[out] = scores
+                        and softmax_dim(args, kwargs) in range(-4, 4):
+                    self.calls.provenance.log_probs[out] = (scores, softmax_dim(args, kwargs) % 4)
                 elif func in _EXPS and isinstance(scores, torch.Tensor) and scores in self.calls.provenance.log_probs:
                     # exp(log_softmax(s)): probabilities formed in two steps, measured as the softmax's
                     self.busy = True
                     try:
-                        self.calls.on_probs(self.calls.provenance.log_probs[scores], out)
+                        self.calls.on_exp_of_log_softmax(*self.calls.provenance.log_probs[scores], out)
                     finally:
                         self.busy = False
             return out
@@ -537,8 +537,8 @@ class AttentionMode(TorchFunctionMode):
                     and softmax_dim(args, kwargs) in (-1, 3):
                 self.calls.on_probs(softmax_input(args, kwargs), out)
             elif func in _SOFTMAXES and isinstance(out, torch.Tensor) and out.dim() == 4 \
-                    and softmax_dim(args, kwargs) in (-2, 2):
-                self.calls.on_probs(softmax_input(args, kwargs), out, key_axis=2)
+                    and softmax_dim(args, kwargs) in range(-4, 4):   # another axis: read from the product with V
+                self.calls.on_probs(softmax_input(args, kwargs), out, key_axis=softmax_dim(args, kwargs) % 4)
             elif func in _SOFTMAXES and isinstance(out, torch.Tensor) and softmax_dim(args, kwargs) in (-1, out.dim() - 1):
                 self.calls.on_softmax_elsewhere(out)
             return out

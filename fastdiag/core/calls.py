@@ -97,9 +97,9 @@ class AttentionCalls:
             if name in self.warned_softmax:
                 continue
             self.warned_softmax.add(name)
+            axis = "the last axis" if entry.key_axis == len(entry.shape) - 1 else f"dim {entry.key_axis}"
             warnings.warn(f"fastdiag.attach: module {name!r} ({type(self.modules[name]).__name__}) takes a softmax "
-                          f"over {'the last axis' if entry.key_axis == len(entry.shape) - 1 else 'dim -2'} of 4-D (or "
-                          "larger) scores whose output is never multiplied with values "
+                          f"over {axis} of 4-D (or larger) scores whose output is never multiplied with values "
                           "along that axis: not attention, not recorded", RuntimeWarning, stacklevel=4)
         self.state.candidates = {}
         for (caller, outer), inner in self.state.foreign.items():
@@ -262,9 +262,10 @@ class AttentionCalls:
         return heads
 
     def on_probs(self, scores: torch.Tensor, probs: torch.Tensor, key_axis: int = 3) -> None:
-        """A softmax over axis ``key_axis`` of 4-D scores (3: ``[B, H, Tq, Tk]`` as written; 2: scores
-        ``[B, H, Tk, Tq]`` normalised over dim -2): the probabilities the model uses, measured as they are,
-        in the layout the product with values reads them in (`_confirm_entry`)."""
+        """A softmax over axis ``key_axis`` of 4-D scores (3: ``[B, H, Tq, Tk]`` as written; another, such
+        as scores ``[B, H, Tk, Tq]`` normalised over dim 2: the layout is read from the product with values
+        alone): the probabilities the model uses, measured as they are, in the layout the product with
+        values reads them in (`_confirm_entry`)."""
         where = self._attention_call()
         if where is None:
             return
@@ -272,7 +273,7 @@ class AttentionCalls:
         event = self._event(module_call, softmax_signature(scores))
         if probs.numel() == 0:
             b, h, tq, tk = probs.shape
-            if b == 0 and min(h, tq, tk) > 0 and key_axis == 3:  # an empty batch: no rows, exactly (as on the SDPA path)
+            if b == 0 and min(h, tq, tk) > 0 and key_axis == 3:  # an empty batch: no rows, exactly (as SDPA's)
                 zeros = torch.zeros(h, h, dtype=torch.float64, device=probs.device)
                 entry = Candidate(name, module_call, HeadStats(zeros, zeros[0], zeros[0, 0], zeros[0, 0]),
                                   "probabilities", tuple(probs.shape))
@@ -299,13 +300,20 @@ class AttentionCalls:
             entry = Candidate(name, module_call, *self._probs_stats(name, scores, probs, same_input),
                               tuple(probs.shape), key_axis, measure)
         else:
-            entry = Candidate(name, module_call, None, f"a softmax over dim {key_axis - 4} of scores {tuple(probs.shape)} "
+            entry = Candidate(name, module_call, None, f"a softmax over dim {key_axis} of scores {tuple(probs.shape)} "
                               "whose product with values does not say which axis holds the queries and which the heads",
                               tuple(probs.shape), key_axis, measure)
         if event is False:
             self._candidate(entry, probs)
         else:   # a lean pass: the plan says this softmax is multiplied with values
             self._confirm_entry(entry)
+
+    def on_exp_of_log_softmax(self, scores: torch.Tensor, key_axis: int, probs: torch.Tensor) -> None:
+        """``exp(log_softmax(scores))`` over 4-D scores: probabilities formed in two steps, measured as a
+        softmax's (`on_probs`). The lean passes' plan hands over softmaxes only: no plan from this pass."""
+        if self._attention_call() is not None:
+            self.state.recorder = None
+        self.on_probs(scores, probs, key_axis)
 
     def _probs_stats(self, name: str, scores: torch.Tensor, probs: torch.Tensor, same_input: bool | None) -> tuple:
         """(`HeadStats`, how) of probabilities ``probs`` ``[B, H, Tq, Tk]`` formed from ``scores``."""
