@@ -44,9 +44,14 @@ def _patch_the_language_once_per_launch() -> None:
     import inspect
 
     patched: dict[int, int] = {}                  # id(language module) -> launches that patched it
+    langs_seen: dict = {}                         # fn -> its language modules (a module's imports stay put)
 
     def langs_of(fn) -> set[int]:
-        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v.__name__.startswith("triton.language")}
+        langs = langs_seen.get(fn)
+        if langs is None:        # 5 % of an interpreted head_stats call went to this scan, once per helper call
+            langs = langs_seen[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                               if inspect.ismodule(v) and v.__name__.startswith("triton.language"))
+        return langs
 
     def patch_once(fn):
         langs = langs_of(fn)
