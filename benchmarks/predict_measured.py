@@ -20,6 +20,7 @@ import triton
 
 from fastdiag import kernel_report as report
 from fastdiag.core.kernels import head_stats_triton, qk_stats_triton
+from fastdiag.kernel_report.cases import scores_per_iteration
 from fastdiag.kernel_report.predict import predict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -108,14 +109,15 @@ def qk_rows(module, shapes, lse_given: bool = False, arch: int = 90) -> list[dic
         total = 0.0
         parts = []
         for kernel, launch, index in _qk_launches(module, dims, lse_given):
-            case = report.ReportCase(kernel, shape, "bfloat16", 2, launch,
-                                     lambda c: c["BLOCK_HK"] * c["BLOCK_G"] * c["BLOCK_M"] * c["BLOCK_N"],
-                                     launch_index=index)
+            case = report.ReportCase(kernel, shape, "bfloat16", 2, launch, scores_per_iteration, launch_index=index)
             row = report.report_case(case, report.GPUS[arch])
             c = row.constexprs
-            block = c["BLOCK_HK"] * c["BLOCK_G"]
-            blocks = triton.cdiv(h, block)
-            held = blocks * block if index == 0 else blocks * (blocks - 1) // 2 * 2 * block   # off-diagonal: two blocks
+            if "HEADS" in c:          # the per-head pass 2 (`qk_heads_triton`): real heads only
+                held = h
+            else:
+                block = c["BLOCK_HK"] * c["BLOCK_G"]
+                blocks = triton.cdiv(h, block)
+                held = blocks * block if index == 0 else blocks * (blocks - 1) // 2 * 2 * block   # off-diagonal: two blocks
             if kernel == "qk_lse":
                 held = h
             rows_tile, keys_tile = c["BLOCK_M"], c["BLOCK_N"]

@@ -449,3 +449,38 @@ def test_sharp_rows_keep_sigma_within_1e5_of_float64(gap, is_causal):
         assert abs(sigma - want_sigma) <= 1e-5 * max(want_sigma, 1e-6)
         assert abs(got.sync().item() - want.sync().item()) <= 1e-5 * abs(want.sync().item())
         assert rel_err(got.entropy_sum, want.entropy_sum, floor=1e-9) <= 1e-5
+
+
+# (mask kind, (H, Hk), (B, Tq, Tk, D), dtype): the per-head pass 2 — padded heads (12 and 6 in 16), GQA,
+# MQA, two row tiles, odd key counts, every mask kind
+PER_HEAD_CASES = [
+    ("additive-causal", (12, 4), (1, 66, 41, 40), torch.float32),
+    ("bool-per-head", (6, 6), (1, 65, 33, 64), torch.float32),
+    ("causal", (16, 1), (1, 67, 67, 24), torch.float16),
+    ("bool-padding", (2, 1), (2, 9, 17, 16), torch.float32),
+    ("additive-finfo-min", (3, 3), (2, 20, 21, 8), torch.float32),
+]
+
+
+@pytest.mark.parametrize("kind,heads,shape,dtype", PER_HEAD_CASES,
+                         ids=[f"{m}-H{h}Hk{hk}-B{b}Tq{tq}Tk{tk}D{d}-{str(t)[6:]}"
+                              for m, (h, hk), (b, tq, tk, d), t in PER_HEAD_CASES])
+def test_per_head_pass2_matches_float64_reference(kind, heads, shape, dtype):
+    """`_qk_heads_kernel` (a 2-D score dot per head, heads stacked for the Gram, padded heads never
+    scored) against float64 on fresh random inputs inside +inf padding, with its own LSE from pass 1."""
+    _check_backend("triton")
+    from fastdiag.core.kernels import qk_stats_triton as kernels
+
+    (h, hk), (b, tq, tk, d) = heads, shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, heads, shape)).encode()) % 10_000)
+    q, k = _qk(b, h, hk, tq, tk, d, dtype, gen)
+    mask, causal = _mask(kind, b, h, tq, tk, gen)
+    scale = 0.8 / d ** 0.5
+    ref = qk_head_stats(q, k, mask, causal, scale, backend="reference")
+    rows_ok = None if mask is None else valid_rows(mask, causal, (b, h, tq, tk), None)
+    lse = kernels.row_lse_triton(q, k, mask, causal, scale)
+    got = kernels._heads_stats(q, k, mask, causal, scale, rows_ok, lse, None)
+    assert got is not None, "the per-head kernel applies at these shapes"
+    _assert_close(HeadStats(*got), ref, TOLERANCE[dtype])
+    wrong = kernels._heads_stats(q, k, mask, causal, scale, rows_ok, lse + 0.01, None)   # a wrong LSE shows
+    assert HeadStats(*wrong).invalid.item() > 0

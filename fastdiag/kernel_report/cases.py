@@ -75,7 +75,10 @@ REPORT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)     # float64 run
 _BENCH_HEAD_DIM = {"gpt2-small": 64, "long-context": 128}
 
 
-def _scores_per_iteration(constexprs: dict) -> int:
+def scores_per_iteration(constexprs: dict) -> int:
+    """Scores of real heads (the per-head kernel scores no padded head) and of the batched kernels' blocks."""
+    if "HEADS" in constexprs:
+        return constexprs["HEADS"] * constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
     return constexprs["BLOCK_HK"] * constexprs["BLOCK_G"] * constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
 
 
@@ -108,14 +111,14 @@ def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dty
     cases = []
     configs = pass2_configs(h, hk, d, dtype, shared_limit, mask_kind is not None)
     if configs:
-        cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, _scores_per_iteration, **size))
+        cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, scores_per_iteration, **size))
     if configs and configs[0]["BLOCK_HK"] < hk:
         # heads in blocks: the off-diagonal programs are a second launch, of two blocks' scores each
         # (per score of one block, as the diagonal's)
         cases.append(ReportCase("qk_stats", f"{label} off-diagonal", name, dtype.itemsize, pass2,
-                                _scores_per_iteration, launch_index=1, **size))
+                                scores_per_iteration, launch_index=1, **size))
     if not rows and pass1_fits(dtype, shared_limit):
-        cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, _scores_per_iteration, **size))
+        cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, scores_per_iteration, **size))
     return cases
 
 

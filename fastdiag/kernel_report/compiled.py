@@ -21,7 +21,8 @@ from .wavefronts import loop_wavefronts
 
 GPU = GPUS[DEFAULT_ARCH]          # the default target (the GPU lent to this project)
 # The launcher modules a capture patches (their device probes, interpreter flags)
-KERNEL_MODULES = ("fastdiag.core.kernels.head_stats_triton", "fastdiag.core.kernels.qk_stats_triton")
+KERNEL_MODULES = ("fastdiag.core.kernels.head_stats_triton", "fastdiag.core.kernels.qk_stats_triton",
+                  "fastdiag.core.kernels.qk_heads_triton")
 
 @dataclass(frozen=True)
 class ReportCase:

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .constants import LN2, LOG2E, MASKED_SCORE, MASS_TOLERANCE
+from .qk_heads_triton import _qk_heads_kernel
 from .qk_stats_ref import qk_stats_ref
 from .qk_stats_torch import CHUNK_BYTES, qk_stats_torch
 from .device import GPUS, device_limits, spill_bytes
@@ -548,14 +549,97 @@ def _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, limits=None):
         gram_blocks = torch.cat([gram_blocks, gram_off_part.sum(0, dtype=torch.float64)])
     gram = torch.take(gram_blocks, gram_index)                                          # [H, H]
     entropy = torch.take(entropy_part.sum(0, dtype=torch.float64), entropy_index)     # [H]
-    # a NaN anywhere makes the statistics invalid (x ≠ x). An infinite sum needs an infinite p in a
-    # counted row, whose mass the kernel already counts in invalid_part.
+    return _head_stats_sums(gram, entropy, invalid_part, b * tq, rows_ok)
+
+
+def _head_stats_sums(gram, entropy, invalid_part, rows_total: int, rows_ok):
+    """``(gram, entropy, rows, invalid)`` from the reduced sums and the kernels' invalid partials: a
+    NaN anywhere makes the statistics invalid (x ≠ x). An infinite sum needs an infinite p in a counted
+    row, whose mass the kernel already counts in invalid_part."""
     total = gram.sum() + entropy.sum()
-    nonfinite = total.ne(total)
-    invalid = invalid_part.sum(dtype=torch.float64) + nonfinite
-    rows = (torch.full((), float(b * tq), dtype=torch.float64, device=device) if rows_ok is None
+    invalid = invalid_part.sum(dtype=torch.float64) + total.ne(total)
+    rows = (torch.full((), float(rows_total), dtype=torch.float64, device=gram.device) if rows_ok is None
             else rows_ok.sum(dtype=torch.float64))
     return gram, entropy, rows, invalid
+
+
+# ---- pass 2 with a 2-D score dot per head (`qk_heads_triton`) --------------------------------------
+
+# Heads one program of `_qk_heads_kernel` holds: all of a layer's (its Gram is one block). More heads
+# take the batched kernel's head blocks.
+HEADS_KERNEL_MAX_HEADS = 16
+# Head dims it takes: Q of every head is held in shared memory (16 x 64 rows x 64 bf16 = 128 KB).
+HEADS_KERNEL_MAX_HEAD_DIM = 64
+
+
+def heads_config(h: int, hk: int, d: int, element_bytes: int = 2) -> dict | None:
+    """`_qk_heads_kernel`'s tiles for H query heads, Hk key heads, head dim d; None where it does not
+    apply (more heads or a wider head dim than it holds). 64 rows x 16 keys per head and key step, 4 warps
+    (one warpgroup: each warp's 16 rows are its own batch of the Gram dot), the Gram dot in 4 parts
+    (one dot of a warp's 16 x 256 slab held 128 registers of operands): compiled for sm_90 by triton
+    3.9, 255 registers, no spill, ~100 KB of shared memory, 1.0x the conflict-free wavefronts
+    (benchmarks/RESULTS.md, issue 38)."""
+    if h > HEADS_KERNEL_MAX_HEADS or d > HEADS_KERNEL_MAX_HEAD_DIM:
+        return None
+    block_h = max(16, triton.next_power_of_2(h))
+    return dict(HEADS=h, GROUP=h // hk, BLOCK_H=block_h, HEAD_BITS=block_h.bit_length() - 1, BLOCK_M=64,
+                BLOCK_N=16, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLIT=4, GRAM_CHUNKS=4, num_warps=4,
+                num_stages=1)
+
+
+def heads_shared_bytes(cfg: dict, element_bytes: int) -> int:
+    """Shared memory of `_qk_heads_kernel` as sm_90 compiles it: every real head's Q tile (held for the
+    whole key loop) and 4 KB of K tile and Gram staging (GPT-2-small bf16: 96 + 4 = 100 KB, compiled)."""
+    return cfg["HEADS"] * cfg["BLOCK_M"] * cfg["BLOCK_D"] * element_bytes + 4096
+
+
+def _heads_launch(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg):
+    """(grid, arguments, outputs) of one `_qk_heads_kernel` launch."""
+    b, h, tq, d = q4.shape
+    tk = k4.shape[2]
+    mask, mask_strides, mask_kind, threshold = _mask_args(mask4, (b, h, tq, tk))
+    row_tiles = triton.cdiv(tq, cfg["BLOCK_M"])
+    programs, bh = b * row_tiles, cfg["BLOCK_H"]
+    f32 = dict(dtype=torch.float32, device=q4.device)
+    outputs = (torch.empty(programs, bh, bh, **f32), torch.empty(programs, bh, **f32), torch.empty(programs, **f32))
+    row_ok = q4 if rows_ok is None else rows_ok.view(torch.uint8)
+    row_strides = (0, 0) if rows_ok is None else rows_ok.stride()
+    args = (*outputs, q4, k4, q4 if mask is None else mask, lse, row_ok, tq, tk, d, row_tiles, scale * LOG2E,
+            threshold, *q4.stride(), *k4.stride(), *mask_strides, *lse.stride(), *row_strides)
+    flags = dict(IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_ROW_OK=rows_ok is not None,
+                 FP32_DOT=q4.dtype == torch.float32, **cfg)
+    return (programs,), args, flags, outputs
+
+
+# (target arch, shapes, flags) -> whether `_qk_heads_kernel` compiles there without spilling
+_HEADS_UNSPILLED: dict = {}
+
+
+def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits):
+    """Pass 2 on `_qk_heads_kernel`, or None where it does not apply: too many heads or too wide a head
+    dim (`heads_config`), float32 on a GPU (TF32x3 operands do not fit), or on this device it exceeds
+    shared memory or spills registers (the batched kernel then runs: triton 3.6 spills it)."""
+    b, h, tq, d = q4.shape
+    cfg = heads_config(h, k4.shape[1], d, q4.dtype.itemsize)
+    if cfg is None or (limits is not None and (q4.dtype == torch.float32
+                                               or heads_shared_bytes(cfg, q4.dtype.itemsize) > limits["shared_bytes"])):
+        return None
+    grid, args, flags, (gram_part, entropy_part, invalid_part) = _heads_launch(
+        q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg)
+    if limits is not None:
+        key = (limits["arch"], h, k4.shape[1], d, q4.dtype, tuple(sorted(flags.items())))
+        fits = _HEADS_UNSPILLED.get(key)
+        if fits is None:
+            try:
+                fits = spill_bytes(_qk_heads_kernel, grid, args, flags) == 0
+            except triton.runtime.errors.OutOfResources:
+                fits = False
+            _HEADS_UNSPILLED[key] = fits
+        if not fits:
+            return None
+    _qk_heads_kernel[grid](*args, **flags)
+    return _head_stats_sums(gram_part.sum(0, dtype=torch.float64)[:h, :h], entropy_part.sum(0, dtype=torch.float64)[:h],
+                            invalid_part, b * tq, rows_ok)
 
 
 def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, lse=None, tiles=None):
@@ -579,6 +663,9 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
             return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, None, CHUNK_BYTES, check_lse=False)
     if tiles is not None:
         return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles, limits)
+    by_head = _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits)
+    if by_head is not None:
+        return by_head
     key = (q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared, mask4 is not None)
     configs = _PASS2_CONFIGS.get(key)
     if configs is None:

@@ -1,0 +1,212 @@
+"""Q/K pass 2 with a 2-D score dot per head: every head of a layer in one program, no padded head scored.
+
+The batched pass 2 of `qk_stats_triton` scores ``[heads, rows, keys]`` with one 3-D `tl.dot`: its heads
+are padded to a power of two (12 → 16: a quarter of GPT-2's scores wasted) and, compiled by triton 3.9,
+its 3-D shared operand buffers take the head axis as the swizzle's phase, so ``ldmatrix`` reads 8 rows
+of one head from the same banks (benchmarks/RESULTS.md, issue 38). Here each real head is scored by
+its own 2-D dot ``Q_h [BLOCK_M, D] · K_hᵀ [D, BLOCK_N]`` (the layout a flash forward gets, conflict-free
+under both tritons), its probabilities, ``p·log₂p`` and row mass are taken in float32 while only that
+head is live, and the probabilities are kept as 16-bit values. The heads are stacked with `tl.join`
+(a binary tree built at compile time, `_stack`): a padded head is a constant zero tile, never scored.
+The stacked ``[BLOCK_H, BLOCK_M·BLOCK_N]`` slab feeds the Gram dot, as in the batched kernel.
+
+`tl.join` puts the new axis last, so the stack's head axis comes out bit-reversed (`_bit_reversed`
+maps it back where the sums are stored). Everything else — the masks, the LSE in log2 units, the
+mass check, the float64 reduction of the partial sums — is the batched kernel's
+(`qk_stats_triton._qk_stats_kernel`).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .constants import LN2, LOG2E, MASKED_SCORE, MASS_TOLERANCE
+
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(LN2)
+_MASKED = tl.constexpr(MASKED_SCORE)
+_MASS_TOLERANCE = tl.constexpr(MASS_TOLERANCE)
+
+
+@triton.jit
+def _head_tile(h: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
+               mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
+               stride_qh, stride_kh, stride_mh, stride_lh,
+               HEADS: tl.constexpr, GROUP: tl.constexpr, MASK_KIND: tl.constexpr, FP32_DOT: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Head ``h``'s probabilities on one ``[BLOCK_M, BLOCK_N]`` tile (in the Gram dot's input type),
+    its row sums of ``p·log₂p`` and of ``p``; zeros for a padded head (``h >= HEADS``).
+
+    A head's pointers are the batch entry's base plus one scalar per head plus offset tiles that every
+    head shares (``*_offsets``, in bounds where ``*_in``): per-head pointer tiles, hoisted out of the
+    key loop by the compiler, took every register (255, and spilled)."""
+    if h < HEADS:
+        q = tl.load(q_base + h * stride_qh + q_offsets, mask=q_in, other=0.0)
+        kt = tl.load(k_base + (h // GROUP) * stride_kh + k_offsets, mask=k_in, other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q, kt, input_precision="tf32x3")     # fp32 inputs keep fp32 accuracy
+        else:
+            s = tl.dot(q, kt)                               # 16-bit products are exact in fp32
+        s = s * qk_scale
+        seen = visible
+        if MASK_KIND != 0:
+            m = tl.load(mask_base + h * stride_mh + mask_offsets, mask=mask_in, other=0)
+            if MASK_KIND == 1:
+                seen = seen & (m != 0)
+            else:
+                # finite, NaN-propagating (see `qk_stats_triton._scores`)
+                mf = tl.maximum(m.to(tl.float32), _MASKED, propagate_nan=tl.PropagateNan.ALL)
+                seen = seen & ((mf > mask_threshold) | (mf != mf))
+                s = s + mf * _LOG2E
+        s = tl.where(seen, s, _MASKED)
+        # a row that does not count may have LSE ±inf: 0 keeps its exponent finite, its p is 0 anyway
+        lse2 = tl.load(lse_base + h * stride_lh + lse_offsets, mask=ok, other=0.0) * _LOG2E
+        x = tl.where(ok[:, None], s - lse2[:, None], _MASKED)
+        p = tl.exp2(x)
+        plogp = tl.sum(p * x, 1)
+        mass = tl.sum(p, 1)
+        if FP32_DOT:
+            tile = p
+        else:
+            tile = p.to(tl.float16)          # p in [0, 1]: fp16 keeps 11 bits, the sums stay fp32
+    else:
+        if FP32_DOT:
+            tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float16)
+        plogp = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        mass = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    return tile, plogp, mass
+
+
+@triton.jit
+def _stack(h0: tl.constexpr, WIDTH: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, q_in,
+           k_offsets, k_in, mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
+           stride_qh, stride_kh, stride_mh, stride_lh,
+           HEADS: tl.constexpr, GROUP: tl.constexpr, MASK_KIND: tl.constexpr, FP32_DOT: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Heads ``h0 .. h0 + WIDTH`` stacked: ``[BLOCK_M, BLOCK_N, 2, …, 2]`` (log2 WIDTH axes of 2, the
+    head's lowest bit first) and the row sums ``[BLOCK_M, 2, …, 2]``."""
+    if WIDTH == 1:
+        return _head_tile(h0, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
+                          mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
+                          stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT,
+                          BLOCK_M, BLOCK_N)
+    else:
+        a_tile, a_plogp, a_mass = _stack(
+            h0, WIDTH // 2, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
+            mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
+            stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
+        b_tile, b_plogp, b_mass = _stack(
+            h0 + WIDTH // 2, WIDTH // 2, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
+            mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
+            stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
+        return tl.join(a_tile, b_tile), tl.join(a_plogp, b_plogp), tl.join(a_mass, b_mass)
+
+
+@triton.jit
+def _gram_chunks(gram, slab, CHUNKS: tl.constexpr, FP32_DOT: tl.constexpr):
+    """``gram + slab slabᵀ`` (batched), as CHUNKS dots over parts of the summed axis: one dot of the whole
+    slab holds both operands in registers at once (64 + 64 per thread at 16 heads x 256 scores a warp)."""
+    if CHUNKS == 1:
+        if FP32_DOT:
+            gram += tl.dot(slab, tl.permute(slab, (0, 2, 1)), input_precision="tf32x3")
+        else:
+            gram += tl.dot(slab, tl.permute(slab, (0, 2, 1)))
+    else:
+        # even and odd places of the summed axis: any split of it sums to the same Gram
+        even, odd = tl.split(tl.reshape(slab, (slab.shape[0], slab.shape[1], slab.shape[2] // 2, 2)))
+        gram = _gram_chunks(gram, even, CHUNKS // 2, FP32_DOT)
+        gram = _gram_chunks(gram, odd, CHUNKS // 2, FP32_DOT)
+    return gram
+
+
+@triton.jit
+def _zeros_stack(WIDTH: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Zeros shaped as `_stack`'s row sums: ``[BLOCK_M, 2, …, 2]``."""
+    if WIDTH == 1:
+        return tl.zeros((BLOCK_M,), dtype=tl.float32)
+    else:
+        half = _zeros_stack(WIDTH // 2, BLOCK_M)
+        return tl.join(half, half)
+
+
+@triton.jit
+def _bit_reversed(j, BITS: tl.constexpr):
+    """The head at place ``j`` of a `_stack`: ``j``'s lowest BITS bits reversed."""
+    out = j * 0
+    for i in tl.static_range(BITS):
+        out = out | (((j >> i) & 1) << (BITS - 1 - i))
+    return out
+
+
+@triton.jit
+def _qk_heads_kernel(
+    gram_part_ptr, entropy_part_ptr, invalid_part_ptr,  # outputs: [P, BH, BH], [P, BH], [P] (heads in place order)
+    q_ptr, k_ptr, mask_ptr, lse_ptr, row_ok_ptr,
+    Tq, Tk, D, row_tiles, qk_scale, mask_threshold,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_lb, stride_lh, stride_lm,
+    stride_rb, stride_rm,
+    HEADS: tl.constexpr, GROUP: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_ROW_OK: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+    GRAM_CHUNKS: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    batch = pid // row_tiles
+    row0 = (pid % row_tiles) * BLOCK_M
+    row = row0 + tl.arange(0, BLOCK_M)
+    gram = tl.zeros((SPLIT, BLOCK_H, BLOCK_H), dtype=tl.float32)
+    # the row sums stay in the stack's own shape and layout: reshaped to [rows, heads] inside the loop
+    # they took a layout holding each value twice in every thread of a quad (64 registers each)
+    mass = _zeros_stack(BLOCK_H, BLOCK_M)
+    plogp = tl.sum(mass, 0)                  # [2, …, 2]: p·log₂p is only needed summed over rows
+    key_end = Tk
+    if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
+        key_end = tl.minimum(Tk, row0 + BLOCK_M)
+    # what every head shares: the batch entry's bases, the offset tiles and their bounds
+    d = tl.arange(0, BLOCK_D)
+    q_base = q_ptr + batch * stride_qb
+    k_base = k_ptr + batch * stride_kb
+    mask_base = mask_ptr + batch * stride_mb
+    lse_base = lse_ptr + batch * stride_lb
+    q_offsets = row[:, None] * stride_qm + d[None, :] * stride_qd
+    q_in = (row[:, None] < Tq) & (d[None, :] < D)
+    ok = row < Tq
+    if HAS_ROW_OK:
+        ok = ok & (tl.load(row_ok_ptr + batch * stride_rb + row * stride_rm, mask=row < Tq, other=0) != 0)
+    lse_offsets = row * stride_lm
+    for key0 in range(0, key_end, BLOCK_N):
+        key = key0 + tl.arange(0, BLOCK_N)
+        # 64-bit: Tk · stride_kn passes 2^31 (BTHD, T ≥ 512 K)
+        k_offsets = d[:, None] * stride_kd + key.to(tl.int64)[None, :] * stride_kn
+        k_in = (d[:, None] < D) & (key[None, :] < Tk)
+        visible = (key[None, :] < Tk) & (row[:, None] >= 0)
+        if IS_CAUSAL:
+            visible = visible & (key[None, :] <= row[:, None])
+        mask_offsets = row[:, None] * stride_mm + key[None, :] * stride_mn
+        mask_in = (row[:, None] < Tq) & (key[None, :] < Tk)
+        tiles, tile_plogp, tile_mass = _stack(
+            0, BLOCK_H, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
+            mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
+            stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
+        plogp += tl.sum(tile_plogp, 0)
+        mass += tile_mass
+        # [rows, keys, places] -> [SPLIT, places, rows·keys / SPLIT]: the Gram sums over rows and keys
+        # alike; each of SPLIT row groups (a warp's rows of the score dot) is its own batch of the dot
+        slab = tl.reshape(tl.permute(tl.reshape(tiles, (SPLIT, BLOCK_M // SPLIT, BLOCK_N, BLOCK_H)), (0, 3, 1, 2)),
+                          (SPLIT, BLOCK_H, BLOCK_M // SPLIT * BLOCK_N))
+        gram = _gram_chunks(gram, slab, GRAM_CHUNKS, FP32_DOT)
+
+    place = tl.arange(0, BLOCK_H)
+    head = _bit_reversed(place, HEAD_BITS)
+    tl.store(gram_part_ptr + pid * BLOCK_H * BLOCK_H + head[:, None] * BLOCK_H + head[None, :], tl.sum(gram, 0))
+    # p·x is p log2 p: nats = −ln 2 × the sum
+    tl.store(entropy_part_ptr + pid * BLOCK_H + head, tl.reshape(plogp, (BLOCK_H,)) * -_LN2)
+    mass = tl.reshape(mass, (BLOCK_M, BLOCK_H))
+    counted = ok[:, None] & (head[None, :] < HEADS)
+    off = counted & ((tl.abs(mass - 1.0) <= _MASS_TOLERANCE) == 0)     # NaN counts as off
+    tl.store(invalid_part_ptr + pid, tl.sum(tl.sum(off.to(tl.float32), 1), 0))
