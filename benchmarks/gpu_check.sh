@@ -11,8 +11,8 @@
 #   against the SDPA flash forward) · accuracy 60 (bf16/fp32 against float64 at model size) · attach
 #   120 (HF GPT-2-small sdpa and a nanoGPT, every=1 and every=10 against bare, alternated blocks,
 #   medians) · int64 40 (last: it may fault) · clocks after 10.
-# STAGES="name:seconds ..." replaces the stage list after the tests; besides the four above: tune (head_stats
-# tiles timed on the device), probe (the SDPA backend chosen, cuDNN's LSE), ncu (Nsight Compute on
+# STAGES="name:seconds ..." replaces the stage list after the tests; besides the four above: tune (Q/K pass 2's
+# kernels — per-head, batched, 0c79385's — beside the SDPA forward, then head_stats tiles, timed on the device), probe (the SDPA backend chosen, cuDNN's LSE), ncu (Nsight Compute on
 # one launch of each fused kernel, report in $OUT/ncu.txt), experiments (benchmarks/gpu_experiments.py, a call
 # of its own: STAGES="experiments:400" — the canonical step eager / graphed / bare loop, ensemble packs of
 # 1/8/64/256 in runs per hour, the Mamba step with the Triton and the PyTorch scan against a parameter-matched
@@ -71,14 +71,14 @@ for stage in ${STAGES:-$DEFAULT_STAGES}; do
     # Nsight Compute on one launch of each fused kernel: speed of light, memory, occupancy, stalls
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     if [ -z "$DRY" ] && [ -n "$NCU" ]; then
-      timeout "$limit" "$NCU" --clock-control none --kernel-name regex:'_(head|qk)_stats_kernel|_qk_lse_kernel' \
-        --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      timeout "$limit" "$NCU" --clock-control none --kernel-name regex:'_(head|qk)_stats_kernel|_qk_lse_kernel|_qk_heads_kernel' \
+        --launch-count 6 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
         --section WarpStateStats --section LaunchStats $PY benchmarks/gpu_stages.py ncu > "$OUT/ncu.txt" 2> "$OUT/ncu.err"
       rc=$?
       # shared-memory wavefronts per instruction kind, to set beside the kernel report's count
       # (benchmarks/predict_measured.py): a separate run, so an unknown metric cannot cost the report above
-      timeout "$limit" "$NCU" --clock-control none --kernel-name regex:'_(head|qk)_stats_kernel|_qk_lse_kernel' \
-        --launch-count 4 --section MemoryWorkloadAnalysis_Tables --metrics \
+      timeout "$limit" "$NCU" --clock-control none --kernel-name regex:'_(head|qk)_stats_kernel|_qk_lse_kernel|_qk_heads_kernel' \
+        --launch-count 6 --section MemoryWorkloadAnalysis_Tables --metrics \
 smsp__sass_inst_executed_op_ldsm.sum,smsp__sass_inst_executed_op_shared_ld.sum,smsp__sass_inst_executed_op_shared_st.sum,\
 l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum,\
 l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,\

@@ -332,15 +332,26 @@ def stage_int64(dev: torch.device, dry: bool) -> None:
          last_head_entropy_rel=_rel(full.entropy_sum[..., [0, h - 1]], pair.entropy_sum))
 
 
-def _measured_head_stats():
-    """Commit 0c79385's head_stats launcher, the one the H200 measured (benchmarks/measured/)."""
+def _measured_module(name: str):
+    """A launcher as the H200 measured it (benchmarks/measured/<name>.py, commit 0c79385)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from predict_measured import measured_module
 
-    return measured_module("head_stats_0c79385")
+    return measured_module(name)
+
+
+def _measured_head_stats():
+    """Commit 0c79385's head_stats launcher, the one the H200 measured (benchmarks/measured/)."""
+    return _measured_module("head_stats_0c79385")
 
 
 def stage_tune(dev: torch.device, dry: bool) -> None:
+    """head_stats' tiles (`stage_tune_head_stats`), then Q/K pass 2's launches (`stage_tune_qk`)."""
+    stage_tune_qk(dev, dry)
+    stage_tune_head_stats(dev, dry)
+
+
+def stage_tune_head_stats(dev: torch.device, dry: bool) -> None:
     """head_stats' launches on this GPU: CUDA-graph time of the launcher per (slab elements per warp,
     keys per step, Gram tiles per warp, pipeline stages), bf16 and fp32, against the same device copy,
     beside commit 0c79385's launcher (the one measured before, ``launcher: 0c79385``). The launcher's
@@ -387,6 +398,60 @@ def stage_tune(dev: torch.device, dry: bool) -> None:
         hs._SLAB_PER_WARP, hs._MAX_BLOCK_K, hs._GRAM_TILES_PER_WARP, hs.NUM_STAGES = default
 
 
+def _qk_pass2_launches(q, k, lse, d):
+    """(name, launch) of every Q/K pass 2 a device may run at q's shape, the LSE given: the per-head
+    kernel (`qk_heads_triton`, where it applies and compiles without spilling), the batched one with
+    the launcher's first tiles, commit 0c79385's launcher (measured on the H200), and what the
+    launcher picks by itself."""
+    from fastdiag.core.kernels import qk_stats_triton as qk
+
+    scale = d ** -0.5
+    limits = qk.device_limits(q.device)
+    tiles = qk.pass2_configs(q.shape[1], k.shape[1], d, q.dtype, limits and limits["shared_bytes"])
+    old = _measured_module("qk_stats_0c79385")
+    launches = [("chosen", lambda: qk.qk_stats_triton(q, k, None, True, scale, lse=lse)),
+                ("0c79385", lambda: old.qk_stats_triton(q, k, None, True, scale, lse=lse))]
+    if qk._heads_stats(q, k, None, True, scale, None, lse, limits) is not None:
+        launches.append(("per-head", lambda: qk._heads_stats(q, k, None, True, scale, None, lse, limits)))
+    if tiles:
+        launches.append(("batched", lambda: qk.qk_stats_triton(q, k, None, True, scale, lse=lse, tiles=tiles[0])))
+    return launches
+
+
+def stage_tune_qk(dev: torch.device, dry: bool) -> None:
+    """Q/K pass 2 (bf16 causal, the LSE given) on this GPU: each launch of `_qk_pass2_launches` as a
+    CUDA graph, beside the SDPA forward of the same Q, K (and V = K) — issue 38's target is pass 2 at
+    ≤ 1.0x that forward — in alternated rounds so clock drift favours none."""
+    import torch.nn.functional as F
+
+    from fastdiag.core.kernels.qk_stats_triton import row_lse_triton
+
+    repeats, rounds = (1, 1) if dry else (20, 3)
+    shapes = {"tiny": (1, 2, 32, 16)} if dry else {"gpt2-small": (8, 12, 1024, 64), "llama-4k": (1, 32, 4096, 128)}
+    dtype = torch.float32 if dry else torch.bfloat16
+    for name, (b, h, t, d) in shapes.items():
+        g = torch.Generator(device=dev).manual_seed(3)
+        q, k = (torch.randn(b, h, t, d, device=dev, dtype=dtype, generator=g) for _ in range(2))
+        lse = row_lse_triton(q, k, None, True, d ** -0.5)
+        launches = [("sdpa forward", lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True))]
+        launches += _qk_pass2_launches(q, k, lse, d)
+        times: dict[str, list] = {}
+        for _ in range(rounds):
+            for launcher, run in launches:
+                try:
+                    times.setdefault(launcher, []).append(graph_ms(run, dev, repeats) or median_ms(run, dev, repeats))
+                except Exception as e:   # a launch that does not compile or run: say so, go on
+                    times[launcher] = f"{type(e).__name__}: {e}"[:200]
+        sdpa = times["sdpa forward"]
+        for launcher, ts in times.items():
+            if isinstance(ts, str):
+                emit("tune", dry, kernel="qk pass 2", shape=name, launcher=launcher, failed=ts)
+                continue
+            ms = sorted(ts)[len(ts) // 2]
+            emit("tune", dry, kernel="qk pass 2", shape=name, dims=[b, h, t, d], launcher=launcher, graph_ms=ms,
+                 rounds=ts, vs_sdpa=ms / sorted(sdpa)[len(sdpa) // 2] if not isinstance(sdpa, str) else None)
+
+
 def stage_probe(dev: torch.device, dry: bool) -> None:
     """What SDPA backend this GPU picks for plain bf16 calls, and whether cuDNN attention's LSE could
     stand in for pass 1 (shape, natural log, agreement with `row_lse_triton`)."""
@@ -417,9 +482,10 @@ def stage_probe(dev: torch.device, dry: bool) -> None:
 def stage_ncu(dev: torch.device, dry: bool) -> None:
     """One launch of each fused kernel at GPT-2-small bf16, for `ncu` to profile (gpu_check.sh's ncu
     stage): today's head_stats, then commit 0c79385's (the launch measured before, whose shared-memory
-    wavefronts per ldmatrix the kernel report predicts at 8 per matrix), then Q/K pass 1 and 2."""
+    wavefronts per ldmatrix the kernel report predicts at 8 per matrix), then Q/K pass 1 and each pass 2
+    kernel the LSE given (per-head where it applies, batched, 0c79385's)."""
     from fastdiag.core.kernels.head_stats_triton import head_stats_triton
-    from fastdiag.core.kernels.qk_stats_triton import qk_stats_triton
+    from fastdiag.core.kernels.qk_stats_triton import row_lse_triton
 
     dims = (1, 1, 4, 32, 32) if dry else (1, 8, 12, 1024, 1024)
     probs = random_probs(dims, dtype=torch.float32 if dry else torch.bfloat16, seed=0, device=dev)
@@ -427,9 +493,13 @@ def stage_ncu(dev: torch.device, dry: bool) -> None:
     _measured_head_stats().head_stats_triton(probs)
     b, h, t, d = (1, 2, 32, 16) if dry else (8, 12, 1024, 64)
     q, k = (torch.randn(b, h, t, d, device=dev, dtype=torch.float32 if dry else torch.bfloat16) for _ in range(2))
-    qk_stats_triton(q, k, None, True, d ** -0.5)
-    emit("ncu", dry, launched=["_head_stats_kernel (now)", "_head_stats_kernel (0c79385)", "_qk_lse_kernel",
-                               "_qk_stats_kernel"])
+    lse = row_lse_triton(q, k, None, True, d ** -0.5)
+    launched = ["_head_stats_kernel (now)", "_head_stats_kernel (0c79385)", "_qk_lse_kernel"]
+    for name, run in _qk_pass2_launches(q, k, lse, d):
+        if name != "chosen":          # each pass 2 kernel once: per-head, batched, 0c79385's
+            run()
+            launched.append(f"pass 2 {name}")
+    emit("ncu", dry, launched=launched)
 
 
 STAGES = {"kernels": stage_kernels, "accuracy": stage_accuracy, "attach": stage_attach, "int64": stage_int64,

@@ -14,7 +14,7 @@ of problem n takes the row tiles p, p + P, ... (``BLOCK_R`` consecutive rows of 
 update) and takes the entropy terms from the same registers, so ``P`` is read from memory exactly
 once. Heads are padded to a power of two >= 16 for the dot only: the elementwise work runs on the
 quarters of the head axis that hold real heads (H = 12: three quarters of 4), split off in registers.
-Per element the entropy costs one hardware log2 and three FMAs (relative to the row's key count, see
+Per element the entropy costs one hardware log2, an FADD, an FMUL and two FMAs (relative to the row's key count, see
 `head_stats_ref`), the range check one NaN-propagating max (x > 1, inf, NaN; x < 0 makes the log2
 NaN). Everything accumulates in registers across the program's tiles and is reduced and stored once
 per program; torch adds the per-program partials in float64: deterministic, no atomics (which the
@@ -80,12 +80,16 @@ def _quarters(t):
 
 
 @triton.jit
-def _accumulate(entropy, highest, xf, ok, n_f, log2_n, c, PARTIAL_KEYS: tl.constexpr, ON_GPU: tl.constexpr):
+def _accumulate(entropy, highest, xf, ok, n_f, log2_n, inv_n, PARTIAL_KEYS: tl.constexpr, ON_GPU: tl.constexpr):
     # n x + 2^-126 (one FFMA): log2 finite at x = 0, where the term is 0 · finite; NaN for
     # x < -2^-126 / n, which makes the program's entropy non-finite, counted as a bad entry (negative
     # values closer to 0 change no sum by more than 1e-38 and are not flagged)
     log2_nx = _log2(tl.fma(xf, n_f, _TINY), ON_GPU)
-    term = tl.fma(-xf, log2_nx, tl.fma(xf, log2_n, -c))
+    # (x - 1/n) log2 n: the difference is exact near uniform (Sterbenz), so the one rounding is relative
+    # to the small result whatever an FMA does. The earlier fma(x, log2 n, -log2(n)/n) relied on the
+    # FMA's single rounding; triton 3.6's interpreter rounds its product first, and σ_H of
+    # near-uniform attention lost its digits there (1.36e-5 against 1e-5, test_head_stats.py).
+    term = tl.fma(-xf, log2_nx, (xf - inv_n) * log2_n)
     if PARTIAL_KEYS:
         entropy += tl.where(ok, term, 0.0)
     else:
@@ -104,7 +108,7 @@ def _worst(highest):
 @triton.jit
 def _head_stats_kernel(
     gram_part_ptr, entropy_part_ptr, worst_part_ptr,    # outputs: [N, P, H, H], [N, P, H], [N, P]
-    probs_ptr, mask_ptr, row_ref_ptr,                   # row_ref: [3, Tq] fp32 n, log2 n, log2(n)/n per row
+    probs_ptr, mask_ptr, row_ref_ptr,                   # row_ref: [3, Tq] fp32 n, log2 n, 1/n per row
     H, Tq, Tk, rows_per_problem, tiles_per_problem, causal_offset,      # program grid: [P, N]
     stride_pn, stride_pb, stride_ph, stride_pq, stride_pk,
     stride_mn, stride_mb, stride_mq,
@@ -159,12 +163,12 @@ def _head_stats_kernel(
 
         # The row's reference key count n: its entropy is accumulated relative to log n (see
         # head_stats_ref), small terms for rows near uniform over their n keys. Keys past n are not
-        # read. In log2 units, term = (x log2 n - c) - x log2(n x) with c = log2(n) / n in fp32, one
-        # rounding each near zero; the launcher adds n c back (the same fp32 c, in float64) and
-        # multiplies by ln 2. Invalid rows read x = 0 and get log2 n = c = 0: their terms are 0.
+        # read. In log2 units, term = (x - 1/n) log2 n - x log2(n x) with 1/n and log2 n in fp32, one
+        # rounding each near zero; the launcher adds n · (1/n) · log2 n back (the same fp32 values, in
+        # float64) and multiplies by ln 2. Invalid rows read x = 0 and get log2 n = 1/n = 0: terms 0.
         n_f = tl.load(row_ref_ptr + q, mask=row_ok, other=1.0)[None, :]
         log2_n = tl.load(row_ref_ptr + Tq + q, mask=row_ok, other=0.0)[None, :]
-        c = tl.load(row_ref_ptr + 2 * Tq + q, mask=row_ok, other=0.0)[None, :]
+        inv_n = tl.load(row_ref_ptr + 2 * Tq + q, mask=row_ok, other=0.0)[None, :]
         if CAUSAL:
             n_keys = tl.minimum(tl.maximum(q + causal_offset + 1, 0), Tk)
             key_end = tl.max(tl.where(row_ok, n_keys, 0), axis=0)
@@ -217,13 +221,13 @@ def _head_stats_kernel(
                     gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
                 x0, x1, x2, x3 = _quarters(xf)
                 ok0, ok1, ok2, ok3 = _quarters(ok)
-                e0, m0 = _accumulate(e0, m0, x0, ok0, n_f, log2_n, c, keyed == 1, ON_GPU)
+                e0, m0 = _accumulate(e0, m0, x0, ok0, n_f, log2_n, inv_n, keyed == 1, ON_GPU)
                 if QUARTERS > 1:
-                    e1, m1 = _accumulate(e1, m1, x1, ok1, n_f, log2_n, c, keyed == 1, ON_GPU)
+                    e1, m1 = _accumulate(e1, m1, x1, ok1, n_f, log2_n, inv_n, keyed == 1, ON_GPU)
                 if QUARTERS > 2:
-                    e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, c, keyed == 1, ON_GPU)
+                    e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, inv_n, keyed == 1, ON_GPU)
                 if QUARTERS > 3:
-                    e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, c, keyed == 1, ON_GPU)
+                    e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, inv_n, keyed == 1, ON_GPU)
         gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
         # Each tile's entropy sums go to float64 per-head sums: terms of rows far from uniform over
         # their n keys (masked keys without the causal hint) are not small, and fp32 sums over all
@@ -290,8 +294,11 @@ def _tiles(h: int, rows: int, tk: int, element_bytes: int, causal: bool) -> tupl
         slab //= 2   # fp32: the TF32 split's stacked [hi; lo] operand doubles the dot's registers
         if block_h >= 64:
             slab //= 2   # 40-64 heads in one stage: 32-40 B spilled on sm_80/86/89 under triton 3.6 at 64 keys
-    if causal:
-        slab //= 2   # the key-bounded loop beside the plain one: at 1024 elements a warp, 8-112 B spilled (triton 3.6, sm_80-120)
+    if causal and element_bytes < 4:
+        # 16-bit: the key-bounded loop beside the plain one spilled 8-72 B at the full slab (triton 3.6,
+        # sm_80-120, one stage). fp32 (its slab already halved) does not, and at half that slab it kept
+        # too few bytes in flight: 76 % of copy predicted on sm_100 under 3.6, 127 % at this one
+        slab //= 2
     if tk < 64:
         slab //= 2   # short rows: many rows per slab, each column carries its row's data
     block_k = min(_MAX_BLOCK_K, max(1, triton.next_power_of_2(tk)), slab)
@@ -301,16 +308,16 @@ def _tiles(h: int, rows: int, tk: int, element_bytes: int, causal: bool) -> tupl
 
 
 def row_references(tq: int, tk: int, causal: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query row: the kernel's table ``[3, Tq]`` fp32 (n, log2 n, c = log2(n) / n; n = the keys the
-    row may see, at least 1) and, float64 ``[Tq]``, the reference ``n · c`` computed from that same fp32
-    c, which the kernel leaves out of each row's entropy (log2 units)."""
+    """Per query row: the kernel's table ``[3, Tq]`` fp32 (n, log2 n, 1/n; n = the keys the row may
+    see, at least 1) and, float64 ``[Tq]``, the reference ``n · (1/n) · log2 n`` computed from those same
+    fp32 values, which the kernel leaves out of each row's entropy (log2 units)."""
     n_keys = torch.full((tq,), tk, dtype=torch.float64, device=device)
     if causal:
         q = torch.arange(tq, dtype=torch.float64, device=device)
         n_keys = (q + causal_keys(tq, tk) + 1).clamp(0, tk)
     n_keys = n_keys.clamp_min(1)
-    table = torch.stack([n_keys, n_keys.log2(), n_keys.log2() / n_keys]).float()
-    return table, n_keys * table[2].double()
+    table = torch.stack([n_keys, n_keys.log2(), 1 / n_keys]).float()
+    return table, n_keys * table[1].double() * table[2].double()
 
 
 def _gram_dot(dtype: torch.dtype) -> str:
