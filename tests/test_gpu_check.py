@@ -50,26 +50,19 @@ def test_stage_timeouts_fit_eight_minutes():
 
 
 @pytest.mark.slow
-def test_gpu_check_dry_run_of_the_extra_stages(tmp_path):
-    """tune, probe and ncu (STAGES=...) run here too, so a second lent-GPU run can take them."""
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, STAGES="tune:60 probe:30 ncu:60")
+def test_gpu_check_dry_run_of_the_extra_and_experiments_stages(tmp_path):
+    """tune, probe and ncu (STAGES=...) run here too, so a second lent-GPU run can take them; and the
+    experiments stage: canonical step eager / graphed / bare, packs, Mamba against the matched
+    transformer, each a JSON line, here on CPU with a tiny model. One dry run for all four (each dry run
+    also repeats the machine and tests stages)."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable,
+               STAGES="tune:60 probe:30 ncu:60 experiments:240")
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
     lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert {"tune", "probe", "ncu"} <= {x["stage"] for x in lines}
+    assert {"tune", "probe", "ncu", "experiments"} <= {x["stage"] for x in lines}
     assert all("error" not in x and "failed" not in x for x in lines), lines
-
-
-@pytest.mark.slow
-def test_gpu_check_dry_run_of_the_experiments_stage(tmp_path):
-    """The experiments stage (STAGES="experiments:..."): canonical step eager / graphed / bare, packs,
-    Mamba against the matched transformer, each a JSON line, here on CPU with a tiny model."""
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, STAGES="experiments:240")
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], env=env,
-                          capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
-    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     got = [x for x in lines if x["stage"] == "experiments"]
     assert [x["what"] for x in got] == ["canonical_step"] + ["ensemble"] * 4 + ["mamba_step"], got
     assert all(x["eager_ms"] > 0 and x["graphed_ms"] > 0 and x["bare_loop_ms"] > 0 for x in got[:1])
