@@ -76,14 +76,15 @@ def test_valid_rows_on_a_broadcast_mask_equals_the_rule_written_out():
         assert torch.equal(rows.valid_rows(mask, is_causal, (2, 4, 7, 7), None), rows.sees_a_key(~written_out))
 
 
-@pytest.mark.parametrize("case, flagged", [("xlnet left", True), ("xlnet right 2", True), ("causal", False),
+@pytest.mark.parametrize("case, flagged", [("xlnet left", True), ("xlnet right 2", True), ("xlnet right 1", True),
+                                           ("causal", False),
                                            ("causal padded", False), ("image prefix then causal text", False),
                                            ("bidirectional", False)])
 def test_a_position_seen_only_by_itself_is_flagged_only_where_it_can_be_padding(case, flagged):
     t = 8
     seen = torch.ones(t, t, dtype=torch.bool)
     if case.startswith("xlnet"):                # a padded key is seen by its own query only
-        pads = [0, 1, 2] if case == "xlnet left" else [6, 7]
+        pads = {"xlnet left": [0, 1, 2], "xlnet right 2": [6, 7], "xlnet right 1": [7]}[case]
         for p in pads:
             seen[:, p] = False
             seen[p, p] = True
@@ -210,3 +211,29 @@ def test_hugging_face_models_with_sharp_attention_count_every_real_row(arch, imp
             sigma = w.entropy_spread().item()
             assert abs(g.entropy_spread().item() - sigma) <= (1e-4 * sigma if sigma >= 1e-6 else 1e-9)
     assert impl == "sdpa" or any(traps)
+
+
+def test_git_unpadded_is_exact_and_not_taken_for_xlnet_padding():
+    """GIT: a bidirectional image prefix, then causal text; the last text key is seen by its own row
+    only, as XLNet's padding is, but it is no padding: no warning, every row counted, exact."""
+    transformers = pytest.importorskip("transformers")
+    from tests.hf_matrix import sharpen
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=16,
+                  patch_size=8, attention_dropout=0.0)
+    config = transformers.GitConfig(vision_config=vision, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, vocab_size=64, max_position_embeddings=64,
+                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = sharpen(transformers.GitForCausalLM._from_config(config, attn_implementation="eager"), seed=0)
+    ids, pixels = torch.randint(2, 64, (2, 6)), torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        want = model(input_ids=ids, pixel_values=pixels, output_attentions=True).attentions
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fastdiag.attach(model, every=1, strict=True) as monitor:
+            model(input_ids=ids, pixel_values=pixels)
+            assert monitor.coverage()["all_rows"] == {}
+    text_layers = {n: s for n, s in monitor.latest_stats().items() if n.startswith("git.encoder.")}
+    assert len(text_layers) == len(want) == 2
+    for got, probs in zip(text_layers.values(), want):
+        assert got.rows.item() == probs.shape[0] * probs.shape[2]
+        assert_stats_close(got, _hs(probs))

@@ -23,6 +23,7 @@ token: `seen_only_by_itself` flags it, and attach names the layer.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # A score or additive-mask value at or below this masks its key (-inf included); see the module docstring.
 MASKED_AT = -5000.0
@@ -127,17 +128,20 @@ def self_attention_rows(hidden: torch.Tensor) -> torch.Tensor:
 def seen_only_by_itself(hidden: torch.Tensor) -> torch.Tensor:
     """Bool scalar for self-attention (``hidden`` True = masked, ``[B, H, T, T]``, B and H possibly
     broadcast): some sequence's mask is not causal (a row sees a later key) and lets a position's key
-    be seen by its own row only, in every head, while a later row sees keys — XLNet's padding, where
-    each padded query still attends to itself, so `real_positions` cannot tell it from a real token.
-    (A single padded position at the very end looks exactly like the last key of causal attention, and
-    is not flagged.) A device tensor (no sync)."""
+    be seen by its own row only, in every head — XLNet's padding, where each padded query still attends
+    to itself, so `real_positions` cannot tell it from a real token — and is not the last key of a
+    causal stretch (GIT's text after a bidirectional image prefix). A device tensor (no sync)."""
     seen = (~hidden).any(1)                                            # [B, T, T]: in some head
     t = seen.shape[-1]
     eye = torch.eye(t, dtype=torch.bool, device=seen.device)
     only_self = seen.diagonal(dim1=-2, dim2=-1) & ~(seen & ~eye).any(-2)   # [B, T] by key
-    # ... and hidden from a later row that sees keys: the last key of causal attention is seen by its
-    # own row only too (GIT: a bidirectional image prefix, then causal text), but no row comes after it
+    # The last key of causal attention is seen by its own row only too (GIT: a bidirectional image
+    # prefix, then causal text). Padding is told from it by its neighbours: a later row sees keys but
+    # not this one, or the key just before it is seen by an earlier row (bidirectional up to it).
     position = torch.arange(t, device=seen.device)
     last_row = torch.where(seen.any(-1), position, -1).amax(-1, keepdim=True)   # [B, 1]
-    not_causal = (seen & torch.ones_like(eye).triu(1)).flatten(1).any(1)   # [B]
-    return ((only_self & (position < last_row)).any(-1) & not_causal).any()
+    later = seen & torch.ones_like(eye).triu(1)                          # a row sees a later key
+    seen_by_an_earlier_row = later.any(-2)                                # [B, T] by key
+    before_is_bidirectional = F.pad(seen_by_an_earlier_row[..., :-1], (1, 0))
+    padding_like = only_self & ((position < last_row) | before_is_bidirectional)
+    return (padding_like.any(-1) & later.flatten(1).any(1)).any()
