@@ -42,6 +42,21 @@ class Candidate:
     key_axis: int = 3             # the axis the softmax normalised
     measure: object = None        # layout -> (stats, how): the statistics read in another layout
 
+# Why a layer's padding rows could not be told from a call (coverage()["all_rows"], and a warning naming
+# the layer at the first read where they could have mattered: its masks hide a position, or a mask was
+# handed in).
+UNKNOWN_PROVENANCE = ("whether its queries and keys come from the same input is not known (torch.compile, or "
+                      "queries and keys not computed in the module from its floating-point inputs, e.g. from "
+                      "token ids), so its padding rows cannot be told: every row that sees a key is counted, "
+                      "padding rows included; monitor.set_padding(attention_mask, within=<this module>) says "
+                      "it is self-attention over that mask")
+KEYS_BEYOND_QUERIES = ("its keys outnumber its queries (a memory prefix: k = cat(memory, x)), so which key is a "
+                       "query's own position is not known and its padding rows cannot be told: every row that "
+                       "sees a key is counted, padding rows included")
+SEEN_ONLY_BY_ITSELF = ("its mask lets positions be seen by their own query row only (XLNet's padding: a padded "
+                       "query attends to itself): they cannot be told from real tokens and are counted; "
+                       "monitor.set_padding(attention_mask) leaves them out")
+
 
 class AttentionCalls:
     """Handles the attention ops of an attached model's measured passes (`adapters.AttentionMode`
@@ -59,9 +74,10 @@ class AttentionCalls:
         self.provenance = adapters.Provenance()   # which module inputs this pass's tensors derive from
         self.padding: list[tuple[str | None, torch.Tensor]] = []  # this step's real-token masks [B, T], each
         #                                  with the module (name) whose attention it belongs to, None = any
-        # self-attention layers whose mask lets a position be seen by itself only (XLNet's padding): a
-        # device flag each, read at the next host read (`Monitor._read_suspects`), never in a step
-        self.suspects: dict[str, torch.Tensor] = {}
+        # layers whose padding rows may have been counted (XLNet's padding, unknown provenance, a memory
+        # prefix): (name, why) -> a device flag, read at the next host read (`Monitor._read_suspects`),
+        # never in a step
+        self.suspects: dict[tuple[str, str], torch.Tensor] = {}
         self.suspects_named: set[str] = set()
         self.candidate_ids = itertools.count()
         self.warned_softmax: set[str] = set()
@@ -72,9 +88,7 @@ class AttentionCalls:
         """``rows`` and the handed-in padding of a self-attention call in module ``name`` with batch
         ``b`` and ``t`` query rows, on the call's device."""
         for within, padding in self.padding:
-            if within is not None and not (name == within or within == ROOT or name.startswith(within + ".")):
-                continue
-            if padding.shape != (b, t):
+            if not self._applies(within, name, explicit=False) or padding.shape != (b, t):
                 continue
             self.state.padding_used = True
             try:
@@ -178,15 +192,53 @@ class AttentionCalls:
             return None
         return name, call
 
-    def _self_attention(self, name: str, same_input: bool | None, tq: int, tk: int) -> bool:
+    @staticmethod
+    def _applies(within: str | None, name: str, explicit: bool) -> bool:
+        """Whether a mask handed in for ``within`` applies to module ``name`` (``explicit``: only a mask
+        handed in for that module or one containing it, not one for every module)."""
+        if within is None:
+            return not explicit
+        return name == within or within == ROOT or name.startswith(within + ".")
+
+    def _handed_in(self, name: str, b: int, t: int, explicit: bool) -> bool:
+        return any(self._applies(within, name, explicit) and padding.shape == (b, t) for within, padding in self.padding)
+
+    def _self_attention(self, name: str, same_input: bool | None, b: int, tq: int, tk: int) -> bool:
         """Whether the padding rules of self-attention apply to a call: its queries and keys derive
-        from the same input of the module's call (`adapters.Provenance`), never a guess from shapes.
-        Not known with Tq = Tk: every row that sees a key is counted, and `coverage` says so."""
-        if same_input is None and tq == tk:
-            self.state.all_rows.setdefault(name, "whether its queries and keys come from the same input was not "
-                                            "known (torch.compile, or keys not computed in the call): every "
-                                            "row that sees a key is counted, padding rows included")
+        from the same input of the module's call (`adapters.Provenance`), never a guess from shapes,
+        or, where that is not known, the user handed in a mask for this very module (``within=``)."""
+        if same_input is None and tq == tk and self._handed_in(name, b, tq, explicit=True):
+            return True
         return bool(same_input) and tq == tk
+
+    def _padding_positions(self, name: str, hidden: torch.Tensor, b: int, t: int) -> None:
+        """Counts the query rows of a self-attention call left out because their own position is a key
+        its mask hides from every query: padding, or a token-drop mask's real token, which the mask
+        cannot tell apart (``coverage()["padding_rows"]``). A device count in the pass's state."""
+        count = adapters.own_statistics(lambda: (~row_rule.real_positions(hidden)).expand(b, t).sum())
+        counts = self.state.padding_rows
+        counts[name] = count if name not in counts else counts[name] + count
+
+    def _undecided(self, name: str, same_input: bool | None, hidden: torch.Tensor | None, b: int, tq: int,
+                   tk: int) -> None:
+        """A call whose padding rows cannot be told (`_self_attention` said no without knowing): named
+        where they could have mattered — its masks (``hidden``, True = masked) hide a key from every query
+        row, or a mask of its shape was handed in: a device flag in the pass's state (it leaves a compiled
+        graph as the statistics do), read at the first host read after the pass."""
+        if same_input is None and tq == tk:
+            why = UNKNOWN_PROVENANCE
+        elif same_input and 1 < tq < tk:
+            why = KEYS_BEYOND_QUERIES
+        else:
+            return
+        if self._handed_in(name, b, tq, explicit=False):
+            flag = torch.ones((), dtype=torch.bool, device=hidden.device if hidden is not None else None)
+        elif hidden is not None:
+            flag = adapters.own_statistics(lambda: hidden.all(-2).all(1).any())
+        else:
+            return
+        key = (name, why)
+        self.state.undecided[key] = flag if key not in self.state.undecided else self.state.undecided[key] | flag
 
     # ---- called by adapters.AttentionMode during a measured pass --------------------------------
 
@@ -227,14 +279,18 @@ class AttentionCalls:
             tk = key.shape[-2]
             same_input = event.same_input if event is not False else \
                 self._learn_op(module_call, sdpa_signature(call), self.provenance.same_input(module_call, query_passed, key_passed))
-            if self._self_attention(name, same_input, tq, tk):
-                if attn_mask is not None:   # the rule of every path (row_rule), read from the mask
-                    hidden = row_rule.hidden_keys(attn_mask, b, h, tq, tk)
+            hidden = None if attn_mask is None else row_rule.hidden_keys(attn_mask, b, h, tq, tk)
+            if self._self_attention(name, same_input, b, tq, tk):
+                if hidden is not None:   # the rule of every path (row_rule), read from the mask
                     rows = row_rule.self_attention_rows(hidden).expand(b, tq)
+                    self._padding_positions(name, hidden, b, tq)
                 with_padding = self.with_padding(rows, b, tq, query.device, name)
-                if with_padding is rows and attn_mask is not None:  # no handed-in padding for this call
-                    self.suspect(name, adapters.own_statistics(row_rule.seen_only_by_itself, hidden))
+                if with_padding is rows and hidden is not None:  # no handed-in padding for this call
+                    self.suspect(name, adapters.own_statistics(row_rule.seen_only_by_itself, hidden),
+                                 SEEN_ONLY_BY_ITSELF)
                 rows = with_padding
+            else:
+                self._undecided(name, same_input, hidden, b, tq, tk)
         measure = adapters.sdpa_reissued_with_stats if adapters.outer_attention_mode() else sdpa_with_stats
         out, stats = adapters.own_statistics(measure, **call, query_mask=rows, backend=self.backend,
                                              chunk_bytes=self.chunk_bytes, packed_query_heads=packed)
@@ -328,11 +384,14 @@ class AttentionCalls:
         if sink:
             hidden = hidden[..., :-1]
         rows = row_rule.sees_a_key(hidden)
-        if self._self_attention(name, same_input, tq, hidden.shape[-1]):
+        if self._self_attention(name, same_input, b, tq, hidden.shape[-1]):
             from_mask = rows & row_rule.real_positions(hidden)
+            self._padding_positions(name, hidden, b, tq)
             rows = self.with_padding(from_mask, b, tq, probs.device, name)
             if rows is from_mask:  # no handed-in padding for this call
-                self.suspect(name, adapters.own_statistics(row_rule.seen_only_by_itself, hidden))
+                self.suspect(name, adapters.own_statistics(row_rule.seen_only_by_itself, hidden), SEEN_ONLY_BY_ITSELF)
+        else:
+            self._undecided(name, same_input, hidden, b, tq, hidden.shape[-1])
         stats = adapters.own_statistics(head_stats, probs.detach(), rows, backend=self.backend)
         return stats, "probabilities with sink" if sink else "probabilities"
 
@@ -354,6 +413,7 @@ class AttentionCalls:
                               "and split into heads are not re-derived")
             return out
         same_input = query is key or self._self_attention(name, self.provenance.same_input(module_call, query, key),
+                                                           query.shape[1] if query.dim() == 3 else 1,
                                                            query.shape[0], key.shape[0])
         dtype = adapters.autocast_dtype(query.device.type)
 
@@ -443,7 +503,10 @@ class AttentionCalls:
                                    "block-sparse or factored attention is not one [B, H, Tq, Tk] map")
         self.add(name, stats, how)
 
-    def suspect(self, name: str, flag: torch.Tensor) -> None:
+    def suspect(self, name: str, flag: torch.Tensor, why: str) -> None:
+        """Layer ``name`` may have had padding rows counted, for reason ``why``, where ``flag`` (a device
+        bool) is True: said at the next host read (`Monitor._read_suspects`)."""
+        key = (name, why)
         if name not in self.suspects_named and not torch.compiler.is_compiling():
-            self.suspects[name] = flag if name not in self.suspects else self.suspects[name] | flag
+            self.suspects[key] = flag if key not in self.suspects else self.suspects[key] | flag
 

@@ -151,6 +151,8 @@ class Monitor:
         self._plans: dict[tuple, Plan] = {}          # (training, autocast) -> the plan of lean passes
         self._calls = itertools.count()
         self._all_rows: dict[str, str] = {}          # layers whose padding rows could not be told, and why
+        self._padding_rows: dict[str, torch.Tensor] = {}  # layer -> rows its mask left out as padding positions
+        #                                       (device counts of the last measured pass that called it)
         self._how: dict[str, str] = {}               # every module measured so far and how
         self._missing: dict[str, str] = {}           # expected modules never measured, and why
         self._warned: set = set()                    # what `_warn_once` has said
@@ -507,7 +509,7 @@ class Monitor:
             if state.off_plan:
                 self._plans.pop(key, None)
             return
-        if state.recorder is None or state.refused or state.all_rows or state.candidates or state.lse \
+        if state.recorder is None or state.refused or state.undecided or state.candidates or state.lse \
                 or self._lazy_hooks or len(_MONITORS) != 1 or torch.compiler.is_compiling():
             return
         plan = state.recorder.plan()
@@ -542,8 +544,9 @@ class Monitor:
         """After a measured pass: nothing found is an error; an expected module without statistics
         is warned about once (raised with strict)."""
         self._how.update(self.calls.state.how)
-        for name, why in self.calls.state.all_rows.items():
-            self._all_rows.setdefault(name, why)
+        self._padding_rows.update(self.calls.state.padding_rows)
+        for (name, why), flag in self.calls.state.undecided.items():   # said at the next host read
+            self.calls.suspect(name, flag, why)
         for name, reason in self.calls.state.refused.items():
             if name in self._missing:
                 continue
@@ -555,10 +558,15 @@ class Monitor:
                 raise RuntimeError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         if not self._expected and not self._how and not self._missing:
+            # Said, never raised inside the user's step (strict=True asks for the error): the monitor
+            # detaches, the model runs on as without it
+            message = (f"fastdiag.attach: found no attention in {type(self.model).__name__} on its measured pass "
+                       f"(step {step}): {_LOOKED_FOR}; nothing is measured and the monitor detached itself")
             self.detach()
-            raise ValueError(
-                f"attach: found no attention in {type(self.model).__name__} on its measured pass (step "
-                f"{step}): {_LOOKED_FOR}")
+            if self.strict:
+                raise RuntimeError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            return
         measured = list(self.calls.state.how)
         for name in self._expected:
             if name not in self.calls.state.called:
@@ -578,30 +586,43 @@ class Monitor:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def _read_suspects(self) -> None:
-        """At a host read: a layer whose mask let a position be seen by itself only (XLNet's padding)
-        has had every such row counted; that is said once, and in ``coverage()["all_rows"]``."""
+        """At a host read: a layer whose padding rows may have been counted (`calls.suspect`: XLNet's
+        padding, unknown provenance, a memory prefix) is named once, and in ``coverage()["all_rows"]``."""
         suspects, self.calls.suspects = self.calls.suspects, {}
-        for name, flag in suspects.items():
-            if name in self.calls.suspects_named or not bool(flag):
-                continue
-            self.calls.suspects_named.add(name)
-            why = ("its mask lets positions be seen by their own query row only (XLNet's padding: a padded query "
-                   "attends to itself): they cannot be told from real tokens and are counted; "
-                   "monitor.set_padding(attention_mask) leaves them out")
-            self._all_rows.setdefault(name, why)
-            warnings.warn(f"fastdiag.attach: layer {name!r}: {why}", RuntimeWarning, stacklevel=3)
+        for (name, why), flag in suspects.items():
+            if name not in self.calls.suspects_named and bool(flag):
+                self._name_all_rows(name, why)
+
+    def _name_all_rows(self, name: str, why: str) -> None:
+        """Layer ``name``'s padding rows could not be told (``why``): listed in ``coverage()["all_rows"]`` and
+        warned about once, naming the module (``strict=True``: a RuntimeError, the monitor detached)."""
+        if name in self.calls.suspects_named:
+            return
+        self.calls.suspects_named.add(name)
+        self._all_rows.setdefault(name, why)
+        module = self._modules.get(name)
+        message = f"fastdiag.attach: layer {name!r} ({type(module).__name__}): {why}"
+        if self.strict:
+            self.detach()
+            raise RuntimeError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def coverage(self) -> dict:
         """What attach found and measured so far: ``found`` (module names, expected at attach time or
         seen doing attention on a measured pass), ``measured`` (name → how), ``missing``
-        (name → why it has no statistics) and ``all_rows`` (measured layers whose padding rows could
-        not be told from the call, so every row that sees a key is counted: name → why)."""
+        (name → why it has no statistics), ``all_rows`` (measured layers whose padding rows could
+        not be told from the call, so every row that sees a key is counted: name → why) and
+        ``padding_rows`` (name → the query rows of its last measured pass left out because the mask
+        hides their own position from every query: padding, or the real token of a token-drop mask,
+        which a mask cannot tell apart; layers with none are not listed)."""
         self._read_suspects()
         found = list(self._expected) + [n for n in self._how if n not in self._expected]
         measured = {name: HOW[how] for name, how in self._how.items()}
         missing = {name: reason for name, reason in self._missing.items() if name not in self._how}
         all_rows = {name: why for name, why in self._all_rows.items() if name in self._how}
-        return {"found": found, "measured": measured, "missing": missing, "all_rows": all_rows}
+        padding_rows = {name: int(count) for name, count in self._padding_rows.items() if name in self._how and int(count)}
+        return {"found": found, "measured": measured, "missing": missing, "all_rows": all_rows,
+                "padding_rows": padding_rows}
 
     def _record(self, step: int, mode: str, stats: dict[str, HeadStats]) -> None:
         self._records.add(step, mode, stats)

@@ -16,7 +16,8 @@ class PassState:
     pending: dict = field(default_factory=dict)      # layer key -> HeadStats of this pass
     how: dict = field(default_factory=dict)          # measured module -> how
     refused: dict = field(default_factory=dict)      # attention calls that cannot be measured -> why
-    all_rows: dict = field(default_factory=dict)     # layers whose padding rows could not be told -> why
+    undecided: dict = field(default_factory=dict)    # (layer, why) -> device flag: its padding rows may count
+    padding_rows: dict = field(default_factory=dict)  # layer -> device count of rows left out as padding positions
     called: set = field(default_factory=set)         # hooked modules whose forward ran
     candidates: dict = field(default_factory=dict)   # softmaxes not yet multiplied with values
     ops: dict = field(default_factory=dict)          # (module, call) -> attention ops in that call
