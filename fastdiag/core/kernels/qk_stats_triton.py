@@ -22,7 +22,9 @@ they do not, the heads are split into blocks: diagonal programs hold one block (
 entropies, masses), off-diagonal programs recompute two blocks for their Gram block; each launch is
 staged for the blocks it holds and takes the widest score dot that compiles without spilling on the
 device (`_launch_without_spills`). Every program writes partial sums; torch adds them in float64
-(deterministic, no atomics).
+(deterministic, no atomics). Where every head fits one program's shared memory (H ≤ 16, D ≤ 64) and it
+compiles without spilling on the device, pass 2 runs on `qk_heads_triton._qk_heads_kernel` instead: a
+2-D score dot per head, no padded head scored, no 3-D operand buffers (`_heads_stats`).
 
 Layout: kernels -> launcher (`qk_stats_triton`) -> `torch.library` op (`fastdiag::qk_head_stats`,
 CUDA kernel registered, fake for tracing) so `torch.compile(fullgraph=True)` holds it as one node.
