@@ -137,6 +137,8 @@ class Mixer(nn.Module):
     dim2: scores [B, H, Tk, Tq], softmax(dim=-2), then ``Pᵀ @ V``;
     dim2_right: scores [B, H, Tk, Tq], softmax(dim=-2), then ``(Vᵀ @ P)ᵀ``;
     dim1: scores [B, Tk, H, Tq], softmax(dim=1), einsum with V;
+    memory: keys and values a memory shared by every row, ``P.reshape(-1, M) @ V``;
+    flattened_window: each query's own gathered window of values (not measured: named);
     log_softmax_exp: ``log_softmax(s, -1).exp() @ V``;
     mha_forward: ``F.multi_head_attention_forward`` with its own packed weights (open_clip style);
     ``self.used``: the probabilities it multiplied V by, as [B, H, Tq, Tk] float64."""
@@ -182,6 +184,17 @@ class Mixer(nn.Module):
             p = torch.einsum("bqhd,bkhd->bkhq", q, k).mul(scale).softmax(dim=1)
             self.used = p.detach().double().permute(0, 2, 3, 1)
             y = torch.einsum("bkhq,bkhd->bqhd", p, v)
+        elif self.form == "memory":        # keys and values a learned memory shared by every row: [B·H·Tq, M] @ [M, D]
+            memory = self.in_proj_weight[:5, :self.hd]
+            p = (q.transpose(1, 2) @ memory.T).mul(scale).softmax(-1)                     # [B, H, Tq, M]
+            self.used = p.detach().double()
+            y = (p.reshape(-1, 5) @ memory).view(b, self.h, t, self.hd)
+            y = y.transpose(1, 2)
+        elif self.form == "flattened_window":   # each query its own gathered keys: the layout cannot be read
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            p = (q @ k.transpose(-1, -2)).mul(scale)[..., :3].softmax(-1)                # [B, H, Tq, 3]
+            values = v.unsqueeze(1).expand(b, t, t, self.h, self.hd)[:, :, :3]           # [B, Tq, 3, H, D]
+            y = torch.einsum("bhqw,bqwhd->bqhd", p, values)
         elif self.form == "log_softmax_exp":
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             p = F.log_softmax((q @ k.transpose(-1, -2)) * scale, dim=-1).exp()
@@ -221,6 +234,7 @@ class Net(nn.Module):
     ("dim2", 6, False),               # item 4: softmax over dim=-2, Pᵀ·V
     ("dim2_right", 5, False),
     ("dim1", 6, False),               # item 4: any softmax axis that is not the last, read from the einsum
+    ("memory", 6, False),             # rows flattened to [B·H·Tq, M] against a memory of values
     ("log_softmax_exp", 6, False),    # item 4: log_softmax(...).exp()
     ("mha_forward", 6, False),        # item 4: F.multi_head_attention_forward in a module not named like attention
 ])
@@ -384,8 +398,8 @@ def test_a_hugging_face_teacher_outside_the_tree_is_no_layer_of_the_student():
     assert any("outside the attached model" in w and "LlamaForCausalLM" in w for w in warned), warned
 
 
-@pytest.mark.parametrize("form", ["einsum_bqhk", "transpose_bqhk", "dim2", "dim2_right", "dim1", "log_softmax_exp",
-                                  "mha_forward"])
+@pytest.mark.parametrize("form", ["einsum_bqhk", "transpose_bqhk", "dim2", "dim2_right", "dim1", "memory",
+                                  "log_softmax_exp", "mha_forward"])
 def test_every_measured_pass_records_the_form_not_only_the_first(form):
     """The first measured pass is careful; later ones may follow its plan (lean passes, which hand
     over SDPA calls and softmaxes over the last axis only): a form they do not see leaves no plan,
@@ -398,3 +412,13 @@ def test_every_measured_pass_records_the_form_not_only_the_first(form):
             model(x)
             assert_stats_close(monitor.latest_stats()["mixer"], _hs(model.mixer.reference()), EXACT)
     assert [("sync/mixer" in r) for r in monitor.history()] == [True] * 4
+
+
+def test_a_product_with_values_whose_layout_cannot_be_read_is_named():
+    """Each query multiplied with its own gathered window of values (``"bhqw,bqwhd->bqhd"``): the
+    query axis is shared with the values, so which axis holds the queries cannot be read; named."""
+    torch.manual_seed(0)
+    model = Net("flattened_window")
+    monitor, warned = attached_unchanged(model, lambda m: m(_x()))
+    assert any("'mixer'" in w and "does not say which axes" in w for w in warned), warned
+    assert monitor.latest() is None and "mixer" in monitor.coverage()["missing"]

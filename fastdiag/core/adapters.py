@@ -297,9 +297,13 @@ def _operands(func, args, kwargs, product):
 def _layout(lead: tuple, rows, key) -> tuple | None:
     """The softmax output's axes as ``(batch, heads, query, key)``, read from the operand a product
     multiplies values with: its query and key axes, and its leading (batch-like) axes in order — two
-    axes, or one that merges two (a ``[B·H, Tq, Tk]`` bmm). One leading axis not known, with the query and
-    key axes in place, is a ``[B·H]`` merge of ``[B, H]`` in order. None where it cannot be read."""
-    if len(lead) == 1 and isinstance(lead[0], tuple):
+    axes, or one that merges two (a ``[B·H, Tq, Tk]`` bmm), or rows that merge all three
+    (``[B·H·Tq, Tk]`` times a memory of values shared by every row). One leading axis not known, with
+    the query and key axes in place, is a ``[B·H]`` merge of ``[B, H]`` in order. None where it cannot
+    be read."""
+    if not lead and isinstance(rows, tuple) and len(rows) == 3:
+        lead, rows = rows[:2], rows[2]        # [B·H·Tq, Tk]: the rows merge batch, heads and queries in order
+    elif len(lead) == 1 and isinstance(lead[0], tuple):
         lead = lead[0]
     elif len(lead) == 1 and lead[0] is None and (rows, key) == (2, 3):
         lead = (0, 1)
@@ -405,6 +409,9 @@ class Provenance:
             return axes
         if out.dim() == src.dim() and out.shape[:-1] == src.shape[:-1]:
             return axes                      # a slice of the last axis (an attention sink's column)
+        if out.dim() == 2 and src.dim() in (3, 4) and out.shape[-1] == src.shape[-1] and out.numel() == src.numel():
+            rows = tuple(a for axis in axes[:-1] for a in (axis if isinstance(axis, tuple) else (axis,)))
+            return (rows, axes[-1])          # every row in one axis: [B·H·Tq, Tk] for a shared memory of values
         if out.shape[-2:] == src.shape[-2:] and out.numel() == src.numel():
             if out.dim() == 3 and src.dim() == 4:
                 return ((axes[0], axes[1]), axes[2], axes[3])     # [B, H] merged for a bmm

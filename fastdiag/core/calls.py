@@ -473,10 +473,18 @@ class AttentionCalls:
         """Record a confirmed softmax in ``layout`` (its axes as batch, heads, query, key). The head axis
         is the one the product reads as heads (the second batch-like axis), or, where the module states
         its head count and only the other batch-like axis has it, that one; where neither has it the
-        module is named. A softmax over dim -2 whose layout cannot be read is named too."""
+        module is named. A softmax whose product with values cannot be read (None) is named too."""
         name, stats, how, shape = entry.name, entry.stats, entry.how, entry.shape
-        if layout is None and entry.key_axis == 3:
-            layout, read = IN_PLACE, False     # read as written, as the product left it open
+        if layout is None and entry.measure is not None:
+            heads = adapters.module_heads(self.modules.get(name))
+            if entry.key_axis == 3 and heads is not None and shape[1] != heads:
+                how = (f"a softmax over {shape} whose dim 1 is not the module's {heads} heads, multiplied with "
+                       "values in a layout that does not say which axis holds them (a [B, T, H, window] layout)")
+            elif entry.key_axis == 3:
+                how = (f"a softmax over {shape} multiplied with values in a layout that does not say which axes "
+                       "hold the batch, the heads and the queries (a flattened map, a gathered window of values)")
+            self.refuse(name, how)
+            return
         if entry.measure is not None and layout is not None:
             heads = adapters.module_heads(self.modules.get(name))
             if heads is not None and shape[layout[1]] != heads:
