@@ -348,16 +348,12 @@ def test_wavlm_multi_head_attention_forward_is_measured_exactly():
 
     with Capture(), torch.no_grad():
         model(audio)
+    # the probabilities torch formed in that very call (WavLM asks for them: need_weights=True), per head
     ref = []
     for args, kwargs in captured:
-        query, heads = args[0].double(), args[4]
-        t, n, e = query.shape
-        hd = e // heads
-        q = F.linear(query, kwargs["q_proj_weight"].double(), args[6][:e].double())
-        k = F.linear(query, kwargs["k_proj_weight"].double(), args[6][e:2 * e].double())
-        q, k = (z.reshape(t, n, heads, hd).permute(1, 2, 0, 3) for z in (q, k))
-        scores = (q @ k.transpose(-1, -2)) * hd ** -0.5 + kwargs["attn_mask"].double().reshape(n, heads, t, t)
-        ref.append(_hs(scores.softmax(-1)))
+        with torch.no_grad():
+            _, probs = F.multi_head_attention_forward(*args, **dict(kwargs, average_attn_weights=False))
+        ref.append(_hs(probs))
 
     monitor, warned = attached_unchanged(model, lambda m: m(audio).last_hidden_state)
     assert not warned, warned
