@@ -130,9 +130,10 @@ def _assert_summary_close(got, ref, tol):
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_random_causal_rows_with_padding_float32(backend):
-    """The case that reached 1.7e-5 on the torch backend: random fp32 causal P, padded rows, [1, 8, 130, 130]."""
+    """The case that reached 1.7e-5 on the torch backend: random fp32 causal P, padded rows, [1, 8, 130, 130].
+    Three draws; one under the Triton interpreter (six interpreted launches took 57 s at load 7-9), all on GPU."""
     _check_backend(backend)
-    for seed in range(3):
+    for seed in range(1 if backend == "triton" and DEVICE == "cpu" else 3):
         mask = random_query_mask((1, 130), seed=seed, device=DEVICE)
         probs = random_probs((1, 8, 130, 130), seed=seed, garbage_rows=~mask.cpu(), device=DEVICE)
         ref = fastdiag.head_stats(probs, mask, backend="reference")
