@@ -30,10 +30,11 @@ def _hs(probs, real=None):
 @pytest.mark.parametrize("fill", FILLS + [-65500.0])
 def test_every_masking_fill_in_use_masks_and_sharp_real_scores_do_not(fill):
     dtype = torch.float16 if fill == -65500.0 else torch.float32
-    values = torch.tensor([fill, fill + 3000.0 if abs(fill) < 1e5 else fill, 0.0, -200.0, -4000.0, 150.0,
+    values = torch.tensor([fill, fill + 3000.0 if abs(fill) < 1e5 else fill, 0.0, -200.0, -900.0, 150.0,
                            float("nan")], dtype=dtype)
     assert rows.masked(values).tolist() == [True, True, False, False, False, False, False]
     assert rows.masked(torch.tensor([True, False])).tolist() == [False, True]
+    assert rows.masked(torch.tensor([-1e4 / 64 ** 0.5 + 200.0])).item()     # a -1e4 fill scaled by 1/√d after
 
 
 def _sharp_padded_batch(seed, b=3, h=4, t=9, d=8, fill=-1e4):

@@ -20,7 +20,7 @@ Two structural kinds keep their own adapters: fastdiag's models (class attribute
 
 **Masks and padding rows (docs/attach.md, "Padding").** One rule, `fastdiag.core.kernels.rows`, on
 every path: a key is masked where a bool mask is False or a mask value (eager: the score the mask was
-added into) is −inf or ≤ −5000 — never where a probability underflowed to 0. A query row counts when
+added into) is −inf or ≤ −1000 — never where a probability underflowed to 0. A query row counts when
 it sees an unmasked key in every head, and, in self-attention (queries and keys from the same input
 of the call, `Provenance`), when its own position is not a padding key (a key no query of that
 sequence may see). Eager, SDPA and MultiheadAttention give the same rows on the same batch.

@@ -8,11 +8,13 @@ score — is −inf or at most `MASKED_AT`. Padding is what the masks say (and `
 never what a probability underflowed to: a sharp softmax gives exact zeros to real keys (float32 at a
 logit gap of about 104, float16 at about 17), and a real key is not padding.
 
-`MASKED_AT` (−5000) is half the least negative fill masks use (−1e4: BERT's classic mask, MarkupLM;
-Funnel −1e6, tutorials −1e9, XLNet −1e30 or −65500 in float16, Hugging Face ``finfo(dtype).min``, −inf).
-Halfway, because a score is the mask plus ``q·k``: a key masked with −1e4 stays below it while its
-logit is under 5000, and a real logit never reaches −5000 (attention that sharp is no distribution
-anyone trains: its probabilities are one-hot in every float format).
+`MASKED_AT` (−1000) sits far below any real logit and above every fill masks use (−1e4: BERT's classic
+mask, MarkupLM; Funnel −1e6, tutorials −1e9, XLNet −1e30 or −65500 in float16, Hugging Face
+``finfo(dtype).min``, −inf), with room on both sides: a score is the mask plus ``q·k``, so a key masked
+with −1e4 stays below it while its logit is under 9000, and a −1e4 fill applied before the usual
+``1/√d`` scale (−1e4/√64 = −1250) still reads as masked for head sizes up to 100. A real logit of
+−1000 would make attention one-hot in every float format; the shift-invariance of softmax is no
+concern, since only a key hidden from every row, or a row that sees no key, changes which rows count.
 
 **A query row counts** when it sees a key (one not masked) in every head, and, in self-attention
 (queries and keys from the same input), when its own position is not padding: padding is a key no
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 # A score or additive-mask value at or below this masks its key (-inf included); see the module docstring.
-MASKED_AT = -5000.0
+MASKED_AT = -1000.0
 
 
 def visible(mask: torch.Tensor) -> torch.Tensor:
