@@ -462,12 +462,14 @@ PER_HEAD_CASES = [
 ]
 
 
+@pytest.mark.parametrize("plan", [0, 1], ids=["one-launch", "gram-then-row-sums"])
 @pytest.mark.parametrize("kind,heads,shape,dtype", PER_HEAD_CASES,
                          ids=[f"{m}-H{h}Hk{hk}-B{b}Tq{tq}Tk{tk}D{d}-{str(t)[6:]}"
                               for m, (h, hk), (b, tq, tk, d), t in PER_HEAD_CASES])
-def test_per_head_pass2_matches_float64_reference(kind, heads, shape, dtype):
+def test_per_head_pass2_matches_float64_reference(kind, heads, shape, dtype, plan):
     """`_qk_heads_kernel` (a 2-D score dot per head, heads stacked for the Gram, padded heads never
-    scored) against float64 on fresh random inputs inside +inf padding, with its own LSE from pass 1."""
+    scored) against float64 on fresh random inputs inside +inf padding, with its own LSE from pass 1;
+    each plan of `heads_plans` (one launch, or the Gram and the per-head row sums apart)."""
     _check_backend("triton")
     from fastdiag.core.kernels import qk_stats_triton as kernels
 
@@ -479,8 +481,8 @@ def test_per_head_pass2_matches_float64_reference(kind, heads, shape, dtype):
     ref = qk_head_stats(q, k, mask, causal, scale, backend="reference")
     rows_ok = None if mask is None else valid_rows(mask, causal, (b, h, tq, tk), None)
     lse = kernels.row_lse_triton(q, k, mask, causal, scale)
-    got = kernels._heads_stats(q, k, mask, causal, scale, rows_ok, lse, None)
+    got = kernels._heads_stats(q, k, mask, causal, scale, rows_ok, lse, None, plan)
     assert got is not None, "the per-head kernel applies at these shapes"
     _assert_close(HeadStats(*got), ref, TOLERANCE[dtype])
-    wrong = kernels._heads_stats(q, k, mask, causal, scale, rows_ok, lse + 0.01, None)   # a wrong LSE shows
+    wrong = kernels._heads_stats(q, k, mask, causal, scale, rows_ok, lse + 0.01, None, plan)   # a wrong LSE shows
     assert HeadStats(*wrong).invalid.item() > 0

@@ -10,6 +10,11 @@ head is live, and the probabilities are kept as 16-bit values. The heads are sta
 (a binary tree built at compile time, `_stack`): a padded head is a constant zero tile, never scored.
 The stacked ``[BLOCK_H, BLOCK_M·BLOCK_N]`` slab feeds the Gram dot, as in the batched kernel.
 
+One launch takes the Gram and the row sums (``GRAM`` and ``ROW_SUMS``) where that compiles without
+spilling; otherwise two (`qk_stats_triton.heads_configs`): the Gram of all heads without the row sums
+(their loop-carried ``[BLOCK_M, heads]`` mass and p·log₂p held 48 registers per thread, and triton 3.6
+spilled), and the row sums alone in programs of ``BLOCK_H`` heads (``program_id(1)`` picks them).
+
 `tl.join` puts the new axis last, so the stack's head axis comes out bit-reversed (`_bit_reversed`
 maps it back where the sums are stored). Everything else — the masks, the LSE in log2 units, the
 mass check, the float64 reduction of the partial sums — is the batched kernel's
@@ -122,6 +127,16 @@ def _gram_chunks(gram, slab, CHUNKS: tl.constexpr, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _gram_tile(gram, tiles, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_H: tl.constexpr, GRAM_CHUNKS: tl.constexpr, FP32_DOT: tl.constexpr):
+    """``gram`` plus one key step's stacked tiles ``[rows, keys, places]``."""
+    # [rows, keys, places] -> [SPLIT, places, rows·keys / SPLIT]: the Gram sums over rows and keys
+    # alike; each of SPLIT row groups (a warp's rows of the score dot) is its own batch of the dot
+    slab = tl.reshape(tl.permute(tl.reshape(tiles, (SPLIT, BLOCK_M // SPLIT, BLOCK_N, BLOCK_H)), (0, 3, 1, 2)),
+                      (SPLIT, BLOCK_H, BLOCK_M // SPLIT * BLOCK_N))
+    return _gram_chunks(gram, slab, GRAM_CHUNKS, FP32_DOT)
+
+@triton.jit
 def _zeros_stack(WIDTH: tl.constexpr, BLOCK_M: tl.constexpr):
     """Zeros shaped as `_stack`'s row sums: ``[BLOCK_M, 2, …, 2]``."""
     if WIDTH == 1:
@@ -153,7 +168,7 @@ def _qk_heads_kernel(
     HEADS: tl.constexpr, GROUP: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_ROW_OK: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-    GRAM_CHUNKS: tl.constexpr,
+    GRAM_CHUNKS: tl.constexpr, GRAM: tl.constexpr, ROW_SUMS: tl.constexpr, OUT_H: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     batch = pid // row_tiles
@@ -167,12 +182,15 @@ def _qk_heads_kernel(
     key_end = Tk
     if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
         key_end = tl.minimum(Tk, row0 + BLOCK_M)
-    # what every head shares: the batch entry's bases, the offset tiles and their bounds
+    # what every head shares: the batch entry's bases (at this program's first head), the offset tiles
+    # and their bounds. The Gram needs all heads in one program (head0 = 0); the row sums alone are
+    # split over program_id(1), BLOCK_H heads each (a multiple of GROUP, or one head)
+    head0 = tl.program_id(1) * BLOCK_H
     d = tl.arange(0, BLOCK_D)
-    q_base = q_ptr + batch * stride_qb
-    k_base = k_ptr + batch * stride_kb
-    mask_base = mask_ptr + batch * stride_mb
-    lse_base = lse_ptr + batch * stride_lb
+    q_base = q_ptr + batch * stride_qb + head0 * stride_qh
+    k_base = k_ptr + batch * stride_kb + (head0 // GROUP) * stride_kh
+    mask_base = mask_ptr + batch * stride_mb + head0 * stride_mh
+    lse_base = lse_ptr + batch * stride_lb + head0 * stride_lh
     q_offsets = row[:, None] * stride_qm + d[None, :] * stride_qd
     q_in = (row[:, None] < Tq) & (d[None, :] < D)
     ok = row < Tq
@@ -193,20 +211,25 @@ def _qk_heads_kernel(
             0, BLOCK_H, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
             mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
             stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
-        plogp += tl.sum(tile_plogp, 0)
-        mass += tile_mass
-        # [rows, keys, places] -> [SPLIT, places, rows·keys / SPLIT]: the Gram sums over rows and keys
-        # alike; each of SPLIT row groups (a warp's rows of the score dot) is its own batch of the dot
-        slab = tl.reshape(tl.permute(tl.reshape(tiles, (SPLIT, BLOCK_M // SPLIT, BLOCK_N, BLOCK_H)), (0, 3, 1, 2)),
-                          (SPLIT, BLOCK_H, BLOCK_M // SPLIT * BLOCK_N))
-        gram = _gram_chunks(gram, slab, GRAM_CHUNKS, FP32_DOT)
+        if ROW_SUMS:
+            plogp += tl.sum(tile_plogp, 0)
+            mass += tile_mass
+        if GRAM:
+            gram = _gram_tile(gram, tiles, SPLIT, BLOCK_M, BLOCK_N, BLOCK_H, GRAM_CHUNKS, FP32_DOT)
 
     place = tl.arange(0, BLOCK_H)
     head = _bit_reversed(place, HEAD_BITS)
-    tl.store(gram_part_ptr + pid * BLOCK_H * BLOCK_H + head[:, None] * BLOCK_H + head[None, :], tl.sum(gram, 0))
-    # p·x is p log2 p: nats = −ln 2 × the sum
-    tl.store(entropy_part_ptr + pid * BLOCK_H + head, tl.reshape(plogp, (BLOCK_H,)) * -_LN2)
-    mass = tl.reshape(mass, (BLOCK_M, BLOCK_H))
-    counted = ok[:, None] & (head[None, :] < HEADS)
-    off = counted & ((tl.abs(mass - 1.0) <= _MASS_TOLERANCE) == 0)     # NaN counts as off
-    tl.store(invalid_part_ptr + pid, tl.sum(tl.sum(off.to(tl.float32), 1), 0))
+    if GRAM:
+        tl.store(gram_part_ptr + pid * BLOCK_H * BLOCK_H + head[:, None] * BLOCK_H + head[None, :], tl.sum(gram, 0))
+    if ROW_SUMS:
+        # p·x is p log2 p: nats = −ln 2 × the sum
+        if BLOCK_H == 1:
+            tl.store(entropy_part_ptr + pid * OUT_H + head0, plogp * -_LN2)
+        else:
+            tl.store(entropy_part_ptr + pid * OUT_H + head0 + head, tl.reshape(plogp, (BLOCK_H,)) * -_LN2)
+        mass = tl.reshape(mass, (BLOCK_M, BLOCK_H))
+        counted = ok[:, None] & (head0 + head[None, :] < HEADS)
+        off = counted & ((tl.abs(mass - 1.0) <= _MASS_TOLERANCE) == 0)     # NaN counts as off
+        tl.store(invalid_part_ptr + pid * tl.num_programs(1) + tl.program_id(1),
+                 tl.sum(tl.sum(off.to(tl.float32), 1), 0))
+

@@ -589,59 +589,89 @@ def heads_config(h: int, hk: int, d: int, element_bytes: int = 2) -> dict | None
                 num_stages=1)
 
 
+def heads_plans(cfg: dict) -> list[list[dict]]:
+    """The ways to run `_qk_heads_kernel` with tiles ``cfg``, in order of preference, each a list of
+    launches' constexprs (``HEAD_PROGRAMS``: the launch's second grid axis): one launch of the Gram and
+    the row sums; or the Gram alone plus the row sums in programs of one head (a second scoring of every
+    head, 64 keys a step, without the Gram's 48 registers of loop-carried row sums: triton 3.6 spills
+    the one launch for sm_90 and compiles these two clean, benchmarks/RESULTS.md). The launcher takes the first plan whose
+    launches compile without spilling on the device."""
+    whole = dict(cfg, GRAM=True, HEAD_PROGRAMS=1, OUT_H=cfg["BLOCK_H"])
+    row_sums = dict(cfg, BLOCK_H=1, HEAD_BITS=0, BLOCK_N=64, SPLIT=1, GRAM_CHUNKS=1, GRAM=False, ROW_SUMS=True,
+                    HEAD_PROGRAMS=cfg["HEADS"], OUT_H=cfg["HEADS"])
+    return [[dict(whole, ROW_SUMS=True)], [dict(whole, ROW_SUMS=False), row_sums]]
+
+
 def heads_shared_bytes(cfg: dict, element_bytes: int) -> int:
     """Shared memory of `_qk_heads_kernel` as sm_90 compiles it: every real head's Q tile (held for the
     whole key loop) and 4 KB of K tile and Gram staging (GPT-2-small bf16: 96 + 4 = 100 KB, compiled)."""
     return cfg["HEADS"] * cfg["BLOCK_M"] * cfg["BLOCK_D"] * element_bytes + 4096
 
 
-def _heads_launch(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg):
-    """(grid, arguments, outputs) of one `_qk_heads_kernel` launch."""
+def _heads_launches(q4, k4, mask4, is_causal, scale, rows_ok, lse, plan):
+    """[(grid, arguments, constexprs)] of ``plan``'s `_qk_heads_kernel` launches and their outputs
+    (gram [P, BH, BH], entropy [P, OUT_H], invalid [P, HEAD_PROGRAMS] partial sums)."""
     b, h, tq, d = q4.shape
     tk = k4.shape[2]
     mask, mask_strides, mask_kind, threshold = _mask_args(mask4, (b, h, tq, tk))
-    row_tiles = triton.cdiv(tq, cfg["BLOCK_M"])
-    programs, bh = b * row_tiles, cfg["BLOCK_H"]
+    row_tiles = triton.cdiv(tq, plan[0]["BLOCK_M"])
+    programs, bh = b * row_tiles, plan[0]["BLOCK_H"]
+    row_sums = plan[-1]
     f32 = dict(dtype=torch.float32, device=q4.device)
-    outputs = (torch.empty(programs, bh, bh, **f32), torch.empty(programs, bh, **f32), torch.empty(programs, **f32))
+    outputs = (torch.empty(programs, bh, bh, **f32), torch.empty(programs, row_sums["OUT_H"], **f32),
+               torch.empty(programs, row_sums["HEAD_PROGRAMS"], **f32))
     row_ok = q4 if rows_ok is None else rows_ok.view(torch.uint8)
     row_strides = (0, 0) if rows_ok is None else rows_ok.stride()
     args = (*outputs, q4, k4, q4 if mask is None else mask, lse, row_ok, tq, tk, d, row_tiles, scale * LOG2E,
             threshold, *q4.stride(), *k4.stride(), *mask_strides, *lse.stride(), *row_strides)
-    flags = dict(IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_ROW_OK=rows_ok is not None,
-                 FP32_DOT=q4.dtype == torch.float32, **cfg)
-    return (programs,), args, flags, outputs
+    launches = []
+    for cfg in plan:
+        flags = dict(IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_ROW_OK=rows_ok is not None,
+                     FP32_DOT=q4.dtype == torch.float32, **cfg)
+        launches.append(((programs, flags.pop("HEAD_PROGRAMS")), args, flags))
+    return launches, outputs
 
 
 # (target arch, shapes, flags) -> whether `_qk_heads_kernel` compiles there without spilling
 _HEADS_UNSPILLED: dict = {}
 
 
-def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits):
+def _unspilled(launch, arch) -> bool:
+    """Whether one `_qk_heads_kernel` launch compiles for ``arch`` without spilling (cached)."""
+    grid, args, flags = launch
+    q4 = args[3]
+    key = (arch, q4.dtype, q4.shape[3], grid[1], tuple(sorted(flags.items())))
+    fits = _HEADS_UNSPILLED.get(key)
+    if fits is None:
+        try:
+            fits = spill_bytes(_qk_heads_kernel, grid, args, flags) == 0
+        except triton.runtime.errors.OutOfResources:
+            fits = False
+        _HEADS_UNSPILLED[key] = fits
+    return fits
+
+
+def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=None):
     """Pass 2 on `_qk_heads_kernel`, or None where it does not apply: too many heads or too wide a head
     dim (`heads_config`), float32 on a GPU (TF32x3 operands do not fit), or on this device it exceeds
-    shared memory or spills registers (the batched kernel then runs: triton 3.6 spills it)."""
+    shared memory or every plan (`heads_plans`) spills registers (the batched kernel then runs).
+    ``plan`` (an index into `heads_plans`) replaces the choice (tests run each plan)."""
     b, h, tq, d = q4.shape
     cfg = heads_config(h, k4.shape[1], d, q4.dtype.itemsize)
     if cfg is None or (limits is not None and (q4.dtype == torch.float32
                                                or heads_shared_bytes(cfg, q4.dtype.itemsize) > limits["shared_bytes"])):
         return None
-    grid, args, flags, (gram_part, entropy_part, invalid_part) = _heads_launch(
-        q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg)
-    if limits is not None:
-        key = (limits["arch"], h, k4.shape[1], d, q4.dtype, tuple(sorted(flags.items())))
-        fits = _HEADS_UNSPILLED.get(key)
-        if fits is None:
-            try:
-                fits = spill_bytes(_qk_heads_kernel, grid, args, flags) == 0
-            except triton.runtime.errors.OutOfResources:
-                fits = False
-            _HEADS_UNSPILLED[key] = fits
-        if not fits:
-            return None
-    _qk_heads_kernel[grid](*args, **flags)
-    return _head_stats_sums(gram_part.sum(0, dtype=torch.float64)[:h, :h], entropy_part.sum(0, dtype=torch.float64)[:h],
-                            invalid_part, b * tq, rows_ok)
+    plans = heads_plans(cfg)
+    for candidate in ([plans[plan]] if plan is not None else plans):
+        launches, (gram_part, entropy_part, invalid_part) = _heads_launches(
+            q4, k4, mask4, is_causal, scale, rows_ok, lse, candidate)
+        if plan is None and limits is not None and not all(_unspilled(x, limits["arch"]) for x in launches):
+            continue
+        for grid, args, flags in launches:
+            _qk_heads_kernel[grid](*args, **flags)
+        return _head_stats_sums(gram_part.sum(0, dtype=torch.float64)[:h, :h],
+                                entropy_part.sum(0, dtype=torch.float64)[:h], invalid_part, b * tq, rows_ok)
+    return None
 
 
 def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, lse=None, tiles=None):
