@@ -413,6 +413,10 @@ def _qk_pass2_launches(q, k, lse, d):
                 ("0c79385", lambda: old.qk_stats_triton(q, k, None, True, scale, lse=lse))]
     if qk._heads_stats(q, k, None, True, scale, None, lse, limits) is not None:
         launches.append(("per-head", lambda: qk._heads_stats(q, k, None, True, scale, None, lse, limits)))
+        # each plan of `heads_plans` forced (one launch; the Gram, then the row sums), spilled or not
+        for plan in range(2):
+            launches.append((f"per-head plan {plan}",
+                             lambda plan=plan: qk._heads_stats(q, k, None, True, scale, None, lse, limits, plan)))
     if tiles:
         launches.append(("batched", lambda: qk.qk_stats_triton(q, k, None, True, scale, lse=lse, tiles=tiles[0])))
     return launches
@@ -496,7 +500,7 @@ def stage_ncu(dev: torch.device, dry: bool) -> None:
     lse = row_lse_triton(q, k, None, True, d ** -0.5)
     launched = ["_head_stats_kernel (now)", "_head_stats_kernel (0c79385)", "_qk_lse_kernel"]
     for name, run in _qk_pass2_launches(q, k, lse, d):
-        if name != "chosen":          # each pass 2 kernel once: per-head, batched, 0c79385's
+        if name not in ("chosen", "per-head"):   # each pass 2 kernel once: per-head plans, batched, 0c79385's
             run()
             launched.append(f"pass 2 {name}")
     emit("ncu", dry, launched=launched)

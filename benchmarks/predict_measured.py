@@ -21,6 +21,7 @@ import triton
 from fastdiag import kernel_report as report
 from fastdiag.core.kernels import head_stats_triton, qk_stats_triton
 from fastdiag.kernel_report.cases import scores_per_iteration
+from fastdiag.kernel_report.compiled import _captured_launches
 from fastdiag.kernel_report.predict import predict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,7 +81,7 @@ def head_stats_rows(module, arch: int = 90) -> list[dict]:
     return out
 
 
-def _qk_launches(module, dims, lse_given: bool):
+def _qk_launches(module, dims, lse_given: bool, arch: int = 90):
     """Pass 1 (unless ``lse_given``) and pass 2's launches of ``module`` at ``dims``, bf16 causal."""
     b, h, t, d = dims
     q = torch.empty(b, h, t, d, dtype=torch.bfloat16)
@@ -95,7 +96,11 @@ def _qk_launches(module, dims, lse_given: bool):
     cfg = module.pass2_configs(h, h, d, torch.bfloat16, report.GPU["shared_bytes"])[0] \
         if "explicit_mask" in module.pass2_configs.__code__.co_varnames else None
     launches.append(("qk_stats", pass2, 0))
-    if cfg is not None and cfg["BLOCK_HK"] * cfg["BLOCK_G"] < h:
+    captured = _captured_launches(report.ReportCase("qk_stats", "", "bfloat16", 2, pass2, scores_per_iteration),
+                                  report.GPUS[arch])
+    if captured[0][0].fn.__name__ == "_qk_heads_kernel" and len(captured) > 1:
+        launches.append(("qk_stats row sums", pass2, 1))     # the per-head kernel's two-launch plan
+    elif cfg is not None and cfg["BLOCK_HK"] * cfg["BLOCK_G"] < h:
         launches.append(("qk_stats off-diagonal", pass2, 1))
     return launches
 
@@ -108,7 +113,7 @@ def qk_rows(module, shapes, lse_given: bool = False, arch: int = 90) -> list[dic
         b, h, t, d = dims
         total = 0.0
         parts = []
-        for kernel, launch, index in _qk_launches(module, dims, lse_given):
+        for kernel, launch, index in _qk_launches(module, dims, lse_given, arch):
             case = report.ReportCase(kernel, shape, "bfloat16", 2, launch, scores_per_iteration, launch_index=index)
             row = report.report_case(case, report.GPUS[arch])
             c = row.constexprs
@@ -125,7 +130,7 @@ def qk_rows(module, shapes, lse_given: bool = False, arch: int = 90) -> list[dic
             # causal: query tile i reads keys up to its last row, whole key tiles
             keys = sum(min(t, triton.cdiv((i + 1) * rows_tile, keys_tile) * keys_tile) for i in range(tiles))
             scores = b * held * rows_tile * keys
-            p = _predict(row, scores, 2 * b * h * t * d * 2)
+            p = _predict(row, scores, 2 * b * h * t * d * 2, arch=arch)
             total += p.seconds
             parts.append(f"{kernel} {1e3 * p.seconds:.3f} ms ({p.bound}, {row.wavefronts_per_element:.3f} wavefr/score, "
                          f"{row.conflict_factor:.1f}x conflicts, {row.registers} regs, {row.spill_bytes} B spilled)")

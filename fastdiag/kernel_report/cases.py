@@ -2,6 +2,7 @@
 model shape (captured, never run), for every variant and dtype a caller can reach."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -76,9 +77,10 @@ _BENCH_HEAD_DIM = {"gpt2-small": 64, "long-context": 128}
 
 
 def scores_per_iteration(constexprs: dict) -> int:
-    """Scores of real heads (the per-head kernel scores no padded head) and of the batched kernels' blocks."""
+    """Scores of real heads (the per-head kernel scores no padded head; its row-sum launch one head a
+    program) and of the batched kernels' blocks."""
     if "HEADS" in constexprs:
-        return constexprs["HEADS"] * constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
+        return min(constexprs["HEADS"], constexprs["BLOCK_H"]) * constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
     return constexprs["BLOCK_HK"] * constexprs["BLOCK_G"] * constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
 
 
@@ -165,6 +167,10 @@ def qk_report(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,), vari
                     for case in _cases(shape, 1, h, hk, t, d, dtype, variant, GPUS[arch]["shared_bytes"]):
                         progress(f"sm_{arch} {case.kernel} {case.shape} {case.dtype}")
                         rows.append(report_case(case, GPUS[arch]))
+                        if rows[-1].constexprs.get("GRAM") and not rows[-1].constexprs.get("ROW_SUMS"):
+                            # the per-head kernel's two-launch plan: the row sums are its second launch
+                            row_sums = dataclasses.replace(case, shape=f"{case.shape} row sums", launch_index=1)
+                            rows.append(report_case(row_sums, GPUS[arch]))
     return rows
 
 # What `registered_cases` (``fastdiag bench --kernel-report``) reports at the benchmark shapes

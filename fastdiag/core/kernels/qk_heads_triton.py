@@ -185,7 +185,10 @@ def _qk_heads_kernel(
     # what every head shares: the batch entry's bases (at this program's first head), the offset tiles
     # and their bounds. The Gram needs all heads in one program (head0 = 0); the row sums alone are
     # split over program_id(1), BLOCK_H heads each (a multiple of GROUP, or one head)
-    head0 = tl.program_id(1) * BLOCK_H
+    if GRAM:
+        head0 = 0       # a constant: an offset from program_id(1) cost the one launch its last registers
+    else:
+        head0 = tl.program_id(1) * BLOCK_H
     d = tl.arange(0, BLOCK_D)
     q_base = q_ptr + batch * stride_qb + head0 * stride_qh
     k_base = k_ptr + batch * stride_kb + (head0 // GROUP) * stride_kh
