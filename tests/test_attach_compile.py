@@ -1,5 +1,7 @@
 """fastdiag.attach under torch.compile(fullgraph=True): two graphs (measured / not), never one per
 step, and the same statistics as eager."""
+import warnings
+
 import pytest
 import torch
 
@@ -92,3 +94,120 @@ def test_attach_to_an_already_compiled_model():
     assert list(monitor.latest_stats()) == ["blocks.0", "blocks.1"]
     assert torch.equal(compiled(x), want)  # detached: back to the unmeasured graph
     assert len(graphs) <= 4  # before attach, measured, unmeasured with hooks, after detach
+
+
+# ---- the layout of a compiled softmax: confirmed by the stated head count, or named -------------------
+# Under torch.compile the product with values is not tracked, so the layout of a softmax over the last
+# axis is not read from it: it is recorded as [B, H, Tq, Tk] only where the module states its head count
+# H and dim 1 alone of dims 0-2 has H; otherwise the module is named and nothing is recorded for it.
+
+class Hand(torch.nn.Module):
+    """Hand-written attention over [B, T, 16] inputs with 4 heads; scores laid out [B, H, Tq, Tk]
+    ("bhqk") or [B, Tq, H, Tk] ("bqhk", by einsum), softmax(-1); ``heads`` stated as ``num_heads``
+    (or not). ``self.used``: the probabilities it multiplied V by, [B, H, Tq, Tk] float64."""
+
+    def __init__(self, layout, stated):
+        super().__init__()
+        self.layout, self.proj = layout, torch.nn.Linear(16, 48)
+        if stated:
+            self.num_heads = 4
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 4, 4) for z in self.proj(x).chunk(3, -1))
+        if self.layout == "bhqk":
+            p = (q.transpose(1, 2) @ k.permute(0, 2, 3, 1)).mul(0.5).softmax(-1)
+            self.used = p.detach().double()
+            return (p @ v.transpose(1, 2)).transpose(1, 2).reshape(b, t, 16)
+        p = torch.einsum("bqhd,bkhd->bqhk", q, k).mul(0.5).softmax(-1)
+        self.used = p.detach().double().transpose(1, 2)
+        return torch.einsum("bqhk,bkhd->bqhd", p, v).reshape(b, t, 16)
+
+
+class HandNet(torch.nn.Module):
+    def __init__(self, layout, stated):
+        super().__init__()
+        self.embed = torch.nn.Linear(16, 16)
+        self.mixer = Hand(layout, stated)
+
+    def forward(self, x):
+        return self.mixer(self.embed(x))
+
+
+def _compiled_pass(model, x, strict=False):
+    """One compiled (fullgraph, eager backend) forward and backward with attach, checked bit-identical
+    to the model without attach: (the monitor, fastdiag's warnings)."""
+    torch._dynamo.reset()
+
+    def run(m):
+        return m(**x) if isinstance(x, dict) else m(x)
+
+    want = run(model)
+    want.square().mean().backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = fastdiag.attach(model, every=1, strict=strict)
+        try:
+            got = run(compiled)
+            got.square().mean().backward()
+        finally:
+            monitor.detach()
+    assert torch.equal(got, want)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want_grads))
+    return monitor, [str(w.message) for w in caught if "fastdiag" in str(w.message)]
+
+
+def test_a_compiled_softmax_is_recorded_where_the_stated_heads_confirm_its_layout():
+    """[B, H, Tq, Tk] with 4 stated heads, batch 2, 6 tokens: only dim 1 has 4, so it is exact, quietly."""
+    torch.manual_seed(0)
+    model, x = HandNet("bhqk", stated=True), torch.randn(2, 6, 16)
+    monitor, warned = _compiled_pass(model, x)
+    assert not warned, warned
+    assert_stats_close(monitor.latest_stats()["mixer"], fastdiag.head_stats(model.mixer.used, backend="reference"),
+                       1e-4)
+
+
+@pytest.mark.parametrize("layout,stated,b,t,why", [
+    ("bqhk", False, 2, 6, "states no head count"),                    # before: read as [B, H, Tq, Tk], error 1.7
+    ("bqhk", True, 2, 6, "dim 1 is not the module's 4 heads"),
+    ("bqhk", True, 2, 4, "dims 1 and 2 each have the module's 4 heads"),  # Tq = H: before, error 0.49
+    ("bhqk", True, 2, 4, "dims 1 and 2 each have the module's 4 heads"),  # right as written, but not confirmed
+    ("bhqk", True, 4, 6, "dims 0 and 1 each have the module's 4 heads"),  # B = H: [H, B, Tq, Tk] would fit too
+])
+def test_a_compiled_softmax_whose_layout_is_not_confirmed_is_named_not_recorded(layout, stated, b, t, why):
+    torch.manual_seed(0)
+    model, x = HandNet(layout, stated), torch.randn(b, t, 16)
+    monitor, warned = _compiled_pass(model, x)
+    assert monitor.latest() is None
+    assert "torch.compile" in monitor.coverage()["missing"]["mixer"]
+    assert len(warned) == 1 and "'mixer' (Hand)" in warned[0] and why in warned[0], warned
+    with pytest.raises(RuntimeError, match="'mixer'.*torch.compile"):
+        _compiled_pass(model, x, strict=True)
+
+
+def test_a_compiled_hugging_face_eager_llama_stays_exact_and_quiet():
+    """Llama's eager attention states its heads in its config only (num_attention_heads 4; batch 2, 10
+    tokens): confirmed, exact against float64 of the model's own output_attentions, no warning."""
+    hf = pytest.importorskip("tests.hf_matrix")
+    model = hf.build("llama (GQA)", "eager")
+    batch = hf.inputs("llama (GQA)", padded=False)
+    want = hf.reference("llama (GQA)", model, batch)
+
+    class Logits(torch.nn.Module):   # the compiled callable returns a tensor
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    wrapper = Logits()
+    monitor, warned = _compiled_pass(wrapper, batch)
+    assert not warned, warned
+    got = list(monitor.latest_stats().values())
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        assert_stats_close(g, w, hf.TOL)

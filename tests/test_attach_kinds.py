@@ -20,11 +20,12 @@ from tests.helpers import assert_stats_close
 
 
 class NanoAttention(nn.Module):
-    """nanoGPT's CausalSelfAttention: flash (SDPA) or the manual softmax with its registered mask."""
+    """nanoGPT's CausalSelfAttention: flash (SDPA) or the manual softmax with its registered mask; it states
+    its head count as ``n_head``, as nanoGPT does (under torch.compile that confirms the manual path's layout)."""
 
     def __init__(self, d=16, heads=4, t=8, flash=True, by_name=False):
         super().__init__()
-        self.heads, self.flash, self.by_name = heads, flash, by_name
+        self.n_head, self.flash, self.by_name = heads, flash, by_name
         self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.register_buffer("bias", torch.tril(torch.ones(t, t)).view(1, 1, t, t))
         self.seen = None
@@ -32,7 +33,7 @@ class NanoAttention(nn.Module):
     def forward(self, x):
         b, t, c = x.size()
         q, k, v = self.c_attn(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         if self.flash:
             sdpa = sdpa_bound_by_name if self.by_name else F.scaled_dot_product_attention
             y = sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)

@@ -341,6 +341,11 @@ class AttentionCalls:
             else:
                 self.refuse(name, f"a softmax over empty scores {tuple(probs.shape)}")
             return
+        if key_axis == 3 and torch.compiler.is_compiling():
+            unconfirmed = self._unconfirmed_compiled_layout(name, tuple(probs.shape))
+            if unconfirmed is not None:
+                self.refuse(name, unconfirmed)
+                return
         if event is not False:
             same_input = event.same_input
         elif key_axis == 3:
@@ -363,6 +368,33 @@ class AttentionCalls:
             self._candidate(entry, probs)
         else:   # a lean pass: the plan says this softmax is multiplied with values
             self._confirm_entry(entry)
+
+    def _unconfirmed_compiled_layout(self, name: str, shape: tuple) -> str | None:
+        """Under torch.compile the product with values is not tracked, so a softmax over the last axis
+        of 4-D scores is read as written, ``[B, H, Tq, Tk]``, only where its shape confirms it: the
+        module states its head count H (`adapters.module_heads`, or its ``config.num_attention_heads``)
+        and dim 1 alone of dims 0–2 has H (the keys are the softmax's axis; batch and queries swapped
+        give the same statistics). None then; otherwise why the layout is not confirmed."""
+        module = self.modules.get(name)
+        heads = adapters.module_heads(module)
+        if heads is None:
+            heads = adapters.module_heads(getattr(module, "config", None))
+        if heads is None:
+            why = ("the module states no head count (num_heads, num_attention_heads, n_heads, n_head, or "
+                   "config.num_attention_heads) to confirm it by")
+        else:
+            fits = [axis for axis in range(3) if shape[axis] == heads]
+            if fits == [1]:
+                return None
+            if 1 not in fits:
+                why = f"its dim 1 is not the module's {heads} heads"
+            else:
+                axes = ", ".join(map(str, fits[:-1])) + f" and {fits[-1]}"
+                why = (f"dims {axes} each have the module's {heads} heads (Tq = H or B = H), so which holds "
+                       "the heads cannot be told")
+        return (f"under torch.compile the product with values is not tracked, so the layout of its softmax over "
+                f"{shape} (assumed [B, H, Tq, Tk]) is not confirmed: {why}; not recorded (an eager pass reads "
+                "the layout from the product with values)")
 
     def on_exp_of_log_softmax(self, scores: torch.Tensor, key_axis: int, probs: torch.Tensor) -> None:
         """``exp(log_softmax(scores))`` over 4-D scores: probabilities formed in two steps, measured as a
