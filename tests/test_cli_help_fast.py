@@ -23,16 +23,28 @@ _PROBE = """
 import json, sys
 from click.testing import CliRunner
 from fastdiag.cli import cli
-result = CliRunner().invoke(cli, sys.argv[1:] + ["--help"])
+result = CliRunner().invoke(cli, sys.argv[1:])
 print(json.dumps({"exit": result.exit_code, "usage": result.output.startswith("Usage:"),
                   "loaded": sorted(m for m in %r if m in sys.modules)}))
 """ % (HEAVY,)
 
 
+def _probe(*argv) -> dict:
+    r = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
 def test_help_loads_no_heavy_library(command):
-    r = subprocess.run([sys.executable, "-c", _PROBE, *command], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    seen = _probe(*command, "--help")
     assert seen["exit"] == 0 and seen["usage"], seen
     assert not seen["loaded"], f"`fastdiag {' '.join(command)} --help` loaded {seen['loaded']}"
+
+
+@pytest.mark.parametrize("grid", [["--wd", "nan"], ["--wd", "1e-3:1:0"], ["--wd", "1", "--seeds", "2-1"],
+                                  ["--wd", "1", "--shard", "4/4"], ["--wd", "1", "--arch", "mlp,"]])
+def test_a_bad_sweep_grid_is_refused_before_torch_loads(grid):
+    """The grid's spelling is read torch-free (fastdiag.grokking.sweep_spec): a typo is answered at once."""
+    seen = _probe("sweep", *grid)
+    assert seen["exit"] == 2 and not seen["loaded"], seen

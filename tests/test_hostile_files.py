@@ -286,8 +286,9 @@ _INTERRUPT_WHILE_LOADING = textwrap.dedent('''
     # after main() started, while the command loads torch: an interrupt inside a library's import once
     # left numpy half loaded and gave an ImportError traceback (1 of 7 `export` trials). The commands
     # import torch and scipy in their bodies (their --help loads neither), under the same handler
-    # (`app.loading`): sweep's grid loads torch, analyze's statistics scipy
-    ("torch", ["sweep", "--wd", "nan"]),
+    # (`app.loading`): sweep's grid loads torch (after its input is read: a bad grid never loads it),
+    # analyze's statistics scipy
+    ("torch", ["sweep", "--wd", "1", "--dry-run"]),
     ("scipy", ["analyze", "nothing.sqlite"]),
     ("fastdiag.cli.sweep", ["sweep", "--wd", "nan"]),
     ("fastdiag.cli.stores", ["export", "nothing.sqlite", "--out", "o.csv"]),

@@ -53,7 +53,7 @@ def _check_members(members: int | None, workloads: list[str], dev: torch.device)
 
     from fastdiag.grokking.build import TRAINING_BYTES_PER_PARAMETER, parameter_count
     from fastdiag.grokking.tasks import available_memory
-    from fastdiag.sweep.grid import MAX_GRID_RUNS
+    from fastdiag.grokking.sweep_spec import MAX_GRID_RUNS
     from fastdiag.sweep.plan import available_cores
 
     runs = members * (1 if dev.type == "cuda" else available_cores())

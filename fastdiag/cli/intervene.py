@@ -15,6 +15,7 @@ from fastdiag.cli.options import (PARAM_FLAGS, QUIET_HELP, SEEDS_HELP, THREADS_H
                                   run_fields, run_options)
 from fastdiag.grokking.config import ARMS, N_BOOT, RunConfig
 from fastdiag.grokking.intervention_settings import CLIP_SCOPES, REINIT_INITS, InterventionSettings, parse_heads
+from fastdiag.grokking.sweep_spec import parse_seeds
 from fastdiag.store import dumps
 from fastdiag.store.files import atomic_path
 from fastdiag.store import interventions as tables
@@ -85,7 +86,6 @@ def _intervene(heads_to_reinit, reinit_heads, reinit_init, clip, after_peak_epoc
         from fastdiag.analysis.paired import compare_arms
         from fastdiag.grokking import interventions as iv
         from fastdiag.grokking.build import build_model
-        from fastdiag.sweep.grid import parse_seeds
         from fastdiag.sweep.plan import plan_threads
 
     with option_errors():
@@ -236,7 +236,6 @@ def headdim_cmd(widths, heads, ff_mult, workers, n_boot, **kw):
     with loading():       # scipy and torch: not for --help
         from fastdiag.analysis.headdim import headdim_analysis
         from fastdiag.grokking.build import heads_width
-        from fastdiag.sweep.grid import parse_seeds
         from fastdiag.sweep.run import run_sweep
 
     if kw["store_path"] is None:

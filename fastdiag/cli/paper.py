@@ -16,7 +16,7 @@ GPU_ASSUMPTIONS = [(tflops, floor) for floor in (3.0, 6.0) for tflops in (10.0, 
 def gpu_rows() -> list[tuple[float, float, list[float]]]:
     """Hours of the README's two GPU sweeps at each assumed rate (`fastdiag.sweep.gpu_plan.grid_plan`)."""
     from fastdiag.analysis.paper_data import predicted_t_grok
-    from fastdiag.sweep.grid import parse_wd
+    from fastdiag.grokking.sweep_spec import parse_wd
     from fastdiag.sweep.gpu_plan import grid_plan
 
     return [(tflops, floor, [grid_plan(parse_wd(wd), seeds, epochs, 10, 32, tflops, floor, predicted_t_grok)["hours"]
@@ -138,7 +138,7 @@ def cost_cmd(epochs, threads):
 def plan_cmd(wd, seeds, epochs, eval_every, ensemble, collapse_from, tflops, floor_ms):
     """GPU hours of a canonical grid, every run taking the paper's law's t_grok (an estimate), as JSON."""
     from fastdiag.analysis.paper_data import predicted_t_grok
-    from fastdiag.sweep.grid import parse_wd
+    from fastdiag.grokking.sweep_spec import parse_wd
     from fastdiag.sweep.gpu_plan import grid_plan
 
     click.echo(json.dumps(grid_plan(parse_wd(wd), seeds, epochs, eval_every, ensemble, tflops, floor_ms,

@@ -9,6 +9,7 @@ from fastdiag.cli.app import CLIError, create_store, loading, option_errors
 from fastdiag.cli.options import QUIET_HELP, SEEDS_HELP, THREADS_DEFAULT, numeric, run_fields, run_options
 from fastdiag.cli.run import checkpoint_option, parse_checkpoint_every
 from fastdiag.grokking.config import ARCHS, SWEEP_BACKENDS, RunConfig
+from fastdiag.grokking.sweep_spec import parse_list, parse_seeds, parse_shard, parse_wd
 
 _DEFAULTS = RunConfig()
 
@@ -63,19 +64,19 @@ def _parse_ensemble(spec: str) -> int | None:
 def sweep_cmd(wd, seeds, arch, preset, store_path, backend, workers, threads, address, max_retries, shard,
               retry_failed, ensemble, dry_run, calibrate_steps, quiet, checkpoint_every, **fields):
     """Run a grid of training runs (λ × seeds × architectures/sizes) into a result store."""
-    with loading():         # the grid, the planner and the runner import torch: loaded here, not for --help
-        from fastdiag.sweep.grid import build_grid, parse_list, parse_seeds, parse_shard, parse_wd
-        from fastdiag.sweep.grid import shard as shard_grid
-        from fastdiag.sweep.run import check_devices, run_sweep
-
     ensemble_size = _parse_ensemble(ensemble)
     cadence = parse_checkpoint_every(checkpoint_every)
-    with option_errors():
+    with option_errors():                       # a bad grid is refused before torch loads
         weight_decays = parse_wd(wd)
         seed_list = parse_seeds(seeds)
         archs = parse_list(arch, "archs")
         presets = parse_list(preset, "presets")
         shard_spec = parse_shard(shard)
+    with loading():         # the grid's model checks, the planner and the runner import torch: not for --help
+        from fastdiag.sweep.grid import build_grid
+        from fastdiag.sweep.grid import shard as shard_grid
+        from fastdiag.sweep.run import check_devices, run_sweep
+    with option_errors():
         configs = build_grid(run_fields(fields), weight_decays, seed_list, archs, presets)
     if shard_spec is not None:
         grid_size = len(configs)
