@@ -282,8 +282,14 @@ class Monitor:
             if not self._measuring or self._other_thread():
                 return
             state = self.calls.state
-            call = -1  # compiled: no provenance (a counter in the graph would recompile it every pass)
-            if not torch.compiler.is_compiling():
+            if torch.compiler.is_compiling():
+                # compiled: no provenance; calls numbered from 0 in every pass (the count starts equal on
+                # every pass, so the graph never recompiles for it; a global counter would), so that two
+                # attention ops in one call are told (`calls._add_op`)
+                call = state.compiled_calls
+                state.compiled_calls += 1
+                state.recorder = None   # no plan from a compiled pass: its modules' calls are not recorded
+            else:
                 if root and not self._foreign_handles:
                     self._watch_foreign_modules()
                 call = next(self._calls)

@@ -24,6 +24,7 @@ class PassState:
     lse: set = field(default_factory=set)            # modules taking logsumexp over 4-D scores
     foreign: dict = field(default_factory=dict)      # (calling module, foreign model class) -> its attention's class
     padding_used: bool = False                       # a handed-in mask matched an attention call
+    compiled_calls: int = 0                          # hooked module calls so far in a compiled pass
     # lean passes
     runs: dict = field(default_factory=dict)         # module -> calls so far
     events: dict = field(default_factory=dict)       # call -> (planned events, events seen so far)
