@@ -174,6 +174,18 @@ class AttentionCalls:
         self.state.pending[key] = stats
         self.state.how[name] = how
 
+    def enclosing_compiled(self) -> None:
+        """End of a compiled pass (no global hooks there: another model's modules are not on the stack):
+        an attention op in the code of a module that contains another module doing attention on this
+        pass may be another model's, run by it (a teacher called by the root), so that module is named,
+        not recorded."""
+        busy = set(self.state.how) | set(self.state.refused)
+        for name in list(self.state.how):
+            if any(other != name and (name == ROOT or other.startswith(name + ".")) for other in busy):
+                self.refuse(name, "under torch.compile an attention op in its own code, beside attention in the "
+                                  "modules it contains, cannot be told from another model's attention run by it "
+                                  "(a teacher outside the module tree): not recorded; an eager pass tells them")
+
     def _attention_call(self) -> tuple[str, int] | None:
         """(name, call number) of the module running an attention op now, if it is to be measured
         here (not a structural kind measuring itself, not outside the model, selected)."""

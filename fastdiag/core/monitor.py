@@ -534,6 +534,8 @@ class Monitor:
         step = self.step
         if raised:  # not a step: nothing recorded (part of a pass is no number), the next pass is due again
             return
+        if self.calls.state.compiled_calls:
+            self.calls.enclosing_compiled()
         for name in self.calls.state.refused:  # one module = one exact layer record, or none and a warning
             key = name
             pending = {k: v for k, v in pending.items() if k != key and not k.startswith(key + "#")}
