@@ -178,7 +178,10 @@ def _qk_heads_kernel(
     # the row sums stay in the stack's own shape and layout: reshaped to [rows, heads] inside the loop
     # they took a layout holding each value twice in every thread of a quad (64 registers each)
     mass = _zeros_stack(BLOCK_H, BLOCK_M)
-    plogp = tl.sum(mass, 0)                  # [2, …, 2]: p·log₂p is only needed summed over rows
+    if BLOCK_H == 1:
+        plogp = mass        # per row: a scalar sum in the loop failed triton 3.6's sm_100 TMEM layout pass
+    else:
+        plogp = tl.sum(mass, 0)              # [2, …, 2]: p·log₂p is only needed summed over rows
     key_end = Tk
     if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
         key_end = tl.minimum(Tk, row0 + BLOCK_M)
@@ -215,7 +218,10 @@ def _qk_heads_kernel(
             mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
             stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
         if ROW_SUMS:
-            plogp += tl.sum(tile_plogp, 0)
+            if BLOCK_H == 1:
+                plogp += tile_plogp
+            else:
+                plogp += tl.sum(tile_plogp, 0)
             mass += tile_mass
         if GRAM:
             gram = _gram_tile(gram, tiles, SPLIT, BLOCK_M, BLOCK_N, BLOCK_H, GRAM_CHUNKS, FP32_DOT)
@@ -227,7 +233,7 @@ def _qk_heads_kernel(
     if ROW_SUMS:
         # p·x is p log2 p: nats = −ln 2 × the sum
         if BLOCK_H == 1:
-            tl.store(entropy_part_ptr + pid * OUT_H + head0, plogp * -_LN2)
+            tl.store(entropy_part_ptr + pid * OUT_H + head0, tl.sum(plogp, 0) * -_LN2)
         else:
             tl.store(entropy_part_ptr + pid * OUT_H + head0 + head, tl.reshape(plogp, (BLOCK_H,)) * -_LN2)
         mass = tl.reshape(mass, (BLOCK_M, BLOCK_H))
