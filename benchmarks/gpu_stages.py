@@ -413,8 +413,9 @@ def _qk_pass2_launches(q, k, lse, d):
                 ("0c79385", lambda: old.qk_stats_triton(q, k, None, True, scale, lse=lse))]
     if qk._heads_stats(q, k, None, True, scale, None, lse, limits) is not None:
         launches.append(("per-head", lambda: qk._heads_stats(q, k, None, True, scale, None, lse, limits)))
-        # each plan of `heads_plans` forced (one launch; the Gram, then the row sums), spilled or not
-        for plan in range(2):
+        # each plan of `heads_plans` forced (one launch; the Gram, then the row sums; …), spilled or not
+        plans = qk.heads_plans(qk.heads_config(q.shape[1], k.shape[1], d, q.dtype.itemsize))
+        for plan in range(len(plans)):
             launches.append((f"per-head plan {plan}",
                              lambda plan=plan: qk._heads_stats(q, k, None, True, scale, None, lse, limits, plan)))
     if tiles:
