@@ -240,9 +240,12 @@ def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 1000)
                 monitor.detach()
     base = statistics.median(times["bare"])
     result = {k: statistics.median(v) / base for k, v in times.items()}
+    # each block's own ratio to the bare steps beside it: their range says how far the load moved them
+    spread = {k: [t / b for t, b in zip(v, times["bare"])] for k, v in times.items()}
     print(f"HF GPT-2 4 layers d 256 T 256 batch 4 sdpa, {torch.get_num_threads()} threads, {blocks} alternated "
           f"blocks of {steps_per_block} steps, load {min(loads):.1f}-{max(loads):.1f}: bare {base * 1e3:.0f} ms; "
-          + "; ".join(f"{k} x{r:.3f}" for k, r in result.items() if k != "bare"), flush=True)
+          + "; ".join(f"{k} x{r:.3f} (blocks {min(spread[k]):.3f}-{max(spread[k]):.3f})"
+                      for k, r in result.items() if k != "bare"), flush=True)
     return result
 
 
