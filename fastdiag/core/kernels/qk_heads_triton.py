@@ -157,7 +157,7 @@ def _bit_reversed(j, BITS: tl.constexpr):
 
 @triton.jit
 def _qk_heads_kernel(
-    gram_part_ptr, entropy_part_ptr, invalid_part_ptr,  # outputs: [P, BH, BH], [P, BH], [P] (heads in place order)
+    gram_part_ptr, entropy_part_ptr, invalid_part_ptr,  # outputs: [P, H, H], [P, H], [P, head programs]
     q_ptr, k_ptr, mask_ptr, lse_ptr, row_ok_ptr,
     Tq, Tk, D, row_tiles, qk_scale, mask_threshold,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -229,13 +229,16 @@ def _qk_heads_kernel(
     place = tl.arange(0, BLOCK_H)
     head = _bit_reversed(place, HEAD_BITS)
     if GRAM:
-        tl.store(gram_part_ptr + pid * BLOCK_H * BLOCK_H + head[:, None] * BLOCK_H + head[None, :], tl.sum(gram, 0))
+        # real heads only, [HEADS, HEADS]: the host sums the partials with no slice of padded heads
+        tl.store(gram_part_ptr + pid * HEADS * HEADS + head[:, None] * HEADS + head[None, :], tl.sum(gram, 0),
+                 mask=(head[:, None] < HEADS) & (head[None, :] < HEADS))
     if ROW_SUMS:
         # p·x is p log2 p: nats = −ln 2 × the sum
         if BLOCK_H == 1:
             tl.store(entropy_part_ptr + pid * OUT_H + head0, tl.sum(plogp, 0) * -_LN2)
         else:
-            tl.store(entropy_part_ptr + pid * OUT_H + head0 + head, tl.reshape(plogp, (BLOCK_H,)) * -_LN2)
+            tl.store(entropy_part_ptr + pid * OUT_H + head0 + head, tl.reshape(plogp, (BLOCK_H,)) * -_LN2,
+                     mask=head0 + head < OUT_H)
         mass = tl.reshape(mass, (BLOCK_M, BLOCK_H))
         counted = ok[:, None] & (head0 + head[None, :] < HEADS)
         off = counted & ((tl.abs(mass - 1.0) <= _MASS_TOLERANCE) == 0)     # NaN counts as off

@@ -596,7 +596,7 @@ def heads_plans(cfg: dict) -> list[list[dict]]:
     head, 64 keys a step, without the Gram's 48 registers of loop-carried row sums: triton 3.6 spills
     the one launch for sm_90 and compiles these two clean, benchmarks/RESULTS.md); or that with the Gram
     in 8 warps. The launcher takes the first plan whose launches compile without spilling on the device."""
-    whole = dict(cfg, GRAM=True, HEAD_PROGRAMS=1, OUT_H=cfg["BLOCK_H"])
+    whole = dict(cfg, GRAM=True, HEAD_PROGRAMS=1, OUT_H=cfg["HEADS"])
     row_sums = dict(cfg, BLOCK_H=1, HEAD_BITS=0, BLOCK_N=64, SPLIT=1, GRAM_CHUNKS=1, GRAM=False, ROW_SUMS=True,
                     HEAD_PROGRAMS=cfg["HEADS"], OUT_H=cfg["HEADS"])
     # 8 warps: two per 16 rows of the score dot; twice the Gram's shared-memory wavefronts per score, but
@@ -613,15 +613,15 @@ def heads_shared_bytes(cfg: dict, element_bytes: int) -> int:
 
 def _heads_launches(q4, k4, mask4, is_causal, scale, rows_ok, lse, plan):
     """[(grid, arguments, constexprs)] of ``plan``'s `_qk_heads_kernel` launches and their outputs
-    (gram [P, BH, BH], entropy [P, OUT_H], invalid [P, HEAD_PROGRAMS] partial sums)."""
+    (gram [P, H, H], entropy [P, H], invalid [P, HEAD_PROGRAMS] partial sums: real heads only)."""
     b, h, tq, d = q4.shape
     tk = k4.shape[2]
     mask, mask_strides, mask_kind, threshold = _mask_args(mask4, (b, h, tq, tk))
     row_tiles = triton.cdiv(tq, plan[0]["BLOCK_M"])
-    programs, bh = b * row_tiles, plan[0]["BLOCK_H"]
+    programs = b * row_tiles
     row_sums = plan[-1]
     f32 = dict(dtype=torch.float32, device=q4.device)
-    outputs = (torch.empty(programs, bh, bh, **f32), torch.empty(programs, row_sums["OUT_H"], **f32),
+    outputs = (torch.empty(programs, h, h, **f32), torch.empty(programs, h, **f32),
                torch.empty(programs, row_sums["HEAD_PROGRAMS"], **f32))
     row_ok = q4 if rows_ok is None else rows_ok.view(torch.uint8)
     row_strides = (0, 0) if rows_ok is None else rows_ok.stride()
@@ -674,8 +674,8 @@ def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=Non
             continue
         for grid, args, flags in launches:
             _qk_heads_kernel[grid](*args, **flags)
-        return _head_stats_sums(gram_part.sum(0, dtype=torch.float64)[:h, :h],
-                                entropy_part.sum(0, dtype=torch.float64)[:h], invalid_part, b * tq, rows_ok)
+        return _head_stats_sums(gram_part.sum(0, dtype=torch.float64), entropy_part.sum(0, dtype=torch.float64),
+                                invalid_part, b * tq, rows_ok)
     return None
 
 
