@@ -40,8 +40,11 @@ def visible(mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked(mask: torch.Tensor) -> torch.Tensor:
-    """Bool, same shape: True where `visible` is False."""
-    return ~visible(mask)
+    """Bool, same shape: True where `visible` is False (one comparison, not a negated negation: on the
+    softmax path it runs over every score of a measured layer)."""
+    if mask.dtype == torch.bool:
+        return ~mask
+    return mask <= MASKED_AT
 
 
 def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype, true_attends: bool) -> torch.Tensor | None:
