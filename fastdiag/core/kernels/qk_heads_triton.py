@@ -11,7 +11,7 @@ head is live, and the probabilities are kept as 16-bit values. The heads are sta
 The stacked ``[BLOCK_H, BLOCK_M·BLOCK_N]`` slab feeds the Gram dot, as in the batched kernel.
 
 One launch takes the Gram and the row sums (``GRAM`` and ``ROW_SUMS``) where that compiles without
-spilling; otherwise two (`qk_stats_triton.heads_configs`): the Gram of all heads without the row sums
+spilling; otherwise two (`qk_stats_triton.heads_plans`): the Gram of all heads without the row sums
 (their loop-carried ``[BLOCK_M, heads]`` mass and p·log₂p held 48 registers per thread, and triton 3.6
 spilled), and the row sums alone in programs of ``BLOCK_H`` heads (``program_id(1)`` picks them).
 

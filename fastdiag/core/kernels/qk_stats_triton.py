@@ -656,27 +656,46 @@ def _unspilled(launch, arch) -> bool:
     return fits
 
 
+# (arch, dtype, H, Hk, head dim, causal, mask kind, row mask) -> the index of the first plan of
+# `heads_plans` that compiles there without spilling, or None: chosen at the first launch, so later ones
+# allocate only the chosen plan's partial sums and build no rejected plan's launches
+_HEADS_CHOICE: dict = {}
+# (H, Hk, head dim, element bytes) -> (tiles, plans): pure functions of the shape, built once
+_HEADS_PLANS: dict = {}
+
+
 def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=None):
     """Pass 2 on `_qk_heads_kernel`, or None where it does not apply: too many heads or too wide a head
     dim (`heads_config`), float32 on a GPU (TF32x3 operands do not fit), or on this device it exceeds
     shared memory or every plan (`heads_plans`) spills registers (the batched kernel then runs).
     ``plan`` (an index into `heads_plans`) replaces the choice (tests run each plan)."""
     b, h, tq, d = q4.shape
-    cfg = heads_config(h, k4.shape[1], d, q4.dtype.itemsize)
+    shape_key = (h, k4.shape[1], d, q4.dtype.itemsize)
+    if shape_key not in _HEADS_PLANS:
+        cfg = heads_config(*shape_key)
+        _HEADS_PLANS[shape_key] = (cfg, None if cfg is None else heads_plans(cfg))
+    cfg, plans = _HEADS_PLANS[shape_key]
     if cfg is None or (limits is not None and (q4.dtype == torch.float32
                                                or heads_shared_bytes(cfg, q4.dtype.itemsize) > limits["shared_bytes"])):
         return None
-    plans = heads_plans(cfg)
-    for candidate in ([plans[plan]] if plan is not None else plans):
-        launches, (gram_part, entropy_part, invalid_part) = _heads_launches(
-            q4, k4, mask4, is_causal, scale, rows_ok, lse, candidate)
-        if plan is None and limits is not None and not all(_unspilled(x, limits["arch"]) for x in launches):
-            continue
-        for grid, args, flags in launches:
-            _qk_heads_kernel[grid](*args, **flags)
-        return _head_stats_sums(gram_part.sum(0, dtype=torch.float64), entropy_part.sum(0, dtype=torch.float64),
-                                invalid_part, b * tq, rows_ok)
-    return None
+    if plan is None and limits is not None:
+        key = (limits["arch"], q4.dtype, *shape_key[:3], bool(is_causal),
+               None if mask4 is None else mask4.dtype == torch.bool, rows_ok is not None)
+        if key not in _HEADS_CHOICE:
+            _HEADS_CHOICE[key] = next(
+                (i for i, candidate in enumerate(plans)
+                 if all(_unspilled(x, limits["arch"])
+                        for x in _heads_launches(q4, k4, mask4, is_causal, scale, rows_ok, lse, candidate)[0])),
+                None)
+        plan = _HEADS_CHOICE[key]
+        if plan is None:
+            return None
+    launches, (gram_part, entropy_part, invalid_part) = _heads_launches(
+        q4, k4, mask4, is_causal, scale, rows_ok, lse, plans[plan or 0])
+    for grid, args, flags in launches:
+        _qk_heads_kernel[grid](*args, **flags)
+    return _head_stats_sums(gram_part.sum(0, dtype=torch.float64), entropy_part.sum(0, dtype=torch.float64),
+                            invalid_part, b * tq, rows_ok)
 
 
 def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, lse=None, tiles=None):
