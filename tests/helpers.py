@@ -240,3 +240,25 @@ def assert_ensemble_adamw_is_torchs_per_member(device: str = "cpu", capturable: 
         ens.step()
     for k, p in enumerate(singles):
         torch.testing.assert_close(stacked[k].detach(), p.detach(), rtol=1e-6, atol=1e-7)
+
+
+# ---- documentation: printed commands -----------------------------------------------------------
+
+def assert_cli_line_parses(line: str):
+    """The options of one printed ``fastdiag ...`` command parse (names, types, choices, required ones),
+    subcommand groups such as ``fastdiag paper regenerate`` included: nothing runs."""
+    import shlex
+
+    import click
+
+    from fastdiag.cli import cli
+
+    args = shlex.split(line)[1:]
+    ctx = click.Context(cli, info_name="fastdiag")
+    command = cli.get_command(ctx, args[0])
+    assert command is not None, line
+    sub = command.make_context(args[0], args[1:], parent=ctx)
+    if isinstance(command, click.Group):
+        sub_command = command.get_command(sub, args[1])
+        assert sub_command is not None, line
+        sub_command.make_context(args[1], args[2:], parent=sub)

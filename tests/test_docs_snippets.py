@@ -16,6 +16,7 @@ import torch
 
 from fastdiag.cli import main
 from fastdiag.testing import ATTACH_SNIPPET_PREAMBLE, run_snippet, snippet_key
+from tests.helpers import assert_cli_line_parses
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -201,23 +202,10 @@ def gpu_only(line: str) -> bool:
 
 def test_every_docs_and_readme_command_is_found_and_parses():
     """The options of each command parse as printed (names, types, choices, required ones)."""
-    import click
-
-    from fastdiag.cli import cli
-
     lines = [line for _, _, block in BLOCKS for line in block if line.startswith("fastdiag ")]
     assert len(lines) >= 30 and any(name != "README.md" for name, _, _ in BLOCKS)
     for line in lines:
-        args = shlex.split(line)[1:]
-        ctx = click.Context(cli, info_name="fastdiag")
-        command = cli.get_command(ctx, args[0])
-        assert command is not None, line
-        sub = command.make_context(args[0], args[1:], parent=ctx)
-        if isinstance(command, click.Group):        # `fastdiag paper regenerate ...`: its subcommand's options
-            sub_command = command.get_command(sub, args[1])
-            assert sub_command is not None, line
-            sub_command.make_context(args[1], args[2:], parent=sub)
-
+        assert_cli_line_parses(line)
 
 @pytest.mark.parametrize("name,index,lines", RUN_BLOCKS, ids=lambda v: v if isinstance(v, str) and v.endswith(".md")
                          else (str(v) if isinstance(v, int) else v[0][9:40]))

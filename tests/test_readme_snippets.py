@@ -10,6 +10,8 @@ import pytest
 
 from fastdiag.testing import ATTACH_SNIPPET_PREAMBLE, run_snippet, snippet_key
 
+from tests.helpers import assert_cli_line_parses
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # What a reader already has when they paste each snippet, keyed by a line the snippet starts with.
@@ -95,21 +97,7 @@ def readme_commands() -> list[str]:
 @pytest.mark.parametrize("line", readme_commands())
 def test_readme_command_parses_as_pasted(line):
     """The options of each README command parse (names, types, choices, required ones): nothing runs."""
-    import shlex
-
-    import click
-
-    from fastdiag.cli import cli
-
-    args = shlex.split(line)[1:]
-    ctx = click.Context(cli, info_name="fastdiag")
-    command = cli.get_command(ctx, args[0])
-    assert command is not None, line
-    sub = command.make_context(args[0], args[1:], parent=ctx)
-    if isinstance(command, click.Group):        # `fastdiag paper regenerate ...`: its subcommand's options
-        sub_command = command.get_command(sub, args[1])
-        assert sub_command is not None, line
-        sub_command.make_context(args[1], args[2:], parent=sub)
+    assert_cli_line_parses(line)
 
 
 def test_generated_gpu_paragraph_is_what_the_raw_gpu_runs_give():
