@@ -12,7 +12,7 @@
 #   120 (HF GPT-2-small sdpa and a nanoGPT, every=1 and every=10 against bare, alternated blocks,
 #   medians) · int64 40 (last: it may fault) · clocks after 10.
 # STAGES="name:seconds ..." replaces the stage list after the tests; besides the four above: tune (Q/K pass 2's
-# kernels — per-head, batched, 0c79385's — beside the SDPA forward, then head_stats tiles, timed on the device), probe (the SDPA backend chosen, cuDNN's LSE), ncu (Nsight Compute on
+# kernels — per-head and each of its plans (the head pairs at [1, 32, 4096, 128]), batched, 0c79385's — beside the SDPA forward, then head_stats tiles, timed on the device), probe (the SDPA backend chosen, cuDNN's LSE), ncu (Nsight Compute on
 # one launch of each fused kernel, report in $OUT/ncu.txt), experiments (benchmarks/gpu_experiments.py, a call
 # of its own: STAGES="experiments:400" — the canonical step eager / graphed / bare loop, ensemble packs of
 # 1/8/64/256 in runs per hour, the Mamba step with the Triton and the PyTorch scan against a parameter-matched

@@ -400,9 +400,9 @@ def stage_tune_head_stats(dev: torch.device, dry: bool) -> None:
 
 def _qk_pass2_launches(q, k, lse, d):
     """(name, launch) of every Q/K pass 2 a device may run at q's shape, the LSE given: the per-head
-    kernel (`qk_heads_triton`, where it applies and compiles without spilling), the batched one with
-    the launcher's first tiles, commit 0c79385's launcher (measured on the H200), and what the
-    launcher picks by itself."""
+    kernel (`qk_heads_triton`, where it applies and compiles without spilling) and each of its plans
+    that fits the device forced, the batched one with the launcher's first tiles, commit 0c79385's
+    launcher (measured on the H200), and what the launcher picks by itself."""
     from fastdiag.core.kernels import qk_stats_triton as qk
 
     scale = d ** -0.5
@@ -413,10 +413,15 @@ def _qk_pass2_launches(q, k, lse, d):
                 ("0c79385", lambda: old.qk_stats_triton(q, k, None, True, scale, lse=lse))]
     if qk._heads_stats(q, k, None, True, scale, None, lse, limits) is not None:
         launches.append(("per-head", lambda: qk._heads_stats(q, k, None, True, scale, None, lse, limits)))
-        # each plan of `heads_plans` forced (one launch; the Gram, then the row sums; …), spilled or not
-        plans = qk.heads_plans(qk.heads_config(q.shape[1], k.shape[1], d, q.dtype.itemsize))
-        for plan in range(len(plans)):
-            launches.append((f"per-head plan {plan}",
+    cfg = qk.heads_config(q.shape[1], k.shape[1], d, q.dtype.itemsize)
+    # each plan of `heads_plans` that fits this device's shared memory forced (one launch; the Gram, then
+    # the row sums; 8 warps; 32 rows; the head pairs at > 16 heads or head dim > 64), spilled or not
+    plans = [] if cfg is None else qk.heads_plans(cfg)
+    for plan, launches_of_plan in enumerate(plans):
+        if limits is None or all(qk.heads_shared_bytes(x, q.dtype.itemsize) <= limits["shared_bytes"]
+                                 for x in launches_of_plan):
+            name = "per-head pairs" if launches_of_plan[0].get("PAIR_HEADS") else "per-head plan"
+            launches.append((f"{name} {plan}",
                              lambda plan=plan: qk._heads_stats(q, k, None, True, scale, None, lse, limits, plan)))
     if tiles:
         launches.append(("batched", lambda: qk.qk_stats_triton(q, k, None, True, scale, lse=lse, tiles=tiles[0])))

@@ -462,14 +462,15 @@ PER_HEAD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("plan", [0, 1], ids=["one-launch", "gram-then-row-sums"])
+@pytest.mark.parametrize("plan", [0, 1, 3], ids=["one-launch", "gram-then-row-sums", "gram-32-rows"])
 @pytest.mark.parametrize("kind,heads,shape,dtype", PER_HEAD_CASES,
                          ids=[f"{m}-H{h}Hk{hk}-B{b}Tq{tq}Tk{tk}D{d}-{str(t)[6:]}"
                               for m, (h, hk), (b, tq, tk, d), t in PER_HEAD_CASES])
 def test_per_head_pass2_matches_float64_reference(kind, heads, shape, dtype, plan):
     """`_qk_heads_kernel` (a 2-D score dot per head, heads stacked for the Gram, padded heads never
     scored) against float64 on fresh random inputs inside +inf padding, with its own LSE from pass 1;
-    each plan of `heads_plans` (one launch, or the Gram and the per-head row sums apart)."""
+    each plan of `heads_plans` (one launch, or the Gram and the per-head row sums apart; plan 2 differs
+    from 1 only in warps, which the interpreter does not model; plan 3 holds 32 rows, two Gram batches)."""
     _check_backend("triton")
     from fastdiag.core.kernels import qk_stats_triton as kernels
 
@@ -485,4 +486,41 @@ def test_per_head_pass2_matches_float64_reference(kind, heads, shape, dtype, pla
     assert got is not None, "the per-head kernel applies at these shapes"
     _assert_close(HeadStats(*got), ref, TOLERANCE[dtype])
     wrong = kernels._heads_stats(q, k, mask, causal, scale, rows_ok, lse + 0.01, None, plan)   # a wrong LSE shows
+    assert HeadStats(*wrong).invalid.item() > 0
+
+
+# (mask kind, (H, Hk), (B, Tq, Tk, D), dtype): the head-pair plan — three blocks of 8 (each block's own Gram
+# from its pair with the next, the last's from the previous), GQA groups inside a block, head dim 72 read
+# as 128 columns, every mask kind
+PAIR_CASES = [
+    ("causal", (24, 6), (1, 67, 67, 24), torch.float16),
+    ("additive-causal", (16, 16), (1, 40, 41, 72), torch.float32),
+    ("bool-padding", (16, 2), (2, 9, 17, 80), torch.float32),
+    ("bool-per-head", (24, 24), (1, 33, 20, 8), torch.float32),
+]
+
+
+@pytest.mark.parametrize("kind,heads,shape,dtype", PAIR_CASES,
+                         ids=[f"{m}-H{h}Hk{hk}-B{b}Tq{tq}Tk{tk}D{d}-{str(t)[6:]}"
+                              for m, (h, hk), (b, tq, tk, d), t in PAIR_CASES])
+def test_head_pair_plan_matches_float64_reference(kind, heads, shape, dtype):
+    """`_qk_heads_kernel` in programs of two head blocks (more than 16 heads or head dim > 64: the Gram
+    assembled from the pairs' blocks, Q re-read every key step, the row sums apart) against float64 on
+    fresh random inputs inside +inf padding; a wrong LSE counted invalid."""
+    _check_backend("triton")
+    from fastdiag.core.kernels import qk_stats_triton as kernels
+
+    (h, hk), (b, tq, tk, d) = heads, shape
+    cfg = kernels.heads_config(h, hk, d)
+    assert cfg is not None and cfg["PAIRS"], "these shapes take the head-pair plan"
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, heads, shape)).encode()) % 10_000)
+    q, k = _qk(b, h, hk, tq, tk, d, dtype, gen)
+    mask, causal = _mask(kind, b, h, tq, tk, gen)
+    scale = 0.8 / d ** 0.5
+    ref = qk_head_stats(q, k, mask, causal, scale, backend="reference")
+    rows_ok = None if mask is None else valid_rows(mask, causal, (b, h, tq, tk), None)
+    lse = kernels.row_lse_triton(q, k, mask, causal, scale)
+    got = kernels._heads_stats(q, k, mask, causal, scale, rows_ok, lse, None, 0)
+    _assert_close(HeadStats(*got), ref, TOLERANCE[dtype])
+    wrong = kernels._heads_stats(q, k, mask, causal, scale, rows_ok, lse + 0.01, None, 0)
     assert HeadStats(*wrong).invalid.item() > 0

@@ -157,8 +157,8 @@ def _bit_reversed(j, BITS: tl.constexpr):
 
 @triton.jit
 def _qk_heads_kernel(
-    gram_part_ptr, entropy_part_ptr, invalid_part_ptr,  # outputs: [P, H, H], [P, H], [P, head programs]
-    q_ptr, k_ptr, mask_ptr, lse_ptr, row_ok_ptr,
+    gram_part_ptr, entropy_part_ptr, invalid_part_ptr,  # outputs: [P, H, H] (pairs: [P, pairs, 2·PB, 2·PB]), [P, H], [P, head programs]
+    q_ptr, k_ptr, mask_ptr, lse_ptr, row_ok_ptr, pair_ptr,
     Tq, Tk, D, row_tiles, qk_scale, mask_threshold,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -169,6 +169,7 @@ def _qk_heads_kernel(
     HAS_ROW_OK: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     GRAM_CHUNKS: tl.constexpr, GRAM: tl.constexpr, ROW_SUMS: tl.constexpr, OUT_H: tl.constexpr,
+    PAIR_HEADS: tl.constexpr = 0, Q_STREAM: tl.constexpr = False,
 ):
     pid = tl.program_id(0).to(tl.int64)
     batch = pid // row_tiles
@@ -188,7 +189,11 @@ def _qk_heads_kernel(
     # what every head shares: the batch entry's bases (at this program's first head), the offset tiles
     # and their bounds. The Gram needs all heads in one program (head0 = 0); the row sums alone are
     # split over program_id(1), BLOCK_H heads each (a multiple of GROUP, or one head)
-    if GRAM:
+    if PAIR_HEADS > 0:
+        # a block pair's program: the Gram of heads I·PB .. and J·PB .. (I < J), both blocks scored here
+        head0 = tl.load(pair_ptr + 2 * tl.program_id(1)).to(tl.int64) * PAIR_HEADS
+        head0_j = tl.load(pair_ptr + 2 * tl.program_id(1) + 1).to(tl.int64) * PAIR_HEADS
+    elif GRAM:
         head0 = 0       # a constant: an offset from program_id(1) cost the one launch its last registers
     else:
         head0 = tl.program_id(1) * BLOCK_H
@@ -203,7 +208,17 @@ def _qk_heads_kernel(
     if HAS_ROW_OK:
         ok = ok & (tl.load(row_ok_ptr + batch * stride_rb + row * stride_rm, mask=row < Tq, other=0) != 0)
     lse_offsets = row * stride_lm
+    if PAIR_HEADS > 0:
+        q_base_j = q_ptr + batch * stride_qb + head0_j * stride_qh
+        k_base_j = k_ptr + batch * stride_kb + (head0_j // GROUP) * stride_kh
+        mask_base_j = mask_ptr + batch * stride_mb + head0_j * stride_mh
+        lse_base_j = lse_ptr + batch * stride_lb + head0_j * stride_lh
     for key0 in range(0, key_end, BLOCK_N):
+        q_step = q_in
+        if Q_STREAM:
+            # a bound that depends on the key step keeps Q's load in the loop: held for the whole loop
+            # (hoisted), every head's Q tile takes shared memory (32 heads x 64 rows x 128 bf16 = 512 KB)
+            q_step = q_in & (row[:, None] * 0 + key0 < key_end)
         key = key0 + tl.arange(0, BLOCK_N)
         # 64-bit: Tk · stride_kn passes 2^31 (BTHD, T ≥ 512 K)
         k_offsets = d[:, None] * stride_kd + key.to(tl.int64)[None, :] * stride_kn
@@ -213,10 +228,24 @@ def _qk_heads_kernel(
             visible = visible & (key[None, :] <= row[:, None])
         mask_offsets = row[:, None] * stride_mm + key[None, :] * stride_mn
         mask_in = (row[:, None] < Tq) & (key[None, :] < Tk)
-        tiles, tile_plogp, tile_mass = _stack(
-            0, BLOCK_H, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
-            mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
-            stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
+        if PAIR_HEADS > 0:
+            # block I's heads then block J's: the top level of a `_stack` of 2·PB heads
+            tiles_i, _pi, _mi = _stack(
+                0, PAIR_HEADS, q_base, k_base, mask_base, lse_base, q_offsets, q_step, k_offsets, k_in,
+                mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
+                stride_qh, stride_kh, stride_mh, stride_lh, PAIR_HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
+            tiles_j, _pj, _mj = _stack(
+                0, PAIR_HEADS, q_base_j, k_base_j, mask_base_j, lse_base_j, q_offsets, q_step, k_offsets, k_in,
+                mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
+                stride_qh, stride_kh, stride_mh, stride_lh, PAIR_HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
+            tiles = tl.join(tiles_i, tiles_j)
+            tile_plogp = tl.join(_pi, _pj)
+            tile_mass = tl.join(_mi, _mj)
+        else:
+            tiles, tile_plogp, tile_mass = _stack(
+                0, BLOCK_H, q_base, k_base, mask_base, lse_base, q_offsets, q_step, k_offsets, k_in,
+                mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
+                stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
         if ROW_SUMS:
             if BLOCK_H == 1:
                 plogp += tile_plogp
@@ -228,7 +257,12 @@ def _qk_heads_kernel(
 
     place = tl.arange(0, BLOCK_H)
     head = _bit_reversed(place, HEAD_BITS)
-    if GRAM:
+    if PAIR_HEADS > 0:
+        # the pair's whole [2·PB, 2·PB] block by place in the stack (I's heads, then J's): the host takes
+        # the I-J quadrant from every pair and each diagonal block from one pair holding it
+        tl.store(gram_part_ptr + (pid * tl.num_programs(1) + tl.program_id(1)) * BLOCK_H * BLOCK_H
+                 + head[:, None] * BLOCK_H + head[None, :], tl.sum(gram, 0))
+    elif GRAM:
         # real heads only, [HEADS, HEADS]: the host sums the partials with no slice of padded heads
         tl.store(gram_part_ptr + pid * HEADS * HEADS + head[:, None] * HEADS + head[None, :], tl.sum(gram, 0),
                  mask=(head[:, None] < HEADS) & (head[None, :] < HEADS))

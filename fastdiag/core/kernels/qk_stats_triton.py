@@ -567,26 +567,31 @@ def _head_stats_sums(gram, entropy, invalid_part, rows_total: int, rows_ok):
 
 # ---- pass 2 with a 2-D score dot per head (`qk_heads_triton`) --------------------------------------
 
-# Heads one program of `_qk_heads_kernel` holds: all of a layer's (its Gram is one block). More heads
-# take the batched kernel's head blocks.
+# Heads one program of `_qk_heads_kernel` holds: all of a layer's (its Gram is one block). More heads,
+# or a wider head dim, take the head-pair plan (`heads_plans`).
 HEADS_KERNEL_MAX_HEADS = 16
 # Head dims it takes: Q of every head is held in shared memory (16 x 64 rows x 64 bf16 = 128 KB).
 HEADS_KERNEL_MAX_HEAD_DIM = 64
+# Heads per block of the head-pair plan: a pair's program stacks 2 blocks, the Gram dot's 16 heads.
+PAIR_HEADS = 8
 
 
 def heads_config(h: int, hk: int, d: int, element_bytes: int = 2) -> dict | None:
     """`_qk_heads_kernel`'s tiles for H query heads, Hk key heads, head dim d; None where it does not
-    apply (more heads or a wider head dim than it holds). 64 rows x 16 keys per head and key step, 4 warps
+    apply (more heads or a wider head dim than it holds, and no head-pair plan: H not a multiple of
+    `PAIR_HEADS`, or a query group wider than a block). 64 rows x 16 keys per head and key step, 4 warps
     (one warpgroup: each warp's 16 rows are its own batch of the Gram dot), the Gram dot in 4 parts
     (one dot of a warp's 16 x 256 slab held 128 registers of operands): compiled for sm_90 by triton
     3.9, 255 registers, no spill, ~100 KB of shared memory, 1.0x the conflict-free wavefronts
-    (benchmarks/RESULTS.md, issue 38)."""
-    if h > HEADS_KERNEL_MAX_HEADS or d > HEADS_KERNEL_MAX_HEAD_DIM:
+    (benchmarks/RESULTS.md, issue 38). ``PAIRS``: the heads do not fit one program (`heads_plans`)."""
+    group = h // hk
+    pairs = h > HEADS_KERNEL_MAX_HEADS or d > HEADS_KERNEL_MAX_HEAD_DIM
+    if pairs and (h % PAIR_HEADS or h < 2 * PAIR_HEADS or PAIR_HEADS % group):
         return None
-    block_h = max(16, triton.next_power_of_2(h))
-    return dict(HEADS=h, GROUP=h // hk, BLOCK_H=block_h, HEAD_BITS=block_h.bit_length() - 1, BLOCK_M=64,
+    block_h = 2 * PAIR_HEADS if pairs else max(16, triton.next_power_of_2(h))
+    return dict(HEADS=h, GROUP=group, BLOCK_H=block_h, HEAD_BITS=block_h.bit_length() - 1, BLOCK_M=64,
                 BLOCK_N=16, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLIT=4, GRAM_CHUNKS=4, num_warps=4,
-                num_stages=1)
+                num_stages=1, PAIRS=pairs)
 
 
 def heads_plans(cfg: dict) -> list[list[dict]]:
@@ -595,20 +600,71 @@ def heads_plans(cfg: dict) -> list[list[dict]]:
     the row sums; or the Gram alone plus the row sums in programs of one head (a second scoring of every
     head, 64 keys a step, without the Gram's 48 registers of loop-carried row sums: triton 3.6 spills
     the one launch for sm_90 and compiles these two clean, benchmarks/RESULTS.md); or that with the Gram
-    in 8 warps. The launcher takes the first plan whose launches compile without spilling on the device."""
-    whole = dict(cfg, GRAM=True, HEAD_PROGRAMS=1, OUT_H=cfg["HEADS"])
+    in 8 warps; or that with 32 rows a program (Q of 12 heads x 32 rows x 64 bf16 = 48 KB: the plan for
+    99 KB of shared memory, sm_86/89/120). The launcher takes the first plan that fits the device's
+    shared memory and whose launches compile without spilling.
+
+    ``cfg["PAIRS"]`` (more than 16 heads, or head dim > 64): one plan, the Gram in programs of two blocks
+    of `PAIR_HEADS` heads (I < J; every head scored in blocks - 1 programs: 3x at 32 heads) with Q
+    re-read every key step (``Q_STREAM``: held, 16 heads x 64 rows x 128 bf16 take 256 KB), plus the row
+    sums; compiled clean nowhere yet (sm_90: 1,184 B spilled), so the batched kernel runs; forced by
+    gpu_check's tune stage to time it."""
+    pairs = cfg.get("PAIRS", False)
+    cfg = {k: v for k, v in cfg.items() if k != "PAIRS"}
     row_sums = dict(cfg, BLOCK_H=1, HEAD_BITS=0, BLOCK_N=64, SPLIT=1, GRAM_CHUNKS=1, GRAM=False, ROW_SUMS=True,
                     HEAD_PROGRAMS=cfg["HEADS"], OUT_H=cfg["HEADS"])
+    if pairs:
+        blocks = cfg["HEADS"] // PAIR_HEADS
+        gram = dict(cfg, GRAM=True, ROW_SUMS=False, HEAD_PROGRAMS=blocks * (blocks - 1) // 2, OUT_H=cfg["HEADS"],
+                    PAIR_HEADS=PAIR_HEADS, Q_STREAM=True)
+        return [[gram, row_sums]]
+    whole = dict(cfg, GRAM=True, HEAD_PROGRAMS=1, OUT_H=cfg["HEADS"])
     # 8 warps: two per 16 rows of the score dot; twice the Gram's shared-memory wavefronts per score, but
     # sm_80 and sm_100 compile it without spilling under both tritons where 4 warps spill 8–72 B
     return [[dict(whole, ROW_SUMS=True)], [dict(whole, ROW_SUMS=False), row_sums],
-            [dict(whole, ROW_SUMS=False, num_warps=8), row_sums]]
+            [dict(whole, ROW_SUMS=False, num_warps=8), row_sums],
+            [dict(whole, ROW_SUMS=False, num_warps=8, BLOCK_M=32, SPLIT=2), row_sums]]
 
 
 def heads_shared_bytes(cfg: dict, element_bytes: int) -> int:
     """Shared memory of `_qk_heads_kernel` as sm_90 compiles it: every real head's Q tile (held for the
-    whole key loop) and 4 KB of K tile and Gram staging (GPT-2-small bf16: 96 + 4 = 100 KB, compiled)."""
-    return cfg["HEADS"] * cfg["BLOCK_M"] * cfg["BLOCK_D"] * element_bytes + 4096
+    whole key loop; staged one head at a time where re-read every key step) and 4 KB of K tile and Gram
+    staging (GPT-2-small bf16: 96 + 4 = 100 KB, compiled)."""
+    held = 1 if cfg.get("Q_STREAM") or not cfg.get("GRAM", True) else min(cfg["HEADS"], cfg["BLOCK_H"])
+    return held * cfg["BLOCK_M"] * cfg["BLOCK_D"] * element_bytes + 4096
+
+
+# (blocks, device) -> the block pairs (i < j, row by row) of a head-pair plan; (H, PB, device) -> each
+# head pair's Gram entry in the pairs' summed blocks: built once, with device ops (graph-capture safe)
+_PAIRS: dict = {}
+
+
+def _head_pairs(blocks: int, device) -> torch.Tensor:
+    """int32 ``[pairs, 2]``: head blocks (i, j), i < j, row by row: one program of a pair plan each."""
+    key = (blocks, device)
+    if key not in _PAIRS:
+        _PAIRS[key] = torch.triu_indices(blocks, blocks, 1, dtype=torch.int32, device=device).t().contiguous()
+    return _PAIRS[key]
+
+
+def _pair_gram_index(h: int, pair_heads: int, device) -> torch.Tensor:
+    """``take`` indices ``[H, H]`` of each head pair's Gram entry in the pairs' summed blocks
+    ``[pairs, 2·PB, 2·PB]`` (places: block i's heads, then block j's). Heads of one block are read
+    from the pair of their block and the next (the last block: the previous)."""
+    key = (h, pair_heads, device)
+    if key not in _PAIRS:
+        blocks, width = h // pair_heads, 2 * pair_heads
+        head = torch.arange(h, device=device)
+        blk, place = head // pair_heads, head % pair_heads
+        a, b = blk[:, None], blk[None, :]
+        # the pair: (min, max) of two different blocks; one block with its neighbour
+        i = torch.where(a == b, torch.clamp(a, max=blocks - 2), torch.minimum(a, b))
+        j = torch.where(a == b, i + 1, torch.maximum(a, b))
+        number = i * blocks - i * (i + 1) // 2 + (j - i - 1)
+        row = torch.where(a == i, place[:, None], pair_heads + place[:, None])
+        col = torch.where(b == i, place[None, :], pair_heads + place[None, :])
+        _PAIRS[key] = (number * width * width + row * width + col).contiguous()
+    return _PAIRS[key]
 
 
 def _heads_launches(q4, k4, mask4, is_causal, scale, rows_ok, lse, plan):
@@ -621,11 +677,14 @@ def _heads_launches(q4, k4, mask4, is_causal, scale, rows_ok, lse, plan):
     programs = b * row_tiles
     row_sums = plan[-1]
     f32 = dict(dtype=torch.float32, device=q4.device)
-    outputs = (torch.empty(programs, h, h, **f32), torch.empty(programs, h, **f32),
+    pair_heads = plan[0].get("PAIR_HEADS", 0)
+    pairs = q4 if not pair_heads else _head_pairs(h // pair_heads, q4.device)    # unread without pairs
+    gram_shape = (h, h) if not pair_heads else (pairs.shape[0], 2 * pair_heads, 2 * pair_heads)
+    outputs = (torch.empty(programs, *gram_shape, **f32), torch.empty(programs, h, **f32),
                torch.empty(programs, row_sums["HEAD_PROGRAMS"], **f32))
     row_ok = q4 if rows_ok is None else rows_ok.view(torch.uint8)
     row_strides = (0, 0) if rows_ok is None else rows_ok.stride()
-    args = (*outputs, q4, k4, q4 if mask is None else mask, lse, row_ok, tq, tk, d, row_tiles, scale * LOG2E,
+    args = (*outputs, q4, k4, q4 if mask is None else mask, lse, row_ok, pairs, tq, tk, d, row_tiles, scale * LOG2E,
             threshold, *q4.stride(), *k4.stride(), *mask_strides, *lse.stride(), *row_strides)
     launches = []
     for cfg in plan:
@@ -665,9 +724,9 @@ _HEADS_PLANS: dict = {}
 
 
 def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=None):
-    """Pass 2 on `_qk_heads_kernel`, or None where it does not apply: too many heads or too wide a head
-    dim (`heads_config`), float32 on a GPU (TF32x3 operands do not fit), or on this device it exceeds
-    shared memory or every plan (`heads_plans`) spills registers (the batched kernel then runs).
+    """Pass 2 on `_qk_heads_kernel`, or None where it does not apply: no plan for these heads
+    (`heads_config`), float32 on a GPU (TF32x3 operands do not fit), or on this device every plan
+    (`heads_plans`) exceeds shared memory or spills registers (the batched kernel then runs).
     ``plan`` (an index into `heads_plans`) replaces the choice (tests run each plan)."""
     b, h, tq, d = q4.shape
     shape_key = (h, k4.shape[1], d, q4.dtype.itemsize)
@@ -675,17 +734,18 @@ def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=Non
         cfg = heads_config(*shape_key)
         _HEADS_PLANS[shape_key] = (cfg, None if cfg is None else heads_plans(cfg))
     cfg, plans = _HEADS_PLANS[shape_key]
-    if cfg is None or (limits is not None and (q4.dtype == torch.float32
-                                               or heads_shared_bytes(cfg, q4.dtype.itemsize) > limits["shared_bytes"])):
-        return None
+    if cfg is None or (limits is not None and q4.dtype == torch.float32) or (plan is None and limits is None
+                                                                             and cfg["PAIRS"]):
+        return None     # off a GPU the head pairs run only when asked for: no device chose them
     if plan is None and limits is not None:
         key = (limits["arch"], q4.dtype, *shape_key[:3], bool(is_causal),
                None if mask4 is None else mask4.dtype == torch.bool, rows_ok is not None)
         if key not in _HEADS_CHOICE:
             _HEADS_CHOICE[key] = next(
                 (i for i, candidate in enumerate(plans)
-                 if all(_unspilled(x, limits["arch"])
-                        for x in _heads_launches(q4, k4, mask4, is_causal, scale, rows_ok, lse, candidate)[0])),
+                 if all(heads_shared_bytes(x, q4.dtype.itemsize) <= limits["shared_bytes"] for x in candidate)
+                 and all(_unspilled(x, limits["arch"])
+                         for x in _heads_launches(q4, k4, mask4, is_causal, scale, rows_ok, lse, candidate)[0])),
                 None)
         plan = _HEADS_CHOICE[key]
         if plan is None:
@@ -694,8 +754,11 @@ def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=Non
         q4, k4, mask4, is_causal, scale, rows_ok, lse, plans[plan or 0])
     for grid, args, flags in launches:
         _qk_heads_kernel[grid](*args, **flags)
-    return _head_stats_sums(gram_part.sum(0, dtype=torch.float64), entropy_part.sum(0, dtype=torch.float64),
-                            invalid_part, b * tq, rows_ok)
+    gram = gram_part.sum(0, dtype=torch.float64)
+    pair_heads = launches[0][2].get("PAIR_HEADS", 0)
+    if pair_heads:
+        gram = torch.take(gram, _pair_gram_index(h, pair_heads, q4.device))
+    return _head_stats_sums(gram, entropy_part.sum(0, dtype=torch.float64), invalid_part, b * tq, rows_ok)
 
 
 def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, lse=None, tiles=None):
