@@ -470,7 +470,8 @@ def test_per_head_pass2_matches_float64_reference(kind, heads, shape, dtype, pla
     """`_qk_heads_kernel` (a 2-D score dot per head, heads stacked for the Gram, padded heads never
     scored) against float64 on fresh random inputs inside +inf padding, with its own LSE from pass 1;
     each plan of `heads_plans` (one launch, or the Gram and the per-head row sums apart; plan 2 differs
-    from 1 only in warps, which the interpreter does not model; plan 3 holds 32 rows, two Gram batches)."""
+    from 1 only in warps, which the interpreter does not model; plan 3 holds 32 rows, two Gram batches, plan 4
+    is plan 3 in 8 warps)."""
     _check_backend("triton")
     from fastdiag.core.kernels import qk_stats_triton as kernels
 

@@ -600,15 +600,18 @@ def heads_plans(cfg: dict) -> list[list[dict]]:
     the row sums; or the Gram alone plus the row sums in programs of one head (a second scoring of every
     head, 64 keys a step, without the Gram's 48 registers of loop-carried row sums: triton 3.6 spills
     the one launch for sm_90 and compiles these two clean, benchmarks/RESULTS.md); or that with the Gram
-    in 8 warps; or that with 32 rows a program (Q of 12 heads x 32 rows x 64 bf16 = 48 KB: the plan for
-    99 KB of shared memory, sm_86/89/120). The launcher takes the first plan that fits the device's
-    shared memory and whose launches compile without spilling.
+    in 8 warps; or plan 1 or 2 with 32 rows a program (Q of 12 heads x 32 rows x 64 bf16 = 48 KB: the
+    plans for 99 KB of shared memory, sm_86/89/120; triton 3.9 compiles 4 warps clean for sm_120, 8 for
+    sm_86/89). The launcher takes the first plan that fits the device's shared memory and whose launches
+    compile without spilling.
 
     ``cfg["PAIRS"]`` (more than 16 heads, or head dim > 64): one plan, the Gram in programs of two blocks
     of `PAIR_HEADS` heads (I < J; every head scored in blocks - 1 programs: 3x at 32 heads) with Q
     re-read every key step (``Q_STREAM``: held, 16 heads x 64 rows x 128 bf16 take 256 KB), plus the row
-    sums; compiled clean nowhere yet (sm_90: 1,184 B spilled), so the batched kernel runs; forced by
-    gpu_check's tune stage to time it."""
+    sums. It compiles clean nowhere (triton 3.9, [1, 32, 4096, 128]: 904–1,336 B spilled at 4 or 8 warps,
+    32 or 64 rows, on sm_80 and sm_90; predicted 2.2–4 ms at sm_90 against the batched kernel's 0.86 under
+    triton 3.6 and 3.26 under 3.9), so the launcher never probes it (a probe compiles for tens of seconds): only gpu_check's tune stage, or a
+    test, forces it (benchmarks/RESULTS.md, issue 38)."""
     pairs = cfg.get("PAIRS", False)
     cfg = {k: v for k, v in cfg.items() if k != "PAIRS"}
     row_sums = dict(cfg, BLOCK_H=1, HEAD_BITS=0, BLOCK_N=64, SPLIT=1, GRAM_CHUNKS=1, GRAM=False, ROW_SUMS=True,
@@ -623,6 +626,7 @@ def heads_plans(cfg: dict) -> list[list[dict]]:
     # sm_80 and sm_100 compile it without spilling under both tritons where 4 warps spill 8–72 B
     return [[dict(whole, ROW_SUMS=True)], [dict(whole, ROW_SUMS=False), row_sums],
             [dict(whole, ROW_SUMS=False, num_warps=8), row_sums],
+            [dict(whole, ROW_SUMS=False, BLOCK_M=32, SPLIT=2), row_sums],
             [dict(whole, ROW_SUMS=False, num_warps=8, BLOCK_M=32, SPLIT=2), row_sums]]
 
 
@@ -734,9 +738,8 @@ def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=Non
         cfg = heads_config(*shape_key)
         _HEADS_PLANS[shape_key] = (cfg, None if cfg is None else heads_plans(cfg))
     cfg, plans = _HEADS_PLANS[shape_key]
-    if cfg is None or (limits is not None and q4.dtype == torch.float32) or (plan is None and limits is None
-                                                                             and cfg["PAIRS"]):
-        return None     # off a GPU the head pairs run only when asked for: no device chose them
+    if cfg is None or (limits is not None and q4.dtype == torch.float32) or (plan is None and cfg["PAIRS"]):
+        return None     # the head pairs run only when asked for (`heads_plans`: they spill everywhere)
     if plan is None and limits is not None:
         key = (limits["arch"], q4.dtype, *shape_key[:3], bool(is_causal),
                None if mask4 is None else mask4.dtype == torch.bool, rows_ok is not None)
