@@ -84,6 +84,31 @@ def test_non_finite_attention_is_reported_not_hidden():
     assert not stats.valid().item() and torch.isnan(stats.sync()).item()
 
 
+def test_a_layer_whose_statistics_come_out_invalid_is_named():
+    """Statistics that are invalid (NaN: here a non-finite score in layer 1 only; on a GPU also sharp rows
+    float32 cannot hold to the target, `row_entropy_triton`) are named at the next host read, once, with
+    the module's name; the other layer's are not, and a step with none warns nothing."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = TwoLayers()
+    x = torch.randn(2, 9, 16)
+    with fastdiag.attach(model, every=1) as monitor:
+        model(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            monitor.latest()
+        with torch.no_grad():
+            model.layers[1].q.weight[0, 0] = float("inf")       # a query of layer 1 becomes non-finite
+        model(x)
+        with pytest.warns(RuntimeWarning, match=r"layer 'layers\.1' \(SDPALayer\): its statistics are NaN"):
+            record = monitor.latest()
+        assert record["spread/layers.1"] != record["spread/layers.1"] and record["spread/layers.0"] > 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            monitor.history()                                   # named once
+
+
 # ---- steps, modes, selection, scope ---------------------------------------------------------
 
 def test_every_counts_training_passes_only():

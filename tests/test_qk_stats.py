@@ -520,3 +520,58 @@ def test_head_pair_plan_matches_float64_reference(kind, heads, shape, dtype):
     cfg = kernels.heads_config(*heads, shape[3])
     assert cfg is not None and cfg["PAIRS"], "these shapes take the head-pair plan"
     _check_per_head_plan(kind, heads, shape, dtype, 0)
+
+
+def _sharp_qk(gap, offset, dtype, gen, b=1, h=4, t=16, d=8):
+    """Scores of std gap / 3 (a row's top key leads its runners-up by ~gap), each row shifted by a
+    constant of std ``offset`` (k + c: softmax unchanged, |s| as large as the offset)."""
+    q, k = torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, t, d, generator=gen)
+    q = q * (gap / 3 / (q @ k.transpose(-1, -2) / d ** 0.5).std())
+    if offset:
+        c = torch.randn(b, h, 1, d, generator=gen)
+        k = k + c * (offset / (q @ c.transpose(-1, -2) / d ** 0.5).std())
+    return q.to(dtype), k.to(dtype)
+
+
+# (logit gap, score offset): exact below ~58 nats for float32 inputs, ~5800 for 16-bit ones; named beyond
+SHARP_CASES = [(30.0, 0.0), (300.0, 0.0), (1e3, 0.0), (1e4, 0.0), (30.0, 1e3), (30.0, 1e4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("gap,offset", SHARP_CASES, ids=[f"gap{g:g}-offset{o:g}" for g, o in SHARP_CASES])
+def test_triton_sharp_rows_exact_or_named(gap, offset, dtype):
+    """Both Triton pass 2 kernels (per head, each plan; batched) on sharp rows, with pass 1's LSE and with a
+    given one (float64's rounded, and torch's float32 one — another kernel's): σ_l and s_l within the
+    dtype's target of float64 of the same inputs, or the rows counted invalid (the layer is NaN and attach
+    names it). Never silently off: before, the entropy was −Σ p (s − lse) and gap 1e4 read 26x σ_l with
+    nothing counted (issue 39, 7). The entropy no longer depends on where the LSE came from."""
+    _check_backend("triton")
+    from fastdiag.core.kernels import qk_stats_triton as kernels
+
+    gen = torch.Generator().manual_seed(int(gap + offset))
+    q, k = _sharp_qk(gap, offset, dtype, gen)
+    scale = q.shape[-1] ** -0.5
+    want = HeadStats(*qk_stats_ref(q.double(), k.double()))
+    s64 = (q.double() @ k.double().transpose(-1, -2)) * scale
+    given = {"pass 1": kernels.row_lse_triton(q, k, None, False, scale), "float64": s64.logsumexp(-1).float(),
+             "torch fp32": ((q.float() @ k.float().transpose(-1, -2)) * scale).logsumexp(-1)}
+    target = TOLERANCE[dtype]
+    exact = {}
+    for source, lse in given.items():
+        runs = {f"heads plan {plan}": kernels._heads_stats(q, k, None, False, scale, None, lse, None, plan)
+                for plan in (0, 1)}
+        runs["batched"] = kernels._stats(q, k, None, False, scale, None, lse, kernels.tile_config(4, 4, 8))
+        for path, sums in runs.items():
+            got = HeadStats(*sums)
+            if got.invalid.item() > 0:
+                assert got.entropy_spread().isnan() and got.sync().isnan()        # named: NaN, never a number
+                continue
+            sigma = want.entropy_spread().item()
+            assert abs(got.entropy_spread().item() - sigma) <= target * max(sigma, 1e-6), (source, path)
+            assert abs(got.sync().item() - want.sync().item()) <= target * abs(want.sync().item()), (source, path)
+            exact[source, path] = got.entropy_sum
+    if max(gap, offset) <= (30 if dtype == torch.float32 else 1e3):
+        assert len(exact) == 9, "rows of this size keep the target: nothing is to be named"
+    for (source, path), entropy in exact.items():   # H is of pass 2's own scores, whatever LSE came in
+        if (source, path) != ("pass 1", path) and ("pass 1", path) in exact:
+            assert rel_err(entropy, exact["pass 1", path]) <= 1e-6

@@ -58,6 +58,11 @@ _LOOKED_FOR = ("looked for fastdiag.models attention (class attribute records_he
                "torch.nn.MultiheadAttention, modules whose class is named like attention, and, on a "
                "measured forward pass, modules that call scaled_dot_product_attention or take a "
                "softmax over [B, H, Tq, Tk] scores")
+# Why a layer's statistics come out invalid (NaN): named at the next host read (`Monitor._name_invalid`)
+INVALID_WHY = ("probabilities with a non-finite score, an attention op's log-sum-exp that disagrees with the "
+               "scores, or, on the Triton pass 2 (CUDA), sharp rows whose float32 scores are too large to hold the "
+               "input dtype's exactness target (1e-5 float32, 1e-3 bf16/fp16: |s| beyond ~5800 for 16-bit "
+               "inputs); docs/attach.md, 'Sharp rows'")
 
 _MONITORS: dict[int, "Monitor"] = {}
 _IDS = itertools.count()
@@ -156,6 +161,7 @@ class Monitor:
         self._how: dict[str, str] = {}               # every module measured so far and how
         self._missing: dict[str, str] = {}           # expected modules never measured, and why
         self._warned: set = set()                    # what `_warn_once` has said
+        self._named_invalid: set[str] = set()        # layers whose invalid statistics were named
         self._warned_padding: set[tuple] = set()     # set_padding shapes already warned about
         self._handles: list = []
         self._zoo: list[torch.nn.Module] = []       # fastdiag-model attention whose attributes are set
@@ -600,6 +606,27 @@ class Monitor:
         for (name, why), flag in suspects.items():
             if name not in self.calls.suspects_named and bool(flag):
                 self._name_all_rows(name, why)
+        self._name_invalid()
+
+    def _name_invalid(self) -> None:
+        """At a host read: a layer whose statistics came out invalid on some recorded pass (its s_l and
+        σ_l are NaN there) is named once, with why that happens (``strict=True``: a RuntimeError)."""
+        unnamed = {name: count for name, count in self._records.invalid().items() if name not in self._named_invalid}
+        if not unnamed:
+            return
+        counts = torch.stack([c.sum().double() for c in unnamed.values()]).tolist()    # one host sync
+        for name, count in zip(unnamed, counts):
+            if count == 0:
+                continue
+            self._named_invalid.add(name)
+            module = self._modules.get(name)
+            message = (f"fastdiag.attach: layer {name!r} ({type(module).__name__}): its statistics are NaN on "
+                       f"some measured passes ({count:g} rows or entries could not be measured exactly): "
+                       f"{INVALID_WHY}")
+            if self.strict:
+                self.detach()
+                raise RuntimeError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def _name_all_rows(self, name: str, why: str) -> None:
         """Layer ``name``'s padding rows could not be told (``why``): listed in ``coverage()["all_rows"]`` and

@@ -56,6 +56,9 @@ class Records:
         # mode -> the passes' statistics not summed into `_merged` yet: summed when read, or every
         # `_MERGE_EVERY` passes (a measured step adds no op for the merge)
         self._unmerged: dict[str, list[dict[str, HeadStats]]] = {}
+        # layer -> its ``invalid`` counts summed over every merged pass, both modes, kept across resets:
+        # what `Monitor` names at a host read (added at merge time: a measured step adds no op for it)
+        self._invalid: dict[str, torch.Tensor] = {}
 
     def add(self, step: int, mode: str, stats: dict[str, HeadStats]) -> None:
         if self.all_reduce:
@@ -81,6 +84,13 @@ class Records:
         for stats in self._unmerged.pop(mode, ()):
             for name, s in stats.items():
                 merged[name] = s if name not in merged else merged[name] + s
+                self._invalid[name] = s.invalid if name not in self._invalid else self._invalid[name] + s.invalid
+
+    def invalid(self) -> dict[str, torch.Tensor]:
+        """Each layer's ``invalid`` counts over every pass recorded so far (device tensors, no sync)."""
+        for mode in list(self._unmerged):
+            self._merge(mode)
+        return dict(self._invalid)
 
     def merged(self, mode: str, reset: bool = False) -> dict[str, HeadStats]:
         """Each layer's statistics summed over the records of ``mode`` since the last reset."""

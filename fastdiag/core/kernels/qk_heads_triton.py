@@ -5,19 +5,20 @@ are padded to a power of two (12 → 16: a quarter of GPT-2's scores wasted) and
 its 3-D shared operand buffers take the head axis as the swizzle's phase, so ``ldmatrix`` reads 8 rows
 of one head from the same banks (benchmarks/RESULTS.md, issue 38). Here each real head is scored by
 its own 2-D dot ``Q_h [BLOCK_M, D] · K_hᵀ [D, BLOCK_N]`` (the layout a flash forward gets, conflict-free
-under both tritons), its probabilities, ``p·log₂p`` and row mass are taken in float32 while only that
-head is live, and the probabilities are kept as 16-bit values. The heads are stacked with `tl.join`
+under both tritons), its probabilities and its rows' running sums (`row_entropy_triton`) are taken in
+float32 while only that head is live, and the probabilities are kept as 16-bit values. The heads are stacked with `tl.join`
 (a binary tree built at compile time, `_stack`): a padded head is a constant zero tile, never scored.
 The stacked ``[BLOCK_H, BLOCK_M·BLOCK_N]`` slab feeds the Gram dot, as in the batched kernel.
 
 One launch takes the Gram and the row sums (``GRAM`` and ``ROW_SUMS``) where that compiles without
 spilling; otherwise two (`qk_stats_triton.heads_plans`): the Gram of all heads without the row sums
-(their loop-carried ``[BLOCK_M, heads]`` mass and p·log₂p held 48 registers per thread, and triton 3.6
-spilled), and the row sums alone in programs of ``BLOCK_H`` heads (``program_id(1)`` picks them).
+(their loop-carried ``[BLOCK_M, heads]`` running maximum, mass and entropy sums: with them the one
+launch spills 16 B for sm_90 under triton 3.9, 104–464 B elsewhere), and the row sums alone in
+programs of ``BLOCK_H`` heads (``program_id(1)`` picks them).
 
 `tl.join` puts the new axis last, so the stack's head axis comes out bit-reversed (`_bit_reversed`
 maps it back where the sums are stored). Everything else — the masks, the LSE in log2 units, the
-mass check, the float64 reduction of the partial sums — is the batched kernel's
+row sums and checks, the float64 reduction of the partial sums — is the batched kernel's
 (`qk_stats_triton._qk_stats_kernel`).
 """
 from __future__ import annotations
@@ -25,22 +26,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .constants import LN2, LOG2E, MASKED_SCORE, MASS_TOLERANCE
+from .constants import LOG2E, MASKED_SCORE
+from .row_entropy_triton import _row_results, _row_sums_step
 
 _LOG2E = tl.constexpr(LOG2E)
-_LN2 = tl.constexpr(LN2)
 _MASKED = tl.constexpr(MASKED_SCORE)
-_MASS_TOLERANCE = tl.constexpr(MASS_TOLERANCE)
 
 
 @triton.jit
 def _head_tile(h: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
-               mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
+               mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m, rest, total,
                stride_qh, stride_kh, stride_mh, stride_lh,
                HEADS: tl.constexpr, GROUP: tl.constexpr, MASK_KIND: tl.constexpr, FP32_DOT: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Head ``h``'s probabilities on one ``[BLOCK_M, BLOCK_N]`` tile (in the Gram dot's input type),
-    its row sums of ``p·log₂p`` and of ``p``; zeros for a padded head (``h >= HEADS``).
+               ROW_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Head ``h``'s probabilities on one ``[BLOCK_M, BLOCK_N]`` tile (in the Gram dot's input type) and,
+    with ROW_SUMS, its rows' running sums ``(m, rest, total)`` (`row_entropy_triton`) with this tile in;
+    zeros and the sums unchanged for a padded head (``h >= HEADS``).
 
     A head's pointers are the batch entry's base plus one scalar per head plus offset tiles that every
     head shares (``*_offsets``, in bounds where ``*_in``): per-head pointer tiles, hoisted out of the
@@ -55,21 +56,23 @@ def _head_tile(h: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, 
         s = s * qk_scale
         seen = visible
         if MASK_KIND != 0:
-            m = tl.load(mask_base + h * stride_mh + mask_offsets, mask=mask_in, other=0)
+            m_tile = tl.load(mask_base + h * stride_mh + mask_offsets, mask=mask_in, other=0)
             if MASK_KIND == 1:
-                seen = seen & (m != 0)
+                seen = seen & (m_tile != 0)
             else:
                 # finite, NaN-propagating (see `qk_stats_triton._scores`)
-                mf = tl.maximum(m.to(tl.float32), _MASKED, propagate_nan=tl.PropagateNan.ALL)
+                mf = tl.maximum(m_tile.to(tl.float32), _MASKED, propagate_nan=tl.PropagateNan.ALL)
                 seen = seen & ((mf > mask_threshold) | (mf != mf))
                 s = s + mf * _LOG2E
         s = tl.where(seen, s, _MASKED)
         # a row that does not count may have LSE ±inf: 0 keeps its exponent finite, its p is 0 anyway
         lse2 = tl.load(lse_base + h * stride_lh + lse_offsets, mask=ok, other=0.0) * _LOG2E
-        x = tl.where(ok[:, None], s - lse2[:, None], _MASKED)
-        p = tl.exp2(x)
-        plogp = tl.sum(p * x, 1)
-        mass = tl.sum(p, 1)
+        if ROW_SUMS:
+            # p = exp2(s − m) · exp2(m − lse₂): one exp2 per score serves the Gram and the row sums
+            e, m, rest, total = _row_sums_step(s, m, rest, total, 1)
+            p = tl.where(ok[:, None], e * tl.exp2(m - lse2)[:, None], 0.0)   # NaN in a row that does not count: 0
+        else:
+            p = tl.exp2(tl.where(ok[:, None], s - lse2[:, None], _MASKED))
         if FP32_DOT:
             tile = p
         else:
@@ -79,34 +82,39 @@ def _head_tile(h: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, 
             tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
             tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float16)
-        plogp = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        mass = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    return tile, plogp, mass
+    return tile, m, rest, total
 
 
 @triton.jit
 def _stack(h0: tl.constexpr, WIDTH: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, q_in,
            k_offsets, k_in, mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
-           stride_qh, stride_kh, stride_mh, stride_lh,
+           m, rest, total, stride_qh, stride_kh, stride_mh, stride_lh,
            HEADS: tl.constexpr, GROUP: tl.constexpr, MASK_KIND: tl.constexpr, FP32_DOT: tl.constexpr,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+           ROW_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Heads ``h0 .. h0 + WIDTH`` stacked: ``[BLOCK_M, BLOCK_N, 2, …, 2]`` (log2 WIDTH axes of 2, the
-    head's lowest bit first) and the row sums ``[BLOCK_M, 2, …, 2]``."""
+    head's lowest bit first) and their running row sums ``[BLOCK_M, 2, …, 2]`` (in that stacked
+    shape: split here, joined back)."""
     if WIDTH == 1:
         return _head_tile(h0, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
-                          mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
-                          stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT,
-                          BLOCK_M, BLOCK_N)
+                          mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m, rest,
+                          total, stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT,
+                          ROW_SUMS, BLOCK_M, BLOCK_N)
     else:
-        a_tile, a_plogp, a_mass = _stack(
+        m_a, m_b = tl.split(m)
+        rest_a, rest_b = tl.split(rest)
+        total_a, total_b = tl.split(total)
+        a_tile, m_a, rest_a, total_a = _stack(
             h0, WIDTH // 2, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
-            mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
-            stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
-        b_tile, b_plogp, b_mass = _stack(
+            mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m_a, rest_a, total_a,
+            stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, ROW_SUMS, BLOCK_M,
+            BLOCK_N)
+        b_tile, m_b, rest_b, total_b = _stack(
             h0 + WIDTH // 2, WIDTH // 2, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
-            mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
-            stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
-        return tl.join(a_tile, b_tile), tl.join(a_plogp, b_plogp), tl.join(a_mass, b_mass)
+            mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m_b, rest_b, total_b,
+            stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, ROW_SUMS, BLOCK_M,
+            BLOCK_N)
+        return (tl.join(a_tile, b_tile), tl.join(m_a, m_b), tl.join(rest_a, rest_b),
+                tl.join(total_a, total_b))
 
 
 @triton.jit
@@ -137,12 +145,12 @@ def _gram_tile(gram, tiles, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
     return _gram_chunks(gram, slab, GRAM_CHUNKS, FP32_DOT)
 
 @triton.jit
-def _zeros_stack(WIDTH: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Zeros shaped as `_stack`'s row sums: ``[BLOCK_M, 2, …, 2]``."""
+def _full_stack(WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, VALUE: tl.constexpr):
+    """``VALUE`` everywhere, shaped as `_stack`'s row sums: ``[BLOCK_M, 2, …, 2]``."""
     if WIDTH == 1:
-        return tl.zeros((BLOCK_M,), dtype=tl.float32)
+        return tl.full((BLOCK_M,), VALUE, dtype=tl.float32)
     else:
-        half = _zeros_stack(WIDTH // 2, BLOCK_M)
+        half = _full_stack(WIDTH // 2, BLOCK_M, VALUE)
         return tl.join(half, half)
 
 
@@ -176,13 +184,11 @@ def _qk_heads_kernel(
     row0 = (pid % row_tiles) * BLOCK_M
     row = row0 + tl.arange(0, BLOCK_M)
     gram = tl.zeros((SPLIT, BLOCK_H, BLOCK_H), dtype=tl.float32)
-    # the row sums stay in the stack's own shape and layout: reshaped to [rows, heads] inside the loop
-    # they took a layout holding each value twice in every thread of a quad (64 registers each)
-    mass = _zeros_stack(BLOCK_H, BLOCK_M)
-    if BLOCK_H == 1:
-        plogp = mass        # per row: a scalar sum in the loop failed triton 3.6's sm_100 TMEM layout pass
-    else:
-        plogp = tl.sum(mass, 0)              # [2, …, 2]: p·log₂p is only needed summed over rows
+    # the rows' running sums (`row_entropy_triton`) stay in the stack's own shape and layout: reshaped to
+    # [rows, heads] inside the loop they took a layout holding each value twice in every thread of a quad
+    m = _full_stack(BLOCK_H, BLOCK_M, _MASKED)
+    rest = _full_stack(BLOCK_H, BLOCK_M, 0.0)
+    total = _full_stack(BLOCK_H, BLOCK_M, 0.0)
     key_end = Tk
     if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
         key_end = tl.minimum(Tk, row0 + BLOCK_M)
@@ -229,29 +235,28 @@ def _qk_heads_kernel(
         mask_offsets = row[:, None] * stride_mm + key[None, :] * stride_mn
         mask_in = (row[:, None] < Tq) & (key[None, :] < Tk)
         if PAIR_HEADS > 0:
-            # block I's heads then block J's: the top level of a `_stack` of 2·PB heads
-            tiles_i, _pi, _mi = _stack(
+            # block I's heads then block J's: the top level of a `_stack` of 2·PB heads (the Gram alone:
+            # a pair's launch takes no row sums, its running sums pass through unchanged)
+            m_i, m_j = tl.split(m)
+            rest_i, rest_j = tl.split(rest)
+            total_i, total_j = tl.split(total)
+            tiles_i, m_i, rest_i, total_i = _stack(
                 0, PAIR_HEADS, q_base, k_base, mask_base, lse_base, q_offsets, q_step, k_offsets, k_in,
-                mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
-                stride_qh, stride_kh, stride_mh, stride_lh, PAIR_HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
-            tiles_j, _pj, _mj = _stack(
+                mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m_i, rest_i, total_i,
+                stride_qh, stride_kh, stride_mh, stride_lh, PAIR_HEADS, GROUP, MASK_KIND, FP32_DOT, False,
+                BLOCK_M, BLOCK_N)
+            tiles_j, m_j, rest_j, total_j = _stack(
                 0, PAIR_HEADS, q_base_j, k_base_j, mask_base_j, lse_base_j, q_offsets, q_step, k_offsets, k_in,
-                mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
-                stride_qh, stride_kh, stride_mh, stride_lh, PAIR_HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
+                mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m_j, rest_j, total_j,
+                stride_qh, stride_kh, stride_mh, stride_lh, PAIR_HEADS, GROUP, MASK_KIND, FP32_DOT, False,
+                BLOCK_M, BLOCK_N)
             tiles = tl.join(tiles_i, tiles_j)
-            tile_plogp = tl.join(_pi, _pj)
-            tile_mass = tl.join(_mi, _mj)
         else:
-            tiles, tile_plogp, tile_mass = _stack(
+            tiles, m, rest, total = _stack(
                 0, BLOCK_H, q_base, k_base, mask_base, lse_base, q_offsets, q_step, k_offsets, k_in,
-                mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
-                stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, BLOCK_M, BLOCK_N)
-        if ROW_SUMS:
-            if BLOCK_H == 1:
-                plogp += tile_plogp
-            else:
-                plogp += tl.sum(tile_plogp, 0)
-            mass += tile_mass
+                mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m, rest, total,
+                stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, ROW_SUMS, BLOCK_M,
+                BLOCK_N)
         if GRAM:
             gram = _gram_tile(gram, tiles, SPLIT, BLOCK_M, BLOCK_N, BLOCK_H, GRAM_CHUNKS, FP32_DOT)
 
@@ -267,15 +272,13 @@ def _qk_heads_kernel(
         tl.store(gram_part_ptr + pid * HEADS * HEADS + head[:, None] * HEADS + head[None, :], tl.sum(gram, 0),
                  mask=(head[:, None] < HEADS) & (head[None, :] < HEADS))
     if ROW_SUMS:
-        # p·x is p log2 p: nats = −ln 2 × the sum
-        if BLOCK_H == 1:
-            tl.store(entropy_part_ptr + pid * OUT_H + head0, tl.sum(plogp, 0) * -_LN2)
-        else:
-            tl.store(entropy_part_ptr + pid * OUT_H + head0 + head, tl.reshape(plogp, (BLOCK_H,)) * -_LN2,
-                     mask=head0 + head < OUT_H)
-        mass = tl.reshape(mass, (BLOCK_M, BLOCK_H))
         counted = ok[:, None] & (head0 + head[None, :] < HEADS)
-        off = counted & ((tl.abs(mass - 1.0) <= _MASS_TOLERANCE) == 0)     # NaN counts as off
+        lse2 = tl.load(lse_base + head[None, :] * stride_lh + lse_offsets[:, None], mask=counted, other=0.0) * _LOG2E
+        entropy, off = _row_results(tl.reshape(m, (BLOCK_M, BLOCK_H)), tl.reshape(rest, (BLOCK_M, BLOCK_H)),
+                                    tl.reshape(total, (BLOCK_M, BLOCK_H)), lse2, counted, FP32_DOT)
+        if BLOCK_H == 1:
+            tl.store(entropy_part_ptr + pid * OUT_H + head0, tl.sum(tl.sum(entropy, 1), 0))
+        else:
+            tl.store(entropy_part_ptr + pid * OUT_H + head0 + head, tl.sum(entropy, 0), mask=head0 + head < OUT_H)
         tl.store(invalid_part_ptr + pid * tl.num_programs(1) + tl.program_id(1),
                  tl.sum(tl.sum(off.to(tl.float32), 1), 0))
-

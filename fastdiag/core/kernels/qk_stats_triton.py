@@ -6,10 +6,11 @@ head ``h // G``, ``G = H / Hk``), an optional mask and the causal flag, two kern
 - **pass 1** (`_qk_lse_kernel`): the row log-sum-exp, a flash forward without V. Online max and
   sum per head and row, the max starting above the masked score so a fully masked row keeps sum 0.
   Skipped when the attention op already returned its LSE.
-- **pass 2** (`_qk_stats_kernel`): with ``s`` the scores in log2 units, ``x = s − lse₂`` and
-  ``p = exp2(x)``: ``entropy += p·x`` (× −ln 2 at the end, no log), ``gram += p pᵀ`` over the
-  ``[heads, rows·keys]`` slab with `tl.dot`, and the row mass ``Σp`` (a valid row whose mass is
-  not 1 ± 1e-3 counts as invalid: a wrong LSE never passes silently).
+- **pass 2** (`_qk_stats_kernel`): with ``s`` the scores in log2 units and ``p = exp2(s − lse₂)``,
+  ``gram += p pᵀ`` over the ``[heads, rows·keys]`` slab with `tl.dot`; each row's entropy and mass
+  from its own running maximum (`row_entropy_triton`: exact on sharp rows whatever kernel gave the
+  LSE). A valid row whose mass is not 1 ± 1e-3 counts as invalid (a wrong LSE never passes
+  silently), and so does one whose float32 scores are too large to hold the dtype's target.
 
 A program owns one batch entry, ``BLOCK_M`` query rows and a block of ``BLOCK_HK`` key heads with
 their whole query groups folded into the M dimension, so each K tile is loaded once per key head.
@@ -39,8 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .constants import LN2, LOG2E, MASKED_SCORE, MASS_TOLERANCE
+from .constants import LN2, LOG2E, MASKED_SCORE
 from .qk_heads_triton import _qk_heads_kernel
+from .row_entropy_triton import _row_results, _row_sums_start, _row_sums_step
 from .qk_stats_ref import qk_stats_ref
 from .qk_stats_torch import CHUNK_BYTES, qk_stats_torch
 from .device import GPUS, device_limits, spill_bytes
@@ -52,7 +54,6 @@ _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(LN2)
 _MASKED = tl.constexpr(MASKED_SCORE)
 _ABOVE_MASKED = tl.constexpr(MASKED_SCORE / 10)   # pass 1's starting max: exp2(MASKED - it) is 0
-_MASS_TOLERANCE = tl.constexpr(MASS_TOLERANCE)
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
 
 
@@ -252,8 +253,7 @@ def _qk_stats_kernel(
             BLOCK_G, BLOCK_M, BLOCK_D)
 
     gram = tl.zeros((BLOCK_HK * BLOCK_G, BLOCK_HK * BLOCK_G), dtype=tl.float32)
-    plogp = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
-    mass = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
+    m, rest, total = _row_sums_start((BLOCK_HK, BLOCK_G * BLOCK_M))   # the rows' running sums
     key_end = Tk
     if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
         key_end = tl.minimum(Tk, row0 + BLOCK_M)
@@ -262,12 +262,14 @@ def _qk_stats_kernel(
                       mask_threshold, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
                       stride_kd, stride_mb, stride_mh, stride_mm, stride_mn,
                       IS_CAUSAL, MASK_KIND, FP32_DOT, Q_IN_LOOP, BLOCK_N, BLOCK_D, BLOCK_DC)
-        x_i = _log2_probs(s_i, lse2_i, ok_i)
-        p_i = tl.exp2(x_i)
+        if DIAGONAL:
+            # p = exp2(s − m) · exp2(m − lse₂): one exp2 per score serves the Gram and the row sums
+            e_i, m, rest, total = _row_sums_step(s_i, m, rest, total, 2)
+            p_i = tl.where(ok_i[:, :, None], e_i * tl.exp2(m - lse2_i)[:, :, None], 0.0)
+        else:
+            p_i = tl.exp2(_log2_probs(s_i, lse2_i, ok_i))
         slab_i = _slab(p_i, FP32_DOT, BLOCK_HK, BLOCK_G, BLOCK_M, BLOCK_N)
         if DIAGONAL:
-            plogp += tl.sum(p_i * x_i, 2)
-            mass += tl.sum(p_i, 2)
             slab_j = slab_i
         else:
             s_j = _scores(q_j, q_ptr, k_ptr, mask_ptr, batch, kv_j, head_j, row, real_j, key0, Hk, Tk, D,
@@ -286,10 +288,8 @@ def _qk_stats_kernel(
     part = pid * tl.num_programs(1) + pair
     tl.store(gram_part_ptr + part * bh * bh + out[:, None] * bh + out[None, :], gram)
     if DIAGONAL:
-        # p·x is p log2 p: nats = −ln 2 × the sum
-        entropy = tl.sum(tl.reshape(plogp, (bh, BLOCK_M)), 1) * -_LN2
-        tl.store(entropy_part_ptr + part * bh + out, entropy)
-        off = ok_i & ((tl.abs(mass - 1.0) <= _MASS_TOLERANCE) == 0)     # NaN counts as off
+        entropy, off = _row_results(m, rest, total, lse2_i, ok_i, FP32_DOT)
+        tl.store(entropy_part_ptr + part * bh + out, tl.sum(tl.reshape(entropy, (bh, BLOCK_M)), 1))
         tl.store(invalid_part_ptr + part, tl.sum(tl.sum(off.to(tl.float32), 1), 0))
 
 
@@ -598,8 +598,9 @@ def heads_plans(cfg: dict) -> list[list[dict]]:
     """The ways to run `_qk_heads_kernel` with tiles ``cfg``, in order of preference, each a list of
     launches' constexprs (``HEAD_PROGRAMS``: the launch's second grid axis): one launch of the Gram and
     the row sums; or the Gram alone plus the row sums in programs of one head (a second scoring of every
-    head, 64 keys a step, without the Gram's 48 registers of loop-carried row sums: triton 3.6 spills
-    the one launch for sm_90 and compiles these two clean, benchmarks/RESULTS.md); or that with the Gram
+    head, 64 keys a step, without the Gram's loop-carried row sums: triton 3.6, and 3.9 with the three
+    running sums of `row_entropy_triton`, spill the one launch for sm_90 and compile these two clean,
+    benchmarks/RESULTS.md); or that with the Gram
     in 8 warps; or plan 1 or 2 with 32 rows a program (Q of 12 heads x 32 rows x 64 bf16 = 48 KB: the
     plans for 99 KB of shared memory, sm_86/89/120; triton 3.9 compiles 4 warps clean for sm_120, 8 for
     sm_86/89). The launcher takes the first plan that fits the device's shared memory and whose launches

@@ -1,0 +1,96 @@
+"""A row's entropy and mass from its scores, one key tile at a time: the Q/K pass-2 kernels' row sums.
+
+``−Σ p (s − lse)`` loses a sharp row. Its top key's ``s − lse`` should be minus the row's tiny mass off
+the top, but pass 2 recomputes the scores in another accumulation order than the kernel that gave the
+LSE (pass 1, or the attention op), so it is ``±ε·|s|`` instead, and the entropy — made of the
+runners-up ``exp(s_j − s_top)`` — carries that error whole: σ_l was 4e-5 off float64 at a logit gap of
+300, 1e-3 to 26× at 1e3–1e4 (fp32 scores, silent). Here, as on the torch path (`qk_stats_torch`), each
+row is shifted by its own running maximum ``m`` (the score of its top key, so that key's term is 0
+exactly), with ``rest = Σ exp2(s − m)`` over every key but one top key and ``total = Σ exp2(s − m)·(m − s)``,
+both sums of non-negative terms, rescaled when a later key tile raises the maximum (as a flash forward
+rescales its sum). Then, in log2 units, ``H = log2(1 + rest) + total / (1 + rest)`` and the row's mass
+under the given LSE is ``exp2(m − lse₂)·(1 + rest)``: the entropy is that of the scores pass 2 computed,
+and a LSE that disagrees with them shows in the mass (checked), never in H.
+
+What float32 scores cannot give is named, never returned silently: a score of size |s| carries a rounding
+error of ~2⁻²⁴·|s|, which moves a row's entropy by about that much *relative* (a sharp row's entropy is
+its runners-up's ``exp(s_j − s_top)``), and the Gram by the row's mass off 1. A row whose estimated
+relative error (`SCORE_ROUNDING` × the size of its relevant scores) or whose mass off 1 exceeds the
+input dtype's target (1e-5 for float32 inputs, 1e-3 for 16-bit ones: README, "Exactness") is counted in
+``invalid``: the layer's statistics are NaN and attach names the module (docs/attach.md, "Sharp rows").
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .constants import LN2, LOG2E, MASKED_SCORE, MASS_TOLERANCE
+
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(LN2)
+_MASKED = tl.constexpr(MASKED_SCORE)
+_MASS_TOLERANCE = tl.constexpr(MASS_TOLERANCE)
+
+# The relative error of a row's entropy per unit of score size (log2 units), estimated: measured in the
+# interpreter against float64 (benchmarks/RESULTS.md, "Sharp rows on the Triton pass 2"), σ_l's error
+# reached 0.9 × 2⁻²⁴ × the rows' largest |s|; twice that is the estimate.
+SCORE_ROUNDING = 2 * 2.0 ** -24
+_SCORE_ROUNDING = tl.constexpr(SCORE_ROUNDING)
+# The exactness targets (README, "Exactness"): float32 inputs, 16-bit inputs
+FP32_TARGET, HALF_TARGET = 1e-5, 1e-3
+_FP32_TARGET = tl.constexpr(FP32_TARGET)
+_HALF_TARGET = tl.constexpr(HALF_TARGET)
+
+
+@triton.jit
+def _row_sums_start(shape: tl.constexpr):
+    """Running (m, rest, total) before any key: m at the masked score, so a row's first real key
+    rescales whatever masked keys came before it to 0."""
+    return (tl.full(shape, _MASKED, dtype=tl.float32), tl.zeros(shape, dtype=tl.float32),
+            tl.zeros(shape, dtype=tl.float32))
+
+
+@triton.jit
+def _row_sums_step(s, m, rest, total, AXIS: tl.constexpr):
+    """One key tile of scores ``s`` (log2 units, masked keys at MASKED, keys along ``AXIS``) into the
+    rows' running ``(m, rest, total)``. Returns ``exp2(s − m_new)`` for every key (the row's
+    probabilities up to a per-row factor) and the new sums."""
+    m_new = tl.maximum(m, tl.max(s, AXIS))
+    x = s - tl.expand_dims(m_new, AXIS)            # ≤ 0, exactly 0 at the top
+    e = tl.exp2(x)
+    at_top = x == 0
+    grew = m_new > m
+    # the old sums' keys: rescaled by exp2(m − m_new) when this tile holds a higher key, the old top
+    # included (then no longer the top); a tile at the maximum adds one per key tied with the top
+    # beyond the one top key (at least one such key when the maximum grew)
+    alpha = tl.exp2(m - m_new)
+    old_rest = tl.where(grew, alpha * (1.0 + rest), rest)
+    old_total = tl.where(grew, alpha * (total + (m_new - m) * (1.0 + rest)), total)
+    ties = tl.sum(at_top.to(tl.float32), AXIS) - grew.to(tl.float32)
+    rest_new = old_rest + tl.sum(tl.where(at_top, 0.0, e), AXIS) + ties
+    total_new = old_total - tl.sum(e * x, AXIS)     # a masked key: 0 · −1e30 = 0
+    return e, m_new, rest_new, total_new
+
+
+@triton.jit
+def _row_results(m, rest, total, lse2, ok, FP32_DOT: tl.constexpr):
+    """Per row: its entropy in nats (0 where the row does not count) and whether it counts as invalid:
+    its mass under the LSE off 1 by more than MASS_TOLERANCE (a wrong LSE, NaN), or, for a row that
+    counts, more error than the dtype's target allows (float32 scores too large for it)."""
+    mass_in_row = 1.0 + rest
+    # log2(1 + rest) to full precision for a tiny rest: log2(u) · rest / (u − 1) with u = 1 + rest rounded
+    log_mass = tl.where(mass_in_row == 1.0, rest * _LOG2E,
+                        tl.log2(mass_in_row) * (rest / tl.where(mass_in_row == 1.0, 1.0, mass_in_row - 1.0)))
+    entropy = (log_mass + total / mass_in_row) * _LN2
+    mass = tl.exp2(m - lse2) * mass_in_row
+    if FP32_DOT:
+        target = _FP32_TARGET
+    else:
+        target = _HALF_TARGET
+    # the size of the scores the entropy is made of: the top key's and the others' (at their mean gap)
+    gap = tl.where(rest > 0, total / tl.where(rest > 0, rest, 1.0), 0.0)
+    size = tl.maximum(tl.abs(m), tl.abs(m - gap))
+    drift = tl.abs(mass - 1.0)
+    wrong = (drift <= _MASS_TOLERANCE) == 0                               # NaN counts as wrong
+    imprecise = (_SCORE_ROUNDING * size > target) | (drift > target)
+    return tl.where(ok, entropy, 0.0), ok & (wrong | imprecise)
