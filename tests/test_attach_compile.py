@@ -239,3 +239,33 @@ def test_a_foreign_model_in_a_compiled_model_is_not_folded_into_a_layer(where, l
     why = "beside attention in the modules it contains" if (where, layers) == ("root", 1) else "2 attention ops"
     assert why in monitor.coverage()["missing"][caller]
     assert any(f"{caller!r}" in w and why in w for w in warned), warned
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "recompiled"])
+def test_the_compiled_layout_check_holds_at_another_sequence_length(dynamic):
+    """A compiled model seeing other sequence lengths, with dynamic shapes (Tq symbolic) or
+    recompiled per length: the layout check runs on each pass's own shapes. [B, H, Tq, Tk] with 4 stated
+    heads is confirmed and exact at 6 and 7 tokens; at 4 tokens (Tq = H) it cannot be confirmed, so that
+    pass is named and records nothing — never recorded on the strength of another length's check."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = HandNet("bhqk", stated=True)
+    compiled = torch.compile(model, backend="eager", fullgraph=True, dynamic=dynamic)
+    xs = [torch.randn(2, t, 16) for t in (6, 4, 7)]
+    wants = [model(x) for x in xs]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fastdiag.attach(model, every=1) as monitor:
+            for x, want in zip(xs, wants):
+                t = x.shape[1]
+                records = monitor.num_records
+                assert torch.equal(compiled(x), want)         # the compiled output is the model's own
+                if t == 4:
+                    assert monitor.num_records == records       # named below, nothing recorded
+                    continue
+                assert monitor.num_records == records + 1
+                assert_stats_close(monitor.latest_stats()["mixer"],
+                                   fastdiag.head_stats(model.mixer.used, backend="reference"), 1e-4)
+    warned = [str(w.message) for w in caught if "fastdiag" in str(w.message)]
+    assert len(warned) == 1, warned
+    assert "'mixer' (Hand)" in warned[0] and "(2, 4, 4, 4)" in warned[0] and "dims 1 and 2" in warned[0]
