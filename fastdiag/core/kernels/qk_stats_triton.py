@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .constants import LN2, LOG2E, MASKED_SCORE
 from .qk_heads_triton import _qk_heads_kernel
-from .row_entropy_triton import FP32_TARGET, HALF_TARGET, SCORE_ROUNDING, _row_results, _row_sums_start, _row_sums_step
+from .row_entropy_triton import _row_results, _row_sums_start, _row_sums_step
 from .qk_stats_ref import qk_stats_ref
 from .qk_stats_torch import CHUNK_BYTES, qk_stats_torch
 from .device import GPUS, device_limits, spill_bytes
@@ -785,45 +785,21 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
             _warn_torch_path(q4, e)
             return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, None, CHUNK_BYTES, check_lse=False)
     if tiles is not None:
-        return _scores_bounded(_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles, limits), q4, k4, scale,
-                               rows_ok)
+        return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles, limits)
     by_head = _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits)
     if by_head is not None:
-        return _scores_bounded(by_head, q4, k4, scale, rows_ok)
+        return by_head
     key = (q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared, mask4 is not None)
     configs = _PASS2_CONFIGS.get(key)
     if configs is None:
         configs = _PASS2_CONFIGS[key] = pass2_configs(*key)
     for cfg in configs:
         try:
-            return _scores_bounded(_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, limits), q4, k4,
-                                   scale, rows_ok)
+            return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, limits)
         except triton.runtime.errors.OutOfResources as e:
             _warn_torch_path(q4, e)
-    # no tile fits this device: the same sums in PyTorch, the LSE checked against the scores (float64 scores
-    # for float32 inputs; 16-bit ones are scored in float32 there too)
-    sums = qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, CHUNK_BYTES, check_lse=True)
-    return sums if q4.dtype == torch.float32 else _scores_bounded(sums, q4, k4, scale, rows_ok)
-
-
-def _scores_bounded(sums, q4, k4, scale: float, rows_ok):
-    """``sums`` with the rows whose float32 scores may be too far off for the dtype's target counted in
-    ``invalid`` (named by attach, `row_entropy_triton`): a score's accumulation error grows with
-    ``Σ_d |q_d k_d|``, which can be far above |s| where the products cancel, so beside the kernels'
-    estimate from the scores themselves each row is bounded by ``|scale| · ‖q_row‖ · max ‖k‖`` (the
-    head's largest key): 2 · 2⁻²⁴ × that in log2 units may not exceed the target. In float64 emulation
-    of float32 scores (gaps 1–1e3, offsets to 1e3) no row's entropy was off by more than 0.54 × this
-    bound. A few vector norms over Q and K: no pass over the scores."""
-    gram, entropy, rows, invalid = sums
-    target = FP32_TARGET if q4.dtype == torch.float32 else HALF_TARGET
-    group = q4.shape[1] // k4.shape[1]
-    q_norm = torch.linalg.vector_norm(q4, dim=-1, dtype=torch.float32)                          # [B, H, Tq]
-    k_norm = torch.linalg.vector_norm(k4, dim=-1, dtype=torch.float32).amax(-1)                 # [B, Hk]
-    bound = q_norm * k_norm.repeat_interleave(group, 1)[..., None] * (SCORE_ROUNDING * LOG2E * abs(scale))
-    far = bound > target                                                                         # NaN: not here
-    if rows_ok is not None:
-        far &= rows_ok[:, None, :]
-    return gram, entropy, rows, invalid + far.sum(dtype=invalid.dtype)
+    # no tile fits this device: the same sums in PyTorch, the LSE checked against the scores
+    return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, CHUNK_BYTES, check_lse=True)
 
 
 _WARNED: set = set()

@@ -15,11 +15,9 @@ and a LSE that disagrees with them shows in the mass (checked), never in H.
 What float32 scores cannot give is named, never returned silently: a score of size |s| carries a rounding
 error of ~2⁻²⁴·|s|, which moves a row's entropy by about that much *relative* (a sharp row's entropy is
 its runners-up's ``exp(s_j − s_top)``), and the Gram by the row's mass off 1. A row whose estimated
-relative error (`SCORE_ROUNDING` × the size of its relevant scores; the launcher adds a bound from the
-norms of Q and K, for scores whose products cancel: `qk_stats_triton._scores_bounded`) or whose mass off 1
-exceeds the input dtype's target (1e-5 for float32 inputs, 1e-3 for 16-bit ones: SPEC, "Exactness
-target") is counted in ``invalid``: the layer's statistics are NaN and attach names the module
-(docs/attach.md, "Sharp rows on a GPU").
+relative error (`SCORE_ROUNDING` × the size of its relevant scores) or whose mass off 1 exceeds the
+input dtype's target (1e-5 for float32 inputs, 1e-3 for 16-bit ones: README, "Exactness") is counted in
+``invalid``: the layer's statistics are NaN and attach names the module (docs/attach.md, "Sharp rows").
 """
 from __future__ import annotations
 
