@@ -3,11 +3,19 @@ Tq × Tk is held whole. The twin of `qk_stats_triton` (same arguments, same sums
 float64 `qk_stats_ref` by the same tests."""
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .constants import LOG_P_FLOOR, MASKED_SCORE, MASS_TOLERANCE, exact_fp32_matmul
+from .constants import LN2, LOG2E, LOG_P_FLOOR, MASKED_SCORE, MASS_TOLERANCE, exact_fp32_matmul
 
-CHUNK_BYTES = 64 * 2**20   # scores formed at a time (fp32)
+CHUNK_BYTES = 64 * 2**20   # scores formed at a time
+LOG2_P_FLOOR = LOG_P_FLOOR * LOG2E   # the floor of log p in log2 units (the scores' units here)
+# Columns of one float32 product of the Gram: an [H, K] · [K, H] product accumulates each entry along
+# K, and at H = 4 oneDNN/MKL's fp32 product lost 1e-6 at K = 4096, 3e-6 at 16384 and 2e-5 at 65536
+# (relative, growing with K; this CPU, 2026-12-05). Longer chunks are cut into products of at most
+# this many columns, summed in float64.
+GRAM_COLUMNS = 4096
 
 
 def qk_stats_torch(q4, k4, mask4, is_causal: bool, scale: float, rows_ok, lse, chunk_bytes: int, check_lse: bool):
@@ -19,11 +27,19 @@ def qk_stats_torch(q4, k4, mask4, is_causal: bool, scale: float, rows_ok, lse, c
     Sharp rows keep their digits (σ_l within 1e-5 of float64 at logit gaps up to 1e4): the scores are
     float64 (a float32 score of size 1e3 is 6e-5 off, and a sharp row's entropy is made of
     ``exp(s_j − s_max)`` of its runners-up, which carries that error whole), each row is shifted by its
-    own maximum, ``x = s − max`` (exactly 0 at the top key), and with ``L = log Σ exp x`` taken as
-    ``log1p`` of the sum over the other keys the entropy is ``Σ p (L − x)``, a sum of non-negative
-    terms. ``−Σ p (s − lse)`` cancels: its top term is the difference of two numbers of size |s| whose
-    true value is the row's tiny mass off the top (3e-4 relative on σ_l with a float32 LSE). A given
-    LSE is only checked, never used for p: the row maximum costs one reduction of the chunk scored here anyway.
+    own maximum, ``x = s − max`` (exactly 0 at the top key, so ``2^0 = 1`` exactly), and with the row's
+    mass ``Σ 2^x`` summed in float64, ``L = log Σ exp x`` is ``log1p`` of the mass off the top, whole.
+    The entropy is ``Σ p (L − x) = L − Σ 2^x x / Σ 2^x``, a sum of non-negative terms. ``−Σ p (s − lse)``
+    cancels: its top term is the difference of two numbers of size |s| whose true value is the row's
+    tiny mass off the top (3e-4 relative on σ_l with a float32 LSE). A given LSE is only checked, never
+    used for p: the row maximum costs one reduction of the chunk scored here anyway. Scores are in
+    log2 units (``exp2`` costs half of ``exp`` on a CPU); per-row sums are kept for all rows and the
+    entropy finished once, in float64 (the difference between heads of near-uniform attention keeps
+    its digits).
+
+    Passes over a chunk of scores: the product, the row maximum, ``x``, its floor, ``2^x``, the row
+    mass, ``Σ 2^x x``, p, and the Gram's float32 products of at most `GRAM_COLUMNS` columns (float64
+    on CUDA, where cuBLAS lost 2e-5 to 6e-5 relative at [2, 32, 257, 128] over 66K columns).
 
     The CPU default, and pass 2 on a GPU where the Triton pass 2 does not fit the device's shared
     memory (float32 inputs everywhere: `qk_stats_triton`). Products are float32 or wider whatever
@@ -32,57 +48,89 @@ def qk_stats_torch(q4, k4, mask4, is_causal: bool, scale: float, rows_ok, lse, c
         b, h, tq, d = q4.shape
         hk, tk = k4.shape[1], k4.shape[2]
         group = h // hk
+        dev = q4.device
         # the scores: float64 for float32 inputs (see above); bf16 / fp16 ones (a 1e-3 target) keep float32
         acc = torch.float64 if q4.dtype in (torch.float32, torch.float64) else torch.float32
         # Fold the query group into the rows: each key head's K is read once, never copied per group.
-        qg = (q4.to(acc) * scale).reshape(b, hk, group, tq, d)
-        kt = k4.to(acc).transpose(-1, -2)                                  # [B, Hk, D, Tk]
-        gram = torch.zeros(h, h, dtype=torch.float64, device=q4.device)
-        entropy = torch.zeros(h, dtype=torch.float64, device=q4.device)
-        invalid = torch.zeros((), dtype=torch.float64, device=q4.device)
+        qg = (q4.to(acc) * (scale * LOG2E)).reshape(b * hk, group, tq, d)
+        kt = k4.to(acc).transpose(-1, -2).reshape(b * hk, d, tk)          # [B·Hk, D, Tk]
         if mask4 is not None and mask4.dtype != torch.bool:
-            mask4 = mask4.to(acc).clamp_min(MASKED_SCORE)                   # masked keys: a finite score
+            mask4 = (mask4.to(acc) * LOG2E).clamp_min_(MASKED_SCORE)       # masked keys: a finite score
         rows = min(tq, max(1, chunk_bytes // max(1, b * h * tk * acc.itemsize)))
         if is_causal:   # the diagonal block of every chunk: key j is in row i's future iff j > i
-            future = torch.ones(rows, rows, dtype=torch.bool, device=q4.device).triu_(1)
+            future = torch.ones(rows, rows, dtype=torch.bool, device=dev).triu_(1)
+        size = b * h * rows * tk
+        scores = torch.empty(size, dtype=acc, device=dev)
+        x_buf = scores if acc == torch.float32 else torch.empty(size, dtype=torch.float32, device=dev)
+        e_buf = torch.empty(size, dtype=torch.float32, device=dev)
+        t_buf = torch.empty(size, dtype=torch.float32, device=dev)
+        top = torch.empty(b, h, tq, dtype=acc, device=dev)                # the row maxima (log2 units)
+        mass = torch.empty(b, h, tq, dtype=torch.float64, device=dev)     # Σ 2^x, the top's 1 included
+        moment = torch.empty(b, h, tq, dtype=torch.float32, device=dev)   # Σ 2^x x (≤ 0)
+        gram = torch.zeros(h, h, dtype=torch.float64, device=dev)
+        ok = None if rows_ok is None else rows_ok[:, None, :]             # [B, 1, Tq]
         for r0 in range(0, tq, rows):
             r1 = min(tq, r0 + rows)
             n, kb = r1 - r0, (min(tk, r1) if is_causal else tk)
-            s = (qg[..., r0:r1, :].reshape(b, hk, group * n, d) @ kt[..., :kb]).view(b, h, n, kb)
+            shape, numel = (b, h, n, kb), b * h * n * kb
+            s = torch.bmm(qg[:, :, r0:r1].reshape(b * hk, group * n, d), kt[..., :kb],
+                          out=scores[:numel].view(b * hk, group * n, kb)).view(shape)
             if mask4 is not None:
                 m = mask4[..., r0:r1, :kb] if mask4.shape[-2] > 1 else mask4[..., :kb]
                 if m.dtype == torch.bool:
-                    s = s.masked_fill_(~m, MASKED_SCORE)
+                    s.masked_fill_(~m, MASKED_SCORE)
                 else:
-                    s = s.add_(m)
+                    s.add_(m)
             if is_causal and r0 + 1 < kb:
                 # only keys r0 + 1 .. r1 - 1 can lie in a row's future: mask that diagonal block alone
                 s[..., r0:].masked_fill_(future[:n, :kb - r0], MASKED_SCORE)
-            top = s.amax(-1)                                               # [B, H, rows], float64
-            ok = None if rows_ok is None else rows_ok[:, None, r0:r1]    # [B, 1, rows]
+            t = torch.amax(s, -1, keepdim=True)
+            top[..., r0:r1] = t[..., 0]
+            x = torch.sub(s, t, out=x_buf[:numel].view(shape)).clamp_min_(LOG2_P_FLOOR)   # 0 at the top
+            e = torch.exp2(x, out=e_buf[:numel].view(shape))
             if ok is not None:
-                # an invalid row's maximum may be ±inf or NaN: finite keeps x finite, p is zeroed below
-                top = torch.where(ok, top, top.nan_to_num(0.0, 0.0, 0.0))
-            x = s.sub_(top[..., None]).to(torch.float32).clamp_min_(LOG_P_FLOOR)   # s − max: 0 at the top
-            e = torch.exp(x)
-            at_top = x == 0
-            # Σ exp x over all keys but one top key (ties are 1 each): the row's mass off its top, whole
-            # (≥ 0 on a valid row, which has a top key; an invalid row's, clamped, keeps L finite)
-            rest = (torch.where(at_top, 0.0, e).sum(-1) + (at_top.sum(-1) - 1)).clamp_min_(0.0)
-            log_mass = torch.log1p(rest)                                   # L = log Σ exp x = lse − max
-            p = e.div_((rest + 1)[..., None])
+                # an invalid row's maximum may be ±inf or NaN: its 2^x are zeroed (its p too, below)
+                e.masked_fill_(~ok[..., r0:r1, None], 0.0)
+            row_mass = mass[..., r0:r1]
+            torch.sum(e, -1, dtype=torch.float64, out=row_mass)
+            # Σ 2^x x, through the Gram's buffer (x is not needed after it)
+            moment[..., r0:r1] = torch.mul(e, x, out=t_buf[:numel].view(shape)).sum(-1)
+            inv = row_mass.reciprocal()
             if ok is not None:
-                p = p.masked_fill_(~ok[..., None], 0.0)
-            entropy += torch.linalg.vecdot(p, x.neg_().add_(log_mass[..., None])).sum((0, 2), dtype=torch.float64)
-            if check_lse:
-                mass = torch.exp(top + log_mass.double() - lse[..., r0:r1].double())   # Σ exp(s − lse)
-                off = ~((mass - 1).abs() <= MASS_TOLERANCE)                # NaN counts as off
-                invalid += (off if ok is None else off & ok).sum(dtype=torch.float64)
-            # float64 products: one fp32 dot over a chunk's n·kb columns lost 2e-5 to 6e-5 relative at
-            # [2, 32, 257, 128] on an H200 (cuBLAS, TF32 off), over the 1e-5 target
-            flat = p.view(b, h, n * kb).double()
-            gram += (flat @ flat.transpose(-1, -2)).sum(0)
+                inv = torch.where(ok[..., r0:r1], inv, 0.0)
+            p = e.mul_(inv.to(torch.float32)[..., None])
+            gram += _gram(p, t_buf)
+        rest = mass - 1.0                     # the mass off the top: each tied top key counts 1
+        log_mass = torch.log1p(rest)          # L = log Σ exp x (nats) = lse − max
+        entropy_rows = log_mass - moment.double() * (LN2 / mass)            # Σ p (L − x), x in nats
+        if ok is not None:
+            entropy_rows = torch.where(ok, entropy_rows, 0.0)
+        entropy = entropy_rows.sum((0, 2))
+        invalid = torch.zeros((), dtype=torch.float64, device=dev)
+        if check_lse:
+            off_mass = torch.exp(top.double() * LN2 + log_mass - lse.double())      # Σ exp(s − lse)
+            off = ~((off_mass - 1).abs() <= MASS_TOLERANCE)                # NaN counts as off
+            invalid += (off if ok is None else off & ok).sum(dtype=torch.float64)
         invalid += (~torch.isfinite(gram)).any().double() + (~torch.isfinite(entropy)).any().double()
-        rows_total = (torch.full((), float(b * tq), dtype=torch.float64, device=q4.device) if rows_ok is None
+        rows_total = (torch.full((), float(b * tq), dtype=torch.float64, device=dev) if rows_ok is None
                       else rows_ok.sum(dtype=torch.float64))
     return gram, entropy, rows_total, invalid
+
+
+def _gram(p: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """``Σ_b p_b p_bᵀ`` [H, H] in float64 of ``p [B, H, n, kb]`` (float32): on CUDA one float64
+    product; elsewhere float32 products of at most `GRAM_COLUMNS` columns (whole rows: p's rows laid
+    side by side through ``buf``), summed in float64."""
+    b, h, n, kb = p.shape
+    if p.is_cuda:
+        flat = p.reshape(b, h, n * kb).double()
+        return (flat @ flat.transpose(-1, -2)).sum(0)
+    per = math.gcd(n, max(1, GRAM_COLUMNS // kb))        # rows per product
+    parts = n // per
+    if parts == 1:
+        flat = p.reshape(b, h, n * kb)
+    else:
+        flat = buf[:p.numel()].view(b, parts, h, per * kb)
+        flat.copy_(p.view(b, h, parts, per * kb).transpose(1, 2))
+        flat = flat.view(b * parts, h, per * kb)
+    return torch.bmm(flat, flat.transpose(-1, -2)).sum(0, dtype=torch.float64)
