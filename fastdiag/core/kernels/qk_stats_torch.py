@@ -53,64 +53,68 @@ def qk_stats_torch(q4, k4, mask4, is_causal: bool, scale: float, rows_ok, lse, c
         acc = torch.float64 if q4.dtype in (torch.float32, torch.float64) else torch.float32
         # Fold the query group into the rows: each key head's K is read once, never copied per group.
         qg = (q4.to(acc) * (scale * LOG2E)).reshape(b * hk, group, tq, d)
+        if group == 1:
+            qg = qg.view(b * hk, tq, d)
         kt = k4.to(acc).transpose(-1, -2).reshape(b * hk, d, tk)          # [B·Hk, D, Tk]
-        if mask4 is not None and mask4.dtype != torch.bool:
-            mask4 = (mask4.to(acc) * LOG2E).clamp_min_(MASKED_SCORE)       # masked keys: a finite score
+        if mask4 is not None:   # as a bool mask, True = masked; additive: masked keys get a finite score
+            mask4 = ~mask4 if mask4.dtype == torch.bool else (mask4.to(acc) * LOG2E).clamp_min_(MASKED_SCORE)
         rows = min(tq, max(1, chunk_bytes // max(1, b * h * tk * acc.itemsize)))
         if is_causal:   # the diagonal block of every chunk: key j is in row i's future iff j > i
             future = torch.ones(rows, rows, dtype=torch.bool, device=dev).triu_(1)
+        # one buffer each for the chunk's scores, x = s − max (then 2^x · x) and 2^x (then p), reused
         size = b * h * rows * tk
         scores = torch.empty(size, dtype=acc, device=dev)
         x_buf = scores if acc == torch.float32 else torch.empty(size, dtype=torch.float32, device=dev)
         e_buf = torch.empty(size, dtype=torch.float32, device=dev)
-        t_buf = torch.empty(size, dtype=torch.float32, device=dev)
-        top = torch.empty(b, h, tq, dtype=acc, device=dev)                # the row maxima (log2 units)
-        mass = torch.empty(b, h, tq, dtype=torch.float64, device=dev)     # Σ 2^x, the top's 1 included
-        moment = torch.empty(b, h, tq, dtype=torch.float32, device=dev)   # Σ 2^x x (≤ 0)
-        gram = torch.zeros(h, h, dtype=torch.float64, device=dev)
-        ok = None if rows_ok is None else rows_ok[:, None, :]             # [B, 1, Tq]
+        tops, masses, moments, grams = [], [], [], []
+        ok = None if rows_ok is None else rows_ok[:, None, :, None]       # [B, 1, Tq, 1]
         for r0 in range(0, tq, rows):
             r1 = min(tq, r0 + rows)
             n, kb = r1 - r0, (min(tk, r1) if is_causal else tk)
-            shape, numel = (b, h, n, kb), b * h * n * kb
-            s = torch.bmm(qg[:, :, r0:r1].reshape(b * hk, group * n, d), kt[..., :kb],
-                          out=scores[:numel].view(b * hk, group * n, kb)).view(shape)
+            shape, stride = (b, h, n, kb), (h * n * kb, n * kb, kb, 1)
+            q_rows = qg[:, r0:r1] if group == 1 else qg[:, :, r0:r1].reshape(b * hk, group * n, d)
+            s = torch.bmm(q_rows, kt[..., :kb], out=scores.as_strided((b * hk, group * n, kb), (group * n * kb, kb, 1)))
+            s = s.view(shape)
             if mask4 is not None:
                 m = mask4[..., r0:r1, :kb] if mask4.shape[-2] > 1 else mask4[..., :kb]
                 if m.dtype == torch.bool:
-                    s.masked_fill_(~m, MASKED_SCORE)
+                    s.masked_fill_(m, MASKED_SCORE)
                 else:
                     s.add_(m)
             if is_causal and r0 + 1 < kb:
                 # only keys r0 + 1 .. r1 - 1 can lie in a row's future: mask that diagonal block alone
-                s[..., r0:].masked_fill_(future[:n, :kb - r0], MASKED_SCORE)
-            t = torch.amax(s, -1, keepdim=True)
-            top[..., r0:r1] = t[..., 0]
-            x = torch.sub(s, t, out=x_buf[:numel].view(shape)).clamp_min_(LOG2_P_FLOOR)   # 0 at the top
-            e = torch.exp2(x, out=e_buf[:numel].view(shape))
+                s[..., r0:].masked_fill_(future if n == rows and kb - r0 == rows else future[:n, :kb - r0],
+                                         MASKED_SCORE)
+            top = torch.amax(s, -1, keepdim=True)
+            x = torch.sub(s, top, out=x_buf.as_strided(shape, stride)).clamp_min_(LOG2_P_FLOOR)   # 0 at the top
+            e = torch.exp2(x, out=e_buf.as_strided(shape, stride))
             if ok is not None:
                 # an invalid row's maximum may be ±inf or NaN: its 2^x are zeroed (its p too, below)
-                e.masked_fill_(~ok[..., r0:r1, None], 0.0)
-            row_mass = mass[..., r0:r1]
-            torch.sum(e, -1, dtype=torch.float64, out=row_mass)
-            # Σ 2^x x, through the Gram's buffer (x is not needed after it)
-            moment[..., r0:r1] = torch.mul(e, x, out=t_buf[:numel].view(shape)).sum(-1)
-            inv = row_mass.reciprocal()
+                e.masked_fill_(~ok[:, :, r0:r1], 0.0)
+            mass = e.sum(-1, keepdim=True, dtype=torch.float64)            # Σ 2^x, the top's 1 included
+            moments.append(x.mul_(e).sum(-1))                              # Σ 2^x x (≤ 0)
+            masses.append(mass)
+            if check_lse:
+                tops.append(top)
+            inv = mass.reciprocal()
             if ok is not None:
-                inv = torch.where(ok[..., r0:r1], inv, 0.0)
-            p = e.mul_(inv.to(torch.float32)[..., None])
-            gram += _gram(p, t_buf)
+                inv = torch.where(ok[:, :, r0:r1], inv, 0.0)
+            grams.append(_gram(e.mul_(inv.to(torch.float32)), x_buf))  # e is p now
+        mass = torch.cat(masses, 2)[..., 0] if len(masses) > 1 else masses[0][..., 0]      # [B, H, Tq]
+        moment = torch.cat(moments, 2) if len(moments) > 1 else moments[0]
+        gram = (torch.cat(grams) if len(grams) > 1 else grams[0]).sum(0, dtype=torch.float64)
         rest = mass - 1.0                     # the mass off the top: each tied top key counts 1
         log_mass = torch.log1p(rest)          # L = log Σ exp x (nats) = lse − max
         entropy_rows = log_mass - moment.double() * (LN2 / mass)            # Σ p (L − x), x in nats
         if ok is not None:
-            entropy_rows = torch.where(ok, entropy_rows, 0.0)
+            entropy_rows = torch.where(ok[..., 0], entropy_rows, 0.0)
         entropy = entropy_rows.sum((0, 2))
         invalid = torch.zeros((), dtype=torch.float64, device=dev)
         if check_lse:
+            top = torch.cat(tops, 2)[..., 0] if len(tops) > 1 else tops[0][..., 0]
             off_mass = torch.exp(top.double() * LN2 + log_mass - lse.double())      # Σ exp(s − lse)
             off = ~((off_mass - 1).abs() <= MASS_TOLERANCE)                # NaN counts as off
-            invalid += (off if ok is None else off & ok).sum(dtype=torch.float64)
+            invalid += (off if ok is None else off & ok[..., 0]).sum(dtype=torch.float64)
         invalid += (~torch.isfinite(gram)).any().double() + (~torch.isfinite(entropy)).any().double()
         rows_total = (torch.full((), float(b * tq), dtype=torch.float64, device=dev) if rows_ok is None
                       else rows_ok.sum(dtype=torch.float64))
@@ -118,19 +122,19 @@ def qk_stats_torch(q4, k4, mask4, is_causal: bool, scale: float, rows_ok, lse, c
 
 
 def _gram(p: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    """``Σ_b p_b p_bᵀ`` [H, H] in float64 of ``p [B, H, n, kb]`` (float32): on CUDA one float64
-    product; elsewhere float32 products of at most `GRAM_COLUMNS` columns (whole rows: p's rows laid
-    side by side through ``buf``), summed in float64."""
+    """Partial Grams ``[N, H, H]`` of ``p [B, H, n, kb]`` (float32) whose sum is ``Σ_b p_b p_bᵀ``: on
+    CUDA one float64 product per batch entry; elsewhere float32 products of at most `GRAM_COLUMNS`
+    columns (whole rows: p's rows laid side by side through ``buf``), to be summed in float64."""
     b, h, n, kb = p.shape
     if p.is_cuda:
         flat = p.reshape(b, h, n * kb).double()
-        return (flat @ flat.transpose(-1, -2)).sum(0)
+        return flat @ flat.transpose(-1, -2)
     per = math.gcd(n, max(1, GRAM_COLUMNS // kb))        # rows per product
     parts = n // per
     if parts == 1:
-        flat = p.reshape(b, h, n * kb)
+        flat = p.view(b, h, n * kb)
     else:
-        flat = buf[:p.numel()].view(b, parts, h, per * kb)
+        flat = buf.as_strided((b, parts, h, per * kb), (parts * h * per * kb, h * per * kb, per * kb, 1))
         flat.copy_(p.view(b, h, parts, per * kb).transpose(1, 2))
         flat = flat.view(b * parts, h, per * kb)
-    return torch.bmm(flat, flat.transpose(-1, -2)).sum(0, dtype=torch.float64)
+    return torch.bmm(flat, flat.transpose(-1, -2))
