@@ -52,10 +52,12 @@ def qk_stats_torch(q4, k4, mask4, is_causal: bool, scale: float, rows_ok, lse, c
         # the scores: float64 for float32 inputs (see above); bf16 / fp16 ones (a 1e-3 target) keep float32
         acc = torch.float64 if q4.dtype in (torch.float32, torch.float64) else torch.float32
         # Fold the query group into the rows: each key head's K is read once, never copied per group.
-        qg = (q4.to(acc) * (scale * LOG2E)).reshape(b * hk, group, tq, d)
+        # (contiguous in one copy: a view of a fused QKV projection would be copied again by reshape)
+        qg = q4.to(acc, memory_format=torch.contiguous_format, copy=True).mul_(scale * LOG2E)
+        qg = qg.view(b * hk, group, tq, d)
         if group == 1:
             qg = qg.view(b * hk, tq, d)
-        kt = k4.to(acc).transpose(-1, -2).reshape(b * hk, d, tk)          # [B·Hk, D, Tk]
+        kt = k4.to(acc, memory_format=torch.contiguous_format).view(b * hk, tk, d).transpose(-1, -2)   # [B·Hk, D, Tk]
         if mask4 is not None:   # as a bool mask, True = masked; additive: masked keys get a finite score
             mask4 = ~mask4 if mask4.dtype == torch.bool else (mask4.to(acc) * LOG2E).clamp_min_(MASKED_SCORE)
         rows = min(tq, max(1, chunk_bytes // max(1, b * h * tk * acc.itemsize)))
