@@ -30,6 +30,7 @@ each other's statistics computations for attention.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import threading
@@ -82,25 +83,30 @@ def _inert():
     return _no_op_hook
 
 
-class _Hook:
+class _Hook(functools.partial):
     """A monitor's hook as it sits in a module's hook dict. A copy of the module (``copy.deepcopy``,
-    pickle, ``torch.save``) gets a no-op in its place: a copy carries no monitor and is never measured."""
-    __slots__ = ("fn",)
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, *args):
-        return self.fn(*args)
+    pickle, ``torch.save``) gets a no-op in its place: a copy carries no monitor and is never measured.
+    A `functools.partial`: calling it adds no Python frame (every hooked module's call runs two, on
+    unmeasured passes too)."""
+    __slots__ = ()
 
     def __reduce__(self):
         return _inert, ()
 
 
-class _EagerHook(_Hook):
+class _EagerHook:
     """The root's begin and end: run by torch.compile outside the traced frame, never traced."""
-    __slots__ = ()
-    __call__ = _eager(_Hook.__call__)
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    @_eager
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __reduce__(self):
+        return _inert, ()
 
 
 def _unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
