@@ -168,6 +168,7 @@ class Monitor:
         self._missing: dict[str, str] = {}           # expected modules never measured, and why
         self._warned: set = set()                    # what `_warn_once` has said
         self._named_invalid: set[str] = set()        # layers whose invalid statistics were named
+        self._invalid_read = 0                       # `Records.invalid_version` at the last check
         self._warned_padding: set[tuple] = set()     # set_padding shapes already warned about
         self._handles: list = []
         self._zoo: list[torch.nn.Module] = []       # fastdiag-model attention whose attributes are set
@@ -617,7 +618,11 @@ class Monitor:
     def _name_invalid(self) -> None:
         """At a host read: a layer whose statistics came out invalid on some recorded pass (its s_l and
         σ_l are NaN there) is named once, with why that happens (``strict=True``: a RuntimeError)."""
-        unnamed = {name: count for name, count in self._records.invalid().items() if name not in self._named_invalid}
+        counts = self._records.invalid()
+        if self._records.invalid_version == self._invalid_read:
+            return                  # no pass recorded since the last read: no host sync for it
+        self._invalid_read = self._records.invalid_version
+        unnamed = {name: count for name, count in counts.items() if name not in self._named_invalid}
         if not unnamed:
             return
         counts = torch.stack([c.sum().double() for c in unnamed.values()]).tolist()    # one host sync

@@ -59,6 +59,7 @@ class Records:
         # layer -> its ``invalid`` counts summed over every merged pass, both modes, kept across resets:
         # what `Monitor` names at a host read (added at merge time: a measured step adds no op for it)
         self._invalid: dict[str, torch.Tensor] = {}
+        self.invalid_version = 0       # counts additions to `_invalid`: nothing new, nothing to read
 
     def add(self, step: int, mode: str, stats: dict[str, HeadStats]) -> None:
         if self.all_reduce:
@@ -85,6 +86,7 @@ class Records:
             for name, s in stats.items():
                 merged[name] = s if name not in merged else merged[name] + s
                 self._invalid[name] = s.invalid if name not in self._invalid else self._invalid[name] + s.invalid
+                self.invalid_version += 1
 
     def invalid(self) -> dict[str, torch.Tensor]:
         """Each layer's ``invalid`` counts over every pass recorded so far (device tensors, no sync)."""
