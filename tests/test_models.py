@@ -73,6 +73,44 @@ def test_sdpa_path_equals_explicit_path_and_records_stats():
         assert torch.isfinite(s) and -1 <= float(s) <= 1 + 1e-6
 
 
+@pytest.mark.parametrize("record", [False, True])
+def test_the_last_position_alone_is_the_last_row_of_all_positions(record):
+    """The loss's forward computes the last block past its attention for the last position only: the same
+    logits as that row of the full forward, a gradient for every parameter, and statistics of every row."""
+    model = _small_transformer()
+    for m in M.attention_modules(model).values():
+        m.record = record
+    idx = torch.randint(0, 20, (16, 3))
+    last = model(idx)
+    stats = [m.stats for m in M.attention_modules(model).values()]
+    full = model(idx, all_positions=True)[:, -1]
+    torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-6)
+    last.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    if record:
+        assert all(int(s.rows) == 16 * 3 for s in stats)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_layer_norm_through_the_affine_kernel_keeps_the_bits(dtype, threads):
+    """`norm._normalised` runs the CPU kernel with weight 1 and bias 0 (faster than without weight): the
+    same forward and backward bits as ``F.layer_norm`` without an affine step."""
+    from fastdiag.models.norm import _normalised
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for shape in [(512, 3, 128), (3, 64, 3, 128), (33, 48)]:
+            x = (torch.randn(shape, dtype=torch.float64) * 3 + 1).to(dtype).requires_grad_()
+            grad = torch.randn(shape, dtype=torch.float64).to(dtype)
+            plain = F.layer_norm(x, shape[-1:])
+            ours = _normalised(x, 1e-5)
+            assert torch.equal(plain, ours)
+            assert torch.equal(*(torch.autograd.grad(y, x, grad)[0] for y in (plain, ours)))
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_recorded_stats_equal_head_stats_of_the_layer_probabilities():
     model = _small_transformer().eval()
     attn = model.blocks[0].attn

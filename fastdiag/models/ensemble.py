@@ -91,7 +91,8 @@ class EnsembleTransformer(_Stacked):
         self.diag_backend = "auto"
         self.stats: dict[str, object] = {}
 
-    def _attention(self, x: torch.Tensor, i: int) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor, i: int, last_only: bool = False) -> torch.Tensor:
+        """`CausalSelfAttention.forward` with a member axis: x ``[K, b, t, c]``."""
         p = f"blocks.{i}.attn."
         k, b, t, c = x.shape
         h = self.config.n_heads
@@ -102,26 +103,31 @@ class EnsembleTransformer(_Stacked):
             causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)     # [K, B, H, T, T]
             self.stats[f"blocks.{i}.attn"] = _head_stats(probs.detach(), self.diag_backend)
-            y = probs @ v
+            y = (probs[..., -1:, :] if last_only else probs) @ v
         else:
             # members folded into the batch: SDPA's fused CPU kernel takes 4-D inputs (5-D falls back
             # to the unfused maths, whose bits differ from the single model's)
             y = F.scaled_dot_product_attention(q.flatten(0, 1), kk.flatten(0, 1), v.flatten(0, 1),
                                                is_causal=True).view(q.shape)
-        return _linear(y.transpose(2, 3).reshape(k, b, t, c), self[p + "proj.weight"], self[p + "proj.bias"])
+            if last_only:
+                y = y[..., -1:, :]
+        return _linear(y.transpose(2, 3).reshape(k, b, y.shape[3], c), self[p + "proj.weight"], self[p + "proj.bias"])
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx ``[K, B, T]`` -> logits of the last position ``[K, B, vocab]``."""
         k, b, t = idx.shape
         members = torch.arange(k, device=idx.device)[:, None, None]
         x = self["tok_emb.weight"][members, idx] + self["pos_emb.weight"][:, None, :t]
+        last = self.config.n_layers - 1
         for i in range(self.config.n_layers):
             p = f"blocks.{i}."
-            x = x + self._attention(_layer_norm(x, self[p + "ln1.weight"], self[p + "ln1.bias"]), i)
+            attended = self._attention(_layer_norm(x, self[p + "ln1.weight"], self[p + "ln1.bias"]), i, i == last)
+            # the last block: the last position alone past its attention, as `Block.forward(last_only=True)`
+            x = x[:, :, -1] + attended[:, :, 0] if i == last else x + attended
             hid = _layer_norm(x, self[p + "ln2.weight"], self[p + "ln2.bias"])
             hid = F.gelu(_linear(hid, self[p + "mlp.fc.weight"], self[p + "mlp.fc.bias"]))
             x = x + _linear(hid, self[p + "mlp.proj.weight"], self[p + "mlp.proj.bias"])
-        x = _layer_norm(x[:, :, -1], self["ln_f.weight"], self["ln_f.bias"])
+        x = _layer_norm(x, self["ln_f.weight"], self["ln_f.bias"])
         return _linear(x, self["head.weight"], None)
 
 
