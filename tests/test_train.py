@@ -144,6 +144,27 @@ def test_write_outputs_without_attention(tmp_path):
     assert rows[0]["s_bar"] == "" and paths["plot"].stat().st_size > 0
 
 
+def test_the_figure_process_draws_what_the_caller_would_and_the_caller_draws_without_it(tmp_path):
+    """`fastdiag run` draws its figure in a process started before torch loads: the same PNG, byte for
+    byte, as drawn in the caller; with that process gone, the caller draws it; a figure that cannot be
+    written raises the caller's OSError, as before."""
+    from fastdiag.plots.background import FigureProcess
+    from fastdiag.plots.run import plot_trajectory
+
+    out = train_run(RunConfig(**TINY))
+    plot_trajectory(out.trace, tmp_path / "here.png", result=out.result)
+    with FigureProcess() as figure:
+        assert figure._proc is not None
+        figure.plot(out.trace, tmp_path / "there.png", result=out.result)
+    assert (tmp_path / "there.png").read_bytes() == (tmp_path / "here.png").read_bytes()
+    with FigureProcess() as figure:
+        figure._proc.kill()
+        figure.plot(out.trace, tmp_path / "fallback.png", result=out.result)
+    assert (tmp_path / "fallback.png").read_bytes() == (tmp_path / "here.png").read_bytes()
+    with FigureProcess() as figure, pytest.raises(OSError):
+        figure.plot(out.trace, tmp_path / "no" / "such" / "dir.png", result=out.result)
+
+
 def test_auto_device_picks_cuda_when_available():
     from fastdiag.grokking.build import resolve_device
 

@@ -8,6 +8,8 @@ from fastdiag.cli.options import (CADENCE_HELP, DEFAULT_CADENCE, QUIET_HELP, THR
                                   run_options)
 from fastdiag.grokking.config import RunConfig, fmt_or_dash, parse_cadence
 from fastdiag.grokking.labels import largest, phase2_peak
+from fastdiag.plots.background import FigureProcess
+from fastdiag.plots.outputs import write_outputs
 from fastdiag.store.files import prepare_out_dir
 
 
@@ -37,6 +39,12 @@ def parse_checkpoint_every(text: str):
 @checkpoint_option
 def run(threads, out_dir, quiet, checkpoint_every, **fields) -> None:
     """Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."""
+    # The figure's process loads matplotlib now, beside this one's torch (fastdiag/plots/background.py).
+    with FigureProcess() as figure:
+        _run(figure, threads, out_dir, quiet, checkpoint_every, fields)
+
+
+def _run(figure: FigureProcess, threads, out_dir, quiet, checkpoint_every, fields) -> None:
     with loading():         # torch and the trainer (torch._dynamo) load here, not for --help
         import torch
 
@@ -85,10 +93,8 @@ def run(threads, out_dir, quiet, checkpoint_every, **fields) -> None:
                f"({r['epochs_run']} epochs, {r['steps']} steps, {r['wall_seconds']:.1f} s on {r['device']}"
                + (f"; resumed from the checkpoint at epoch {checkpoint.resumed_epoch}"
                   if checkpoint is not None and checkpoint.resumed_epoch is not None else "") + ")")
-    from fastdiag.plots.run import write_outputs      # matplotlib: loaded only when a figure is drawn
-
     try:
-        paths = write_outputs(outcome, out_dir)
+        paths = write_outputs(outcome, out_dir, figure.plot)
     except OSError as exc:
         raise CLIError(f"--out: the run finished but its outputs could not be written to {out_dir}: "
                        f"{os_error_text(exc)}") from None

@@ -1,9 +1,7 @@
-"""The outputs of one run: ``result.json``, ``trace.csv`` and the two-phase trajectory figure (test
-accuracy, s̄ and σ_H against epoch, log x), each written whole or not at all."""
+"""The figure of one run: the two-phase trajectory (test accuracy, s̄ and σ_H against epoch, log x); and
+the run's outputs (`fastdiag.plots.outputs`) with it drawn here."""
 from __future__ import annotations
 
-import csv
-import json
 import os
 from pathlib import Path
 
@@ -11,8 +9,8 @@ from matplotlib.figure import Figure  # no pyplot: renders with Agg, no GUI back
 
 from fastdiag.grokking.config import GROK_THRESHOLD
 from fastdiag.grokking.labels import first_epoch_at_or_above, largest, phase2_peak
+from fastdiag.plots import outputs
 from fastdiag.plots.style import readable_log_axis
-from fastdiag.store.files import atomic_path, prepare_out_dir
 
 
 def _series(trace, key):
@@ -89,27 +87,6 @@ def draw_trajectory(trace: list[dict], result: dict | None = None, title: str | 
     return fig
 
 
-def trace_columns(trace: list[dict]) -> list[str]:
-    columns: list[str] = []
-    for row in trace:
-        for key in row:
-            if key not in columns:
-                columns.append(key)
-    return columns
-
-
 def write_outputs(outcome, out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write a run's (a ``RunOutcome``: ``result`` and ``trace``) ``result.json``, ``trace.csv`` and
-    ``trajectory.png`` into ``out_dir``; return their paths. Each file is written whole or not at all."""
-    out = prepare_out_dir(out_dir)
-    paths = {"result": out / "result.json", "trace": out / "trace.csv", "plot": out / "trajectory.png"}
-    with atomic_path(paths["result"]) as tmp:
-        tmp.write_text(json.dumps(outcome.result, indent=2, allow_nan=False) + "\n")
-    with atomic_path(paths["trace"]) as tmp, open(tmp, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=trace_columns(outcome.trace))
-        writer.writeheader()
-        for row in outcome.trace:
-            writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
-    with atomic_path(paths["plot"]) as tmp:
-        plot_trajectory(outcome.trace, tmp, result=outcome.result)
-    return paths
+    """`fastdiag.plots.outputs.write_outputs` with the figure drawn here."""
+    return outputs.write_outputs(outcome, out_dir, plot_trajectory)
