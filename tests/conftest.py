@@ -99,8 +99,9 @@ SMALL_GROK = dict(arch="transformer", preset="custom", n_layers=2, n_heads=4, d_
 # as one unit, and so do the tests of a module with a module-scoped fixture: such a fixture is then
 # built once, not once per worker. Only the workers know which fixtures a test uses (the controller
 # collects nothing), so each worker writes its units to a folder the controller named, and the
-# controller's scheduler reads them. (xdist's own loadgroup reads `xdist_group` marks from node ids
-# that pytest 9 no longer lets a plugin change; the marks are honoured here instead.)
+# controller's scheduler reads them; it sends the units holding a `slow` test first. (xdist's own
+# loadgroup reads `xdist_group` marks from node ids that pytest 9 no longer lets a plugin change; the
+# marks are honoured here instead.)
 
 
 UNITS_DIR = pytest.StashKey[str]()
@@ -120,8 +121,9 @@ def pytest_collection_modifyitems(config, items):
     if units_dir is None:
         return
     units = {item.nodeid: unit for item in items if (unit := _shared_unit(item)) is not None}
+    slow = [units.get(item.nodeid, item.nodeid) for item in items if item.get_closest_marker("slow")]
     path = Path(units_dir) / f"{config.workerinput['workerid']}.json"
-    path.with_suffix(".tmp").write_text(json.dumps(units))
+    path.with_suffix(".tmp").write_text(json.dumps({"units": units, "slow": slow}))
     path.with_suffix(".tmp").replace(path)             # whole, before this worker reports its collection
 
 
@@ -150,18 +152,32 @@ def _suite_fixture(fixturedef, rootpath: Path) -> bool:
 if LoadScopeScheduling is not None:
     class SharedFixtureScheduling(LoadScopeScheduling):
         """xdist's scheduling by scope (a scope is a unit of work sent to one worker), with a test's
-        scope its shared-fixture unit, else the test itself."""
+        scope its shared-fixture unit, else the test itself. The units holding a ``slow`` test are sent
+        first (then xdist's order: the units of most tests first), so that the suite does not end with
+        one worker on a long end-to-end test while the other has nothing left to do."""
 
         def __init__(self, config, log=None):
             super().__init__(config, log)
             self._units: dict[str, str] | None = None
+            self._slow: set[str] = set()
 
         def _split_scope(self, nodeid: str) -> str:
             if self._units is None:           # every worker has collected (and written) by now
                 self._units = {}
                 for path in Path(self.config.stash[UNITS_DIR]).glob("*.json"):
-                    self._units.update(json.loads(path.read_text()))
+                    written = json.loads(path.read_text())
+                    self._units.update(written["units"])
+                    self._slow.update(written["slow"])
             return self._units.get(nodeid, nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if self._slow:
+                first = next((scope for scope in self.workqueue if scope in self._slow), None)
+                if first is None:
+                    self._slow.clear()        # all sent
+                else:
+                    self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
 
 
 @pytest.hookimpl(optionalhook=True)

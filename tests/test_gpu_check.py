@@ -14,13 +14,27 @@ pytest.importorskip("triton", reason="the dry run interprets the Triton kernels"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-def test_gpu_check_dry_run_runs_every_stage(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+DEFAULT_STAGES = re.search(r'DEFAULT_STAGES="([^"]*)"', (ROOT / "benchmarks" / "gpu_check.sh").read_text()).group(1)
+EXTRA_STAGES = "tune:60 probe:30 ncu:60 experiments:240"
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """One dry run of every stage, the default ones and the extra ones (tune, probe, ncu, experiments),
+    shared by the tests below: each dry run repeats the machine and tests stages (a third of its time),
+    so one run checks what two did. Returns (the finished process, its JSON lines)."""
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, STAGES=f"{DEFAULT_STAGES} {EXTRA_STAGES}")
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=840)
+    lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()] if done.returncode == 0 else []
+    return done, lines
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_stage(dry_run):
+    done, lines = dry_run
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
-    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert all(x["dry_run"] is True and "error" not in x for x in lines), lines
     stages = [x["stage"] for x in lines]
     assert stages[0] == "machine" and stages[-1] == "machine" and "clocks_after" in lines[-1]
@@ -50,17 +64,12 @@ def test_stage_timeouts_fit_eight_minutes():
 
 
 @pytest.mark.slow
-def test_gpu_check_dry_run_of_the_extra_and_experiments_stages(tmp_path):
+def test_gpu_check_dry_run_of_the_extra_and_experiments_stages(dry_run):
     """tune, probe and ncu (STAGES=...) run here too, so a second lent-GPU run can take them; and the
     experiments stage: canonical step eager / graphed / bare, packs, Mamba against the matched
-    transformer, each a JSON line, here on CPU with a tiny model. One dry run for all four (each dry run
-    also repeats the machine and tests stages)."""
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable,
-               STAGES="tune:60 probe:30 ncu:60 experiments:240")
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], env=env,
-                          capture_output=True, text=True, timeout=540)
+    transformer, each a JSON line, here on CPU with a tiny model (the same dry run as above)."""
+    done, lines = dry_run
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
-    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert {"tune", "probe", "ncu", "experiments"} <= {x["stage"] for x in lines}
     assert all("error" not in x and "failed" not in x for x in lines), lines
     got = [x for x in lines if x["stage"] == "experiments"]

@@ -60,12 +60,15 @@ def trace_rows(out_dir):
         return list(csv.DictReader(fh))
 
 
+@pytest.mark.slow
 def test_a_killed_fastdiag_run_resumes_bit_identically(tmp_path):
     """`fastdiag run` killed with SIGKILL twice, each time at a random moment after a new checkpoint
     (mid-epoch, mid-evaluation, mid-save): the rerun resumes from the last checkpoint (not from epoch
     0) and writes exactly the uninterrupted run's trace and results; the checkpoint is gone once the
     outputs are written."""
-    epochs = "600"
+    # 240 epochs, a checkpoint every 10 and kills within 0.3 s of one: the second kill comes by epoch ~140
+    # even at 5 ms an epoch (a fast machine), and the three trainings cost ~500 epochs, not 1,200
+    epochs, every = "240", 10
     whole = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", "off", "--out", str(tmp_path / "whole"))
     out, err = finish(whole)
     assert whole.returncode == 0, err
@@ -76,16 +79,16 @@ def test_a_killed_fastdiag_run_resumes_bit_identically(tmp_path):
     moments = random.Random(seed)
     for kill in range(2):
         before = ckpt.stat().st_mtime_ns if ckpt.exists() else None
-        killed = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", "20", "--out", str(cut))
-        kill_once_saved(killed, lambda: ckpt.exists() and ckpt.stat().st_mtime_ns != before, moments.uniform(0, 1.0))
+        killed = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", str(every), "--out", str(cut))
+        kill_once_saved(killed, lambda: ckpt.exists() and ckpt.stat().st_mtime_ns != before, moments.uniform(0, 0.3))
         assert killed.returncode == -signal.SIGKILL, f"run {kill} ended before the kill (seed {seed}): make it longer"
         assert not (cut / "result.json").exists() and ckpt.exists()
 
-    rerun = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", "20", "--out", str(cut))
+    rerun = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", str(every), "--out", str(cut))
     out, err = finish(rerun)
     assert rerun.returncode == 0, err
     resumed = int(out.split("resumed from the checkpoint at epoch ")[1].split(")")[0])
-    assert 40 <= resumed < int(epochs), out                  # the second run went on from the first's
+    assert 2 * every <= resumed < int(epochs), out          # the second run went on from the first's
     assert (cut / "trace.csv").read_bytes() == (tmp_path / "whole" / "trace.csv").read_bytes(), f"seed {seed}"
     assert len(trace_rows(cut)) == int(epochs) // 2
     a, b = (json.loads((d / "result.json").read_text()) for d in (tmp_path / "whole", cut))
@@ -170,14 +173,19 @@ def store_traces(store):
         conn.close()
 
 
+# 200 epochs, a checkpoint every 10, a kill within 0.5 s of the first: by epoch ~110 at 5 ms an epoch
+SWEEP_GRID = ["--wd", "0.3,1", "--seeds", "1", *TINY_RUN[:-5], "--device", "cpu", "--epochs", "200", "--threads", "1",
+              "--quiet"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["--ensemble 2 --workers 1", "--ensemble 1 --workers 2"])
 def test_a_killed_sweep_resumes_bit_identically(tmp_path, how):
     """`fastdiag sweep` killed with SIGKILL after its first checkpoint — a pack of two trained in the
     driver, or two runs one by one in two worker processes: the rerun resumes from the checkpoints
     (a pack's runs packed together again) and stores exactly the traces of an uninterrupted sweep; the
     checkpoint folder is gone at the end."""
-    grid = ["--wd", "0.3,1", "--seeds", "1", *TINY_RUN[:-5], "--device", "cpu", "--epochs", "400",
-            *how.split(), "--threads", "1", "--quiet"]
+    grid = [*SWEEP_GRID, *how.split()]
     whole = fastdiag("sweep", *grid, "--store", str(tmp_path / "whole.sqlite"), "--checkpoint-every", "off")
     _, err = finish(whole)
     assert whole.returncode == 0, err
@@ -185,19 +193,19 @@ def test_a_killed_sweep_resumes_bit_identically(tmp_path, how):
     store = tmp_path / "cut.sqlite"
     folder = tmp_path / "cut.sqlite.checkpoints"
     seed = random.randrange(10**6)
-    killed = fastdiag("sweep", *grid, "--store", str(store), "--checkpoint-every", "20")
-    kill_once_saved(killed, lambda: bool(list(folder.glob("*.ckpt.pt"))), random.Random(seed).uniform(0, 1.5))
+    killed = fastdiag("sweep", *grid, "--store", str(store), "--checkpoint-every", "10")
+    kill_once_saved(killed, lambda: bool(list(folder.glob("*.ckpt.pt"))), random.Random(seed).uniform(0, 0.5))
     assert killed.returncode == -signal.SIGKILL, f"the sweep ended before the kill (seed {seed})"
-    assert len(store_traces(store)) < 2 * 200
+    assert len(store_traces(store)) < 2 * 100
 
-    rerun = fastdiag("sweep", *grid, "--store", str(store), "--checkpoint-every", "20")
+    rerun = fastdiag("sweep", *grid, "--store", str(store), "--checkpoint-every", "10")
     _, err = finish(rerun)
     assert rerun.returncode == 0, err
     assert "resumed from checkpoints" in err, err
     if "--ensemble 2" in how:
         assert "2 resumed from checkpoints" in err, err
     assert store_traces(store) == store_traces(tmp_path / "whole.sqlite"), f"seed {seed}"
-    assert len(store_traces(store)) == 2 * 200
+    assert len(store_traces(store)) == 2 * 100
     assert not folder.exists()
 
 

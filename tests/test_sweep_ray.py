@@ -57,6 +57,7 @@ def test_ray_backend_trains_ensembles(local_ray, tmp_path):
         assert all(len(st.trace(r["run_id"])) == 3 for r in runs)
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_ray_sweep_is_one_line_143_and_releases_its_runs(local_ray, tmp_path):
     """SIGTERM to a `--backend ray` sweep (a scheduler's kill): Ray's own handler won (exit 1 or 15, a
     C++ signal dump) and the store showed its runs `running` after the sweep had died. Now the
