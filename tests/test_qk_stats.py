@@ -435,6 +435,19 @@ def test_fp32_sigma_h_within_1e_5_of_itself_at_a_small_spread():
         assert abs(got.entropy_spread().item() - sigma) <= 1e-5 * sigma
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_torch_path_takes_q_and_k_as_views_of_a_fused_projection(dtype):
+    """Q and K as head-split views of one QKV projection ([B, T, 3, H, D] transposed): the torch path's
+    copies to its score dtype must not assume a layout (float64 ones are not copied by a dtype cast)."""
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(2, 9, 3, 4, 8, generator=gen, dtype=dtype)
+    q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
+    want = HeadStats(*qk_stats_ref(q.double(), k.double(), is_causal=True))
+    got = qk_head_stats(q, k, is_causal=True, backend="torch")
+    assert rel_err(got.gram, want.gram) <= 1e-5
+    assert rel_err(got.entropy_sum, want.entropy_sum) <= 1e-5
+
+
 @pytest.mark.parametrize("gap", [30.0, 300.0, 1e3, 3e3, 1e4])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_sharp_rows_keep_sigma_within_1e5_of_float64(gap, is_causal):

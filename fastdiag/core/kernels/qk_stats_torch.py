@@ -57,7 +57,8 @@ def qk_stats_torch(q4, k4, mask4, is_causal: bool, scale: float, rows_ok, lse, c
         qg = qg.view(b * hk, group, tq, d)
         if group == 1:
             qg = qg.view(b * hk, tq, d)
-        kt = k4.to(acc, memory_format=torch.contiguous_format).view(b * hk, tk, d).transpose(-1, -2)   # [B·Hk, D, Tk]
+        # (reshape: `to` returns a view of another layout as it is when the dtype is already acc's)
+        kt = k4.to(acc, memory_format=torch.contiguous_format).reshape(b * hk, tk, d).transpose(-1, -2)   # [B·Hk, D, Tk]
         if mask4 is not None:   # as a bool mask, True = masked; additive: masked keys get a finite score
             mask4 = ~mask4 if mask4.dtype == torch.bool else (mask4.to(acc) * LOG2E).clamp_min_(MASKED_SCORE)
         rows = min(tq, max(1, chunk_bytes // max(1, b * h * tk * acc.itemsize)))
