@@ -15,7 +15,7 @@ of steps alternating bare / every=1 / attached-but-unmeasured / the eager + ``ou
 alternative with naive statistics; medians of the per-block means, as ratios to bare. The machine
 load (``os.getloadavg``) is printed beside them.
 
-    python benchmarks/attach_host_cost.py [--time BLOCKS] [--detail]
+    python benchmarks/attach_host_cost.py [--time BLOCKS [--threads N] [--cpu-time]] [--detail]
 """
 from __future__ import annotations
 
@@ -196,8 +196,12 @@ def naive_stats(attentions) -> torch.Tensor:
     return torch.stack(sync).mean() + torch.stack(spread).mean()
 
 
-def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 1000) -> dict:
-    torch.set_num_threads(2)
+def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 1000, threads: int = 2,
+            cpu_time: bool = False) -> dict:
+    """``cpu_time``: the process's CPU time instead of the wall clock (at 1 thread, what a loaded machine
+    moves least)."""
+    torch.set_num_threads(threads)
+    clock = time.process_time if cpu_time else time.perf_counter
     model = tiny("gpt2", layers=4, d=256, heads=4, positions=256)
     eager = tiny("gpt2", "eager", layers=4, d=256, heads=4, positions=256)
     eager.load_state_dict(model.state_dict())
@@ -232,17 +236,18 @@ def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 1000)
             elif kind.startswith(f"every={every_unmeasured}"):
                 monitor = fastdiag.attach(model, every=every_unmeasured)
                 run(kind)            # step 0 is measured; the timed ones after it are not
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(steps_per_block):
                 run(kind)
-            times[kind].append((time.perf_counter() - t0) / steps_per_block)
+            times[kind].append((clock() - t0) / steps_per_block)
             if monitor:
                 monitor.detach()
     base = statistics.median(times["bare"])
     result = {k: statistics.median(v) / base for k, v in times.items()}
     # each block's own ratio to the bare steps beside it: their range says how far the load moved them
     spread = {k: [t / b for t, b in zip(v, times["bare"])] for k, v in times.items()}
-    print(f"HF GPT-2 4 layers d 256 T 256 batch 4 sdpa, {torch.get_num_threads()} threads, {blocks} alternated "
+    print(f"HF GPT-2 4 layers d 256 T 256 batch 4 sdpa, {torch.get_num_threads()} threads, "
+          f"{'CPU time' if cpu_time else 'wall clock'}, {blocks} alternated "
           f"blocks of {steps_per_block} steps, load {min(loads):.1f}-{max(loads):.1f}: bare {base * 1e3:.0f} ms; "
           + "; ".join(f"{k} x{r:.3f} (blocks {min(spread[k]):.3f}-{max(spread[k]):.3f})"
                       for k, r in result.items() if k != "bare"), flush=True)
@@ -256,9 +261,13 @@ def main(argv=None) -> int:
     parser.add_argument("--no-counts", action="store_true")
     parser.add_argument("--models", default="gpt2,llama", help="comma-separated: gpt2, llama")
     parser.add_argument("--no-syncs", action="store_true", help="skip the host-sync count")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for --time (default 2)")
+    parser.add_argument("--cpu-time", action="store_true", help="time --time blocks in process CPU time")
     args = parser.parse_args(argv)
     if args.time < 0:
         parser.error("--time: expected a non-negative number of blocks")
+    if args.threads < 1:
+        parser.error("--threads: expected a positive number of threads")
     print(f"load {os.getloadavg()[0]:.1f}; {fastdiag.__file__}", flush=True)
     families = [f for f in args.models.split(",") if f]
     if any(f not in ("gpt2", "llama") for f in families):
@@ -266,7 +275,7 @@ def main(argv=None) -> int:
     if not args.no_counts:
         counts(args.detail, families, syncs=not args.no_syncs)
     if args.time:
-        timings(args.time)
+        timings(args.time, threads=args.threads, cpu_time=args.cpu_time)
     return 0
 
 
