@@ -153,15 +153,15 @@ def test_the_figure_process_draws_what_the_caller_would_and_the_caller_draws_wit
 
     out = train_run(RunConfig(**TINY))
     plot_trajectory(out.trace, tmp_path / "here.png", result=out.result)
-    with FigureProcess() as figure:
+    with FigureProcess(fallback=plot_trajectory) as figure:
         assert figure._proc is not None
         figure.plot(out.trace, tmp_path / "there.png", result=out.result)
     assert (tmp_path / "there.png").read_bytes() == (tmp_path / "here.png").read_bytes()
-    with FigureProcess() as figure:
+    with FigureProcess(fallback=plot_trajectory) as figure:
         figure._proc.kill()
         figure.plot(out.trace, tmp_path / "fallback.png", result=out.result)
     assert (tmp_path / "fallback.png").read_bytes() == (tmp_path / "here.png").read_bytes()
-    with FigureProcess() as figure, pytest.raises(OSError):
+    with FigureProcess(fallback=plot_trajectory) as figure, pytest.raises(OSError):
         figure.plot(out.trace, tmp_path / "no" / "such" / "dir.png", result=out.result)
 
 

@@ -40,8 +40,14 @@ def parse_checkpoint_every(text: str):
 def run(threads, out_dir, quiet, checkpoint_every, **fields) -> None:
     """Train one run of a ∘ b mod p and write result.json, trace.csv and trajectory.png."""
     # The figure's process loads matplotlib now, beside this one's torch (fastdiag/plots/background.py).
-    with FigureProcess() as figure:
+    with FigureProcess(fallback=_draw_here) as figure:
         _run(figure, threads, out_dir, quiet, checkpoint_every, fields)
+
+
+def _draw_here(trace, path, result=None) -> None:
+    """The trajectory figure drawn in this process (matplotlib loads now): the figure's process is gone."""
+    from fastdiag.plots.run import plot_trajectory
+    plot_trajectory(trace, path, result=result)
 
 
 def _run(figure: FigureProcess, threads, out_dir, quiet, checkpoint_every, fields) -> None:

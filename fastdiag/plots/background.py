@@ -2,7 +2,8 @@
 torch and trains, so that the figure costs the run its drawing only, not matplotlib's import (0.6 CPU s,
 about 3 % of a canonical 12-epoch run on 2 cores: issue 41). The command still returns only once the
 figure is written; if that process is gone or fails, the figure is drawn in the caller as before (and a
-failure to write it is reported as before)."""
+failure to write it is reported as before). The process runs `fastdiag.plots.figure_worker`; this module
+imports no matplotlib and nothing of fastdiag, so `fastdiag run` can start it before anything loads."""
 from __future__ import annotations
 
 import json
@@ -10,20 +11,21 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-import fastdiag
+from typing import Callable
 
 
 class FigureProcess:
     """``plot(trace, path, result)``: `fastdiag.plots.run.plot_trajectory`'s arguments, drawn in the
-    process started at construction. Use as a context manager (the process is ended on exit)."""
+    process started at construction, or by ``fallback`` (same arguments) where that process is gone or
+    failed. Use as a context manager (the process is ended on exit)."""
 
-    def __init__(self) -> None:
-        root = str(Path(fastdiag.__file__).resolve().parent.parent)       # the same fastdiag in the child
+    def __init__(self, fallback: Callable[..., None]) -> None:
+        self._fallback = fallback
+        root = str(Path(__file__).resolve().parents[2])                   # the same fastdiag in the child
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         try:
             self._proc: subprocess.Popen | None = subprocess.Popen(
-                [sys.executable, "-m", "fastdiag.plots.background"], stdin=subprocess.PIPE,
+                [sys.executable, "-m", "fastdiag.plots.figure_worker"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         except OSError:
             self._proc = None
@@ -46,8 +48,7 @@ class FigureProcess:
                 _end(proc)
             if proc.returncode == 0 and said.strip() == "ok":
                 return
-        from fastdiag.plots.run import plot_trajectory
-        plot_trajectory(trace, path, result=result)
+        self._fallback(trace, path, result=result)
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
@@ -66,17 +67,3 @@ def _end(proc: subprocess.Popen) -> None:
             except OSError:            # a broken pipe on flush
                 pass
 
-
-def main() -> int:
-    from fastdiag.plots.run import plot_trajectory        # matplotlib loads now, beside the caller's work
-    job = sys.stdin.read()
-    if not job:                       # the caller ended (or had nothing to draw)
-        return 0
-    job = json.loads(job)
-    plot_trajectory(job["trace"], job["path"], result=job["result"])
-    print("ok", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
