@@ -103,9 +103,9 @@ def qk_stats_torch(q4, k4, mask4, is_causal: bool, scale: float, rows_ok, lse, c
             if ok is not None:
                 inv = torch.where(ok[:, :, r0:r1], inv, 0.0)
             grams.append(_gram(e.mul_(inv.to(torch.float32)), x_buf))  # e is p now
-        mass = torch.cat(masses, 2)[..., 0] if len(masses) > 1 else masses[0][..., 0]      # [B, H, Tq]
-        moment = torch.cat(moments, 2) if len(moments) > 1 else moments[0]
-        gram = (torch.cat(grams) if len(grams) > 1 else grams[0]).sum(0, dtype=torch.float64)
+        mass = _joined(masses, 2)[..., 0]      # [B, H, Tq]
+        moment = _joined(moments, 2)
+        gram = _joined(grams, 0).sum(0, dtype=torch.float64)
         rest = mass - 1.0                     # the mass off the top: each tied top key counts 1
         log_mass = torch.log1p(rest)          # L = log Σ exp x (nats) = lse − max
         entropy_rows = log_mass - moment.double() * (LN2 / mass)            # Σ p (L − x), x in nats
@@ -114,7 +114,7 @@ def qk_stats_torch(q4, k4, mask4, is_causal: bool, scale: float, rows_ok, lse, c
         entropy = entropy_rows.sum((0, 2))
         invalid = torch.zeros((), dtype=torch.float64, device=dev)
         if check_lse:
-            top = torch.cat(tops, 2)[..., 0] if len(tops) > 1 else tops[0][..., 0]
+            top = _joined(tops, 2)[..., 0]
             off_mass = torch.exp(top.double() * LN2 + log_mass - lse.double())      # Σ exp(s − lse)
             off = ~((off_mass - 1).abs() <= MASS_TOLERANCE)                # NaN counts as off
             invalid += (off if ok is None else off & ok[..., 0]).sum(dtype=torch.float64)
@@ -122,6 +122,11 @@ def qk_stats_torch(q4, k4, mask4, is_causal: bool, scale: float, rows_ok, lse, c
         rows_total = (torch.full((), float(b * tq), dtype=torch.float64, device=dev) if rows_ok is None
                       else rows_ok.sum(dtype=torch.float64))
     return gram, entropy, rows_total, invalid
+
+
+def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The chunks' per-row sums along ``dim``: a single chunk as it is (no copy)."""
+    return torch.cat(parts, dim) if len(parts) > 1 else parts[0]
 
 
 def _gram(p: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
