@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend
 from fastdiag.core.diagnostics import BACKENDS, run_triton, triton_available
 from fastdiag.core.kernels.qk_stats_ref import qk_stats_ref
 from fastdiag.core.kernels.rows import additive_mask, mask_as_4d, valid_rows, visible  # noqa: F401 (fastdiag.qk names)
+from fastdiag.core.kernels import qk_stats_cpu as native
 from fastdiag.core.kernels.qk_stats_torch import CHUNK_BYTES, qk_stats_torch
 from fastdiag.core.stats import HeadStats
 
@@ -149,6 +150,9 @@ def _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, quer
     # None: every row is valid (no mask and no query_mask: with is_causal each row sees key 0)
     rows_ok = None if mask4 is None and qm is None else valid_rows(mask4, is_causal, (b, h, tq, k4.shape[2]), qm)
     if backend == "torch":
+        if native.usable(q4, k4, mask4):
+            return HeadStats(*native.qk_stats_cpu(q4, k4, mask4, is_causal, scale, rows_ok, lse3,
+                                                  check_lse and lse3 is not None))
         if q4.device.type == "cpu":
             chunk_bytes = min(chunk_bytes, CPU_CHUNK_BYTES)
         return HeadStats(*qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse3, chunk_bytes,

@@ -1,0 +1,395 @@
+/* Head statistics from Q and K on the CPU in one fused pass: the native twin of `qk_stats_torch`
+ * (same arguments, same sums, the same float64 reference in the tests). Built on first use by
+ * `qk_stats_cpu.py` (cc -O3 -march=native, no OpenMP: plain pthreads, so no second thread pool
+ * spins beside PyTorch's).
+ *
+ * Why fused: the torch path makes ~8 passes over every chunk of scores (product, max, x, its floor,
+ * 2^x, mass, moment, p, Gram), each an op with its own dispatch and its own trip through memory. Here a
+ * tile of RB query rows × all heads is scored into a thread's cache-sized buffer and finished there:
+ * scores, row maximum, x = s − max, 2^x, the row's float64 mass and moment, p and the heads' Gram.
+ *
+ * Precision, as on the torch path (its docstring says why each step is there):
+ * - scores in log2 units (q pre-scaled by scale·log2 e), each row shifted by its own maximum, so the top
+ *   key's 2^0 is exactly 1 and log Σ exp x = log1p(mass off the top);
+ * - the mass and Σ 2^x·x summed in float64, the entropy finished in float64 per row, the Gram's products
+ *   (exact in float64) summed in float64;
+ * - float32 scores only where they cannot be off by more than SCORE_ERROR_BOUND (log2 units, worst case
+ *   for this row and head: 2u·(D+2)·max|q_scaled|·max|k|); elsewhere the row is scored again in float64,
+ *   as the torch path scores every float32 row. A randomly initialised GPT-2 layer is at ~2^-16; sharp
+ *   trained rows (|s| ~ 1e3) take the float64 road, row by row, with no host read.
+ * - an additive mask is added in float64 (its own rounding never enters x).
+ * NaN and inf propagate into the row's mass (the caller counts a non-finite result as invalid).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define RB 6            /* query rows per tile */
+#define KB 16           /* keys per register tile (two 8-float vectors) */
+#define LANES 8
+#define MAX_THREADS 64
+
+static const double LOG2E = 1.4426950408889634;
+static const double LN2 = 0.6931471805599453;
+static const float MASKED_F = -1e30f;
+static const double MASKED_D = -1e30;
+
+typedef struct {
+    const float *q; int64_t q_sb, q_sh, q_st;        /* [B, H, Tq, D], last dim contiguous */
+    const float *k; int64_t k_sb, k_sh, k_st;        /* [B, Hk, Tk, D], last dim contiguous */
+    const void *mask; int mask_kind;                 /* 0 none, 1 bool (1 = may attend), 2 float32, 3 float64 */
+    int64_t m_sb, m_sh, m_st, m_sk;                  /* broadcast dims have stride 0 */
+    const uint8_t *rows_ok; int64_t r_sb, r_st;      /* NULL: every row valid */
+    const float *lse; int64_t l_sb, l_sh, l_st;      /* NULL: no check; natural-log units */
+    int64_t B, H, Hk, Tq, Tk, D;
+    int causal;
+    double scale;
+    double floor2;                                   /* the floor of x = s − max, log2 units */
+    double mass_tolerance;
+    double score_error_bound;
+    int nthreads;
+} Args;
+
+typedef struct {
+    const Args *a;
+    int tid;
+    const float *kt;      /* shared: [B, Hk, D, ldk] keys transposed, zero-padded to ldk */
+    const float *kmax;    /* shared: [B, Hk] max |k| */
+    int64_t ldk;
+    double *gram;         /* this thread's [H, H] (upper triangle) */
+    double *entropy;      /* [H] */
+    double invalid;
+    double f64_rows;
+    int failed;
+} Work;
+
+/* Eight floats (or ints, or four doubles) as one value: GCC/clang vector extensions, AVX2 where
+ * -march=native has it, plain code elsewhere. Loads and stores through memcpy (unaligned). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef double v4d __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+static inline v8f load8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+static inline v8f as_f(v8i v) { v8f f; memcpy(&f, &v, sizeof f); return f; }
+static inline v8i as_i(v8f v) { v8i i; memcpy(&i, &v, sizeof i); return i; }
+static inline v8f select8(v8i m, v8f a, v8f b) { return as_f((as_i(a) & m) | (as_i(b) & ~m)); }
+static inline v4d lo4(v8f v) { return __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), v4d); }
+static inline v4d hi4(v8f v) { return __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), v4d); }
+
+/* 2^x for x in [floor, 0] (NaN stays NaN): 2^n · p(f), n = floor(x), f = x − n in [0, 1), p fitted
+ * with p(0) = 1 exactly (the top key's term is exactly 1), 1.4 ulp at most. */
+#define EXP2_POLY(f) (1.0f + (f) * (6.931470632553101e-1f + (f) * (2.4022932350635529e-1f + (f) * \
+    (5.548521876335144e-2f + (f) * (9.675536304712296e-3f + (f) * (1.24673405662179e-3f + (f) * 2.1613943681586534e-4f))))))
+
+static inline float exp2_tile(float x) {
+    float n = floorf(x);
+    if (n != n) return x;
+    float f = x - n;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return EXP2_POLY(f) * two_n;
+}
+
+static inline v8f exp2_v8(v8f x) {
+    v8i real = x == x;                                  /* −1 where not NaN */
+    v8f xs = as_f(as_i(x) & real);                      /* NaN → 0 for the arithmetic */
+    v8i t = __builtin_convertvector(xs, v8i);           /* toward zero: floor for x ≥ 0 */
+    v8i n = t + (__builtin_convertvector(t, v8f) > xs); /* −1 where x < 0 is not an integer */
+    v8f f = xs - __builtin_convertvector(n, v8f);
+    v8f e = EXP2_POLY(f) * as_f((n + 127) << 23);
+    return select8(real, e, x);
+}
+
+/* out[r][j0 .. j0+KB) = Σ_d qs[r][d] · panel[d][j]: RB × KB float32 sums held in registers, from
+ * one panel of KB keys laid out [D][KB] (contiguous: the prefetcher streams it). */
+static inline void score_tile(const float *restrict qs, const float *restrict panel, int64_t D,
+                              int64_t j0, float *restrict out, int64_t ldo) {
+    v8f acc[RB][2];
+    for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = (v8f){0};
+    const float *kr = panel;
+    for (int64_t d = 0; d < D; d++, kr += KB) {
+        const v8f k0 = load8(kr), k1 = load8(kr + 8);
+        for (int r = 0; r < RB; r++) {
+            const float qv = qs[r * D + d];
+            acc[r][0] += qv * k0;
+            acc[r][1] += qv * k1;
+        }
+    }
+    for (int r = 0; r < RB; r++) {
+        store8(out + r * ldo + j0, acc[r][0]);
+        store8(out + r * ldo + j0 + 8, acc[r][1]);
+    }
+}
+
+static inline double mask_at(const Args *a, int64_t b, int64_t h, int64_t i, int64_t j) {
+    int64_t off = b * a->m_sb + h * a->m_sh + i * a->m_st + j * a->m_sk;
+    if (a->mask_kind == 2) return (double)((const float *)a->mask)[off];
+    return ((const double *)a->mask)[off];
+}
+
+/* One row's x = s − max (floored), 2^x into e (in place of the scores), and its float64 mass and
+ * Σ 2^x·x, from float32 scores (no additive mask). Returns the row maximum through *top. */
+static void row_from_float(float *e, const uint8_t *allow, int64_t allow_sk, int64_t n, float floor2,
+                           double *top, double *mass, double *moment) {
+    if (allow)
+        for (int64_t j = 0; j < n; j++) e[j] = allow[j * allow_sk] ? e[j] : MASKED_F;
+    const int64_t n8 = n / LANES * LANES;
+    v8f mx = (v8f){0} - INFINITY;
+    for (int64_t j = 0; j < n8; j += LANES) {
+        v8f v = load8(e + j);
+        mx = select8(v > mx, v, mx);
+    }
+    float m = -INFINITY;
+    for (int l = 0; l < LANES; l++) m = mx[l] > m ? mx[l] : m;
+    for (int64_t j = n8; j < n; j++) m = e[j] > m ? e[j] : m;
+    v4d ms0 = {0}, ms1 = {0}, mo0 = {0}, mo1 = {0};
+    const v8f fl = (v8f){0} + floor2;
+    for (int64_t j = 0; j < n8; j += LANES) {
+        v8f x = load8(e + j) - m;
+        x = select8(x < fl, fl, x);                    /* NaN stays */
+        v8f ex = exp2_v8(x);
+        store8(e + j, ex);
+        v8f xe = ex * x;
+        ms0 += lo4(ex); ms1 += hi4(ex);
+        mo0 += lo4(xe); mo1 += hi4(xe);
+    }
+    v4d ms = ms0 + ms1, mo = mo0 + mo1;
+    double msum = (ms[0] + ms[1]) + (ms[2] + ms[3]), mom = (mo[0] + mo[1]) + (mo[2] + mo[3]);
+    for (int64_t j = n8; j < n; j++) {
+        float x = e[j] - m;
+        x = x < floor2 ? floor2 : x;
+        float ex = exp2_tile(x);
+        e[j] = ex;
+        msum += (double)ex;
+        mom += (double)(ex * x);
+    }
+    *top = (double)m; *mass = msum; *moment = mom;
+}
+
+static inline v4d load4d(const float *p) { v4f v; memcpy(&v, p, sizeof v); return __builtin_convertvector(v, v4d); }
+
+/* Σ_j x_j y_j over `width` (a multiple of LANES) floats, the products exact in float64. */
+static inline double dot_f64(const float *x, const float *y, int64_t width) {
+    v4d a0 = {0}, a1 = {0};
+    for (int64_t j = 0; j < width; j += LANES) {
+        a0 += load4d(x + j) * load4d(y + j);
+        a1 += load4d(x + j + 4) * load4d(y + j + 4);
+    }
+    v4d a = a0 + a1;
+    return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+/* The same from float64 scores (scored again in float64, or with an additive mask added). */
+static void row_from_double(const double *restrict s, int64_t n, double floor2, float *restrict e,
+                            double *top, double *mass, double *moment) {
+    double m = -INFINITY;
+    int nan = 0;
+    for (int64_t j = 0; j < n; j++) { m = s[j] > m ? s[j] : m; nan |= s[j] != s[j]; }
+    double msum = 0.0, mom = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        double xd = s[j] - m;
+        float x = (float)(xd < floor2 ? floor2 : xd);
+        float ex = exp2_tile(x);
+        e[j] = ex;
+        msum += (double)ex;
+        mom += (double)(ex * x);
+    }
+    *top = nan ? NAN : m; *mass = msum; *moment = mom;
+}
+
+/* K [Tk, D] of each (batch, key head) as panels [ldk / KB][D][KB] (zero keys past Tk), and its
+ * largest |k|. */
+static void transpose_keys(const Args *a, float *kt_all, float *kmax_all, int64_t ldk) {
+    for (int64_t bh = 0; bh < a->B * a->Hk; bh++) {
+        int64_t b = bh / a->Hk, hk = bh % a->Hk;
+        const float *k = a->k + b * a->k_sb + hk * a->k_sh;
+        float *kt = kt_all + bh * a->D * ldk;
+        float kmax = 0.0f;
+        for (int64_t j = 0; j < a->Tk; j++)
+            for (int64_t d = 0; d < a->D; d++) {
+                float v = k[j * a->k_st + d];
+                kt[(j / KB) * a->D * KB + d * KB + j % KB] = v;
+                float av = fabsf(v);
+                kmax = av > kmax || av != av ? av : kmax;
+            }
+        for (int64_t d = 0; d < a->D; d++)
+            for (int64_t j = a->Tk; j < ldk; j++) kt[(j / KB) * a->D * KB + d * KB + j % KB] = 0.0f;
+        kmax_all[bh] = kmax;
+    }
+}
+
+static void *run(void *arg) {
+    Work *w = (Work *)arg;
+    const Args *a = w->a;
+    const int64_t H = a->H, D = a->D, Tq = a->Tq, Tk = a->Tk, ldk = w->ldk, group = a->H / a->Hk;
+    const double c = a->scale * LOG2E;
+    const float cf = (float)c;      /* scores in log2 units; its rounding is one more u in the bound's D + 2 */
+    const float floor2 = (float)a->floor2;
+    const float u = 0x1p-24f;
+    float *qs = malloc(sizeof(float) * RB * D);
+    float *p = malloc(sizeof(float) * H * RB * ldk);       /* [H][RB][ldk]: scores, then 2^x, then p */
+    double *sd = malloc(sizeof(double) * ldk);
+    if (!qs || !p || !sd) { w->failed = 1; free(qs); free(p); free(sd); return NULL; }
+    const int64_t blocks = (Tq + RB - 1) / RB;
+    for (int64_t item = w->tid; item < a->B * blocks; item += a->nthreads) {
+        /* the last blocks first across threads: under a causal mask they hold the most keys */
+        const int64_t blk = blocks - 1 - item / a->B, b = item % a->B;
+        const int64_t i0 = blk * RB, rows = Tq - i0 < RB ? Tq - i0 : RB;
+        const int64_t kb = a->causal ? (i0 + RB < Tk ? i0 + RB : Tk) : Tk;   /* keys any row here sees */
+        const int64_t tiles = (kb + KB - 1) / KB;
+        const int64_t width = (kb + LANES - 1) / LANES * LANES;   /* the Gram's columns: zero past a row's keys */
+        float qmax[RB];
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t hk = h / group;
+            for (int64_t r = 0; r < RB; r++) {
+                float mx = 0.0f;
+                if (r < rows) {
+                    const float *qr = a->q + b * a->q_sb + h * a->q_sh + (i0 + r) * a->q_st;
+                    float *qd = qs + r * D;
+                    const int64_t d8 = D / LANES * LANES;
+                    v8f mx8 = {0};
+                    for (int64_t d = 0; d < d8; d += LANES) {
+                        const v8f v = load8(qr + d) * cf;
+                        store8(qd + d, v);
+                        const v8f av = as_f(as_i(v) & 0x7fffffff);
+                        mx8 = select8((av > mx8) | (av != av), av, mx8);
+                    }
+                    for (int l = 0; l < LANES; l++) mx = mx8[l] > mx || mx8[l] != mx8[l] ? mx8[l] : mx;
+                    for (int64_t d = d8; d < D; d++) {
+                        const float v = qr[d] * cf, av = fabsf(v);
+                        qd[d] = v;
+                        mx = av > mx || av != av ? av : mx;
+                    }
+                } else {
+                    for (int64_t d = 0; d < D; d++) qs[r * D + d] = 0.0f;
+                }
+                qmax[r] = mx;
+            }
+            float *ph = p + h * RB * ldk;
+            const float *kt = w->kt + (b * a->Hk + hk) * D * ldk;
+            for (int64_t t = 0; t < tiles; t++) score_tile(qs, kt + t * D * KB, D, t * KB, ph, ldk);
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t i = i0 + r;
+                float *e = ph + r * ldk;
+                const int ok = a->rows_ok ? a->rows_ok[b * a->r_sb + i * a->r_st] != 0 : 1;
+                const int64_t n = a->causal ? (i + 1 < Tk ? i + 1 : Tk) : Tk;
+                if (!ok) {
+                    for (int64_t j = 0; j < width; j++) e[j] = 0.0f;
+                    continue;
+                }
+                /* worst-case error of a float32 score here, log2 units (both scores of x = s − max) */
+                const double bound = 2.0 * u * (double)(D + 2) * (double)qmax[r] * (double)w->kmax[b * a->Hk + hk];
+                const int wide = !(bound <= a->score_error_bound);
+                double top, mass, moment;
+                if (!wide && a->mask_kind <= 1) {
+                    const uint8_t *allow = a->mask_kind == 1
+                        ? (const uint8_t *)a->mask + b * a->m_sb + h * a->m_sh + i * a->m_st : NULL;
+                    row_from_float(e, allow, a->m_sk, n, floor2, &top, &mass, &moment);
+                } else {
+                    if (wide) {        /* this row scored again in float64 */
+                        const float *qr = a->q + b * a->q_sb + h * a->q_sh + i * a->q_st;
+                        const float *kh = a->k + b * a->k_sb + hk * a->k_sh;
+                        for (int64_t j = 0; j < n; j++) {
+                            const float *kr = kh + j * a->k_st;
+                            double acc = 0.0;
+                            for (int64_t d = 0; d < D; d++) acc += ((double)qr[d] * c) * (double)kr[d];
+                            sd[j] = acc;
+                        }
+                        w->f64_rows += 1.0;
+                    } else {
+                        for (int64_t j = 0; j < n; j++) sd[j] = (double)e[j];
+                    }
+                    if (a->mask_kind == 1) {
+                        const uint8_t *allow = (const uint8_t *)a->mask + b * a->m_sb + h * a->m_sh + i * a->m_st;
+                        for (int64_t j = 0; j < n; j++) if (!allow[j * a->m_sk]) sd[j] = MASKED_D;
+                    } else if (a->mask_kind >= 2) {
+                        for (int64_t j = 0; j < n; j++) {
+                            double m = mask_at(a, b, h, i, j) * LOG2E;
+                            sd[j] += m < MASKED_D ? MASKED_D : m;   /* NaN stays NaN */
+                        }
+                    }
+                    row_from_double(sd, n, a->floor2, e, &top, &mass, &moment);
+                }
+                const float inv = (float)(1.0 / mass);
+                for (int64_t j = 0; j < n; j++) e[j] *= inv;            /* e is p now */
+                for (int64_t j = n; j < width; j++) e[j] = 0.0f;
+                const double log_mass = log1p(mass - 1.0);              /* L = lse − max, nats */
+                w->entropy[h] += log_mass - moment * (LN2 / mass);      /* Σ p (L − x), x in nats */
+                if (a->lse) {
+                    const double lse = (double)a->lse[b * a->l_sb + h * a->l_sh + i * a->l_st];
+                    const double off_mass = exp(top * LN2 + log_mass - lse);   /* Σ exp(s − lse) */
+                    if (!(fabs(off_mass - 1.0) <= a->mass_tolerance)) w->invalid += 1.0;
+                }
+            }
+        }
+        /* the heads' Gram over this tile's rows: Σ_j p_h p_h' (products exact in float64) */
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t h = 0; h < H; h++) {
+                const float *x = p + (h * RB + r) * ldk;
+                for (int64_t g = h; g < H; g++) {
+                    const float *y = p + (g * RB + r) * ldk;
+                    const double sum = dot_f64(x, y, width);
+                    w->gram[h * H + g] += sum;
+                }
+            }
+    }
+    free(qs); free(p); free(sd);
+    return NULL;
+}
+
+/* out: [H·H + H + 3] float64 = gram (row-major), entropy per head, rows counted, invalid, rows scored
+ * again in float64. Returns 0, or −1 when memory ran out. */
+int qk_stats_cpu(const Args *a, double *out) {
+    const int n = a->nthreads < 1 ? 1 : (a->nthreads > MAX_THREADS ? MAX_THREADS : a->nthreads);
+    Args args = *a;
+    args.nthreads = n;
+    const int64_t H = a->H;
+    const int64_t ldk = (a->Tk + KB - 1) / KB * KB;
+    float *kt = aligned_alloc(64, sizeof(float) * (size_t)(a->B * a->Hk * a->D * ldk));
+    float *kmax = malloc(sizeof(float) * (size_t)(a->B * a->Hk));
+    Work *works = calloc((size_t)n, sizeof(Work));
+    double *acc = calloc((size_t)n * (size_t)(H * H + H), sizeof(double));
+    pthread_t threads[MAX_THREADS];
+    int status = (kt && kmax && works && acc) ? 0 : -1;
+    if (status == 0) {
+        transpose_keys(&args, kt, kmax, ldk);
+        for (int t = 0; t < n; t++)
+            works[t] = (Work){.a = &args, .tid = t, .kt = kt, .kmax = kmax, .ldk = ldk,
+                              .gram = acc + (size_t)t * (H * H + H), .entropy = acc + (size_t)t * (H * H + H) + H * H};
+        int started = 1;
+        while (started < n && pthread_create(&threads[started], NULL, run, &works[started]) == 0) started++;
+        run(&works[0]);
+        for (int t = started; t < n; t++) run(&works[t]);   /* a thread that could not start: its share here */
+        for (int t = 1; t < started; t++) pthread_join(threads[t], NULL);
+        for (int t = 0; t < n; t++) if (works[t].failed) status = -1;
+    }
+    if (status == 0) {
+        memset(out, 0, sizeof(double) * (size_t)(H * H + H + 3));
+        for (int t = 0; t < n; t++) {       /* in thread order: the same sums for the same inputs */
+            for (int64_t x = 0; x < H * H + H; x++) out[x] += works[t].gram[x];
+            out[H * H + H + 1] += works[t].invalid;
+            out[H * H + H + 2] += works[t].f64_rows;
+        }
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t g = 0; g < h; g++) out[h * H + g] = out[g * H + h];
+        double rows = 0.0;
+        if (a->rows_ok) {
+            for (int64_t b = 0; b < a->B; b++)
+                for (int64_t i = 0; i < a->Tq; i++) rows += a->rows_ok[b * a->r_sb + i * a->r_st] != 0;
+        } else {
+            rows = (double)(a->B * a->Tq);
+        }
+        out[H * H + H] = rows;
+        int finite_gram = 1, finite_entropy = 1;
+        for (int64_t x = 0; x < H * H; x++) finite_gram &= isfinite(out[x]) != 0;
+        for (int64_t h = 0; h < H; h++) finite_entropy &= isfinite(out[H * H + h]) != 0;
+        out[H * H + H + 1] += (double)!finite_gram + (double)!finite_entropy;
+    }
+    free(kt); free(kmax); free(works); free(acc);
+    return status;
+}
