@@ -18,12 +18,22 @@ from fastdiag.qk import qk_head_stats, sdpa_with_stats, valid_rows
 from fastdiag.core.stats import HeadStats
 from fastdiag.testing import TOLERANCE, rel_err
 
-BACKENDS = ["torch", "triton"]
+# "torch" on CPU runs the native kernel (qk_stats_cpu.c); "torch-pure" the PyTorch path it falls back to
+BACKENDS = ["torch", "torch-pure", "triton"]
 
 
-def _check_backend(backend):
+@pytest.fixture(autouse=True)
+def _pure_torch_path(request, monkeypatch):
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") == "torch-pure":
+        monkeypatch.setenv("FASTDIAG_NATIVE", "0")
+
+
+def _check_backend(backend) -> str:
+    """The backend name to pass (``torch-pure`` is ``torch`` with the native kernel off)."""
     if backend == "triton" and not (triton_available() and os.environ.get("TRITON_INTERPRET") == "1"):
         pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1 (CUDA: tests/test_qk_gpu.py)")
+    return "torch" if backend == "torch-pure" else backend
 
 
 def _in_inf_padding(x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +99,7 @@ def _assert_close(got, ref, tol):
 @pytest.mark.parametrize("kind,heads,shape", CASES,
                          ids=[f"{m}-H{h}Hk{hk}-B{b}Tq{tq}Tk{tk}D{d}" for m, (h, hk), (b, tq, tk, d) in CASES])
 def test_matches_float64_reference(backend, kind, heads, shape):
-    _check_backend(backend)
+    backend = _check_backend(backend)
     (h, hk), (b, tq, tk, d) = heads, shape
     # a stable seed per case: Python's hash() of strings changes with every process (PYTHONHASHSEED)
     gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, heads, shape)).encode()) % 10_000)
@@ -104,7 +114,7 @@ def test_matches_float64_reference(backend, kind, heads, shape):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_dtype_query_mask_and_default_scale(backend, dtype):
-    _check_backend(backend)
+    backend = _check_backend(backend)
     gen = torch.Generator().manual_seed(5)
     q, k = _qk(3, 4, 2, 10, 10, 32, dtype, gen)
     mask, _ = _mask("bool-padding", 3, 4, 10, 10, gen)
@@ -119,7 +129,7 @@ def test_dtype_query_mask_and_default_scale(backend, dtype):
 @pytest.mark.parametrize("kind", ["none", "causal", "bool-per-head", "additive-finfo-min"])
 def test_lse_from_torch_attention_op(backend, kind):
     """The LSE of aten's CPU flash op (0 on fully masked rows) gives the reference statistics."""
-    _check_backend(backend)
+    backend = _check_backend(backend)
     gen = torch.Generator().manual_seed(11)
     b, h, tq, tk, d = 2, 4, 9, 9, 16
     q, k = _qk(b, h, h, tq, tk, d, torch.float32, gen)
@@ -136,7 +146,7 @@ def test_lse_from_torch_attention_op(backend, kind):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_wrong_lse_is_counted_invalid(backend):
-    _check_backend(backend)
+    backend = _check_backend(backend)
     gen = torch.Generator().manual_seed(2)
     q, k = _qk(1, 2, 2, 6, 6, 16, torch.float32, gen)
     lse = torch.logsumexp((q @ k.transpose(-1, -2)) * 16 ** -0.5, -1)
@@ -359,7 +369,7 @@ def test_sm90_compile_has_no_spills_and_fits_shared_memory(shape):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mixed_and_double_dtypes(backend):
-    _check_backend(backend)
+    backend = _check_backend(backend)
     gen = torch.Generator().manual_seed(9)
     q, k = _qk(1, 2, 2, 7, 7, 16, torch.float32, gen)
     ref = qk_head_stats(q, k, is_causal=True, backend="reference")
@@ -450,15 +460,17 @@ def test_torch_path_takes_q_and_k_as_views_of_a_fused_projection(dtype):
 
 @pytest.mark.parametrize("gap", [30.0, 300.0, 1e3, 3e3, 1e4])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_sharp_rows_keep_sigma_within_1e5_of_float64(gap, is_causal):
+@pytest.mark.parametrize("backend", ["torch", "torch-pure"])
+def test_sharp_rows_keep_sigma_within_1e5_of_float64(gap, is_causal, backend):
     """Logit gaps up to 1e4 (float32 softmax underflows at 104): the re-derived σ_l and s_l stay within
     1e-5 of float64 of the same Q and K, with our own pass 1 and with the SDPA op's LSE (issue 39, 7)."""
+    backend = _check_backend(backend)
     gen = torch.Generator().manual_seed(int(gap) + is_causal)
     q, k = torch.randn(2, 4, 16, 8, generator=gen), torch.randn(2, 4, 16, 8, generator=gen)
     q = q * (gap / 3 / (q @ k.transpose(-1, -2) / 8 ** 0.5).std())
     want = HeadStats(*qk_stats_ref(q.double(), k.double(), is_causal=is_causal))
-    _, from_op_lse = sdpa_with_stats(q, k, k, is_causal=is_causal, backend="torch")
-    for got in (qk_head_stats(q, k, is_causal=is_causal, backend="torch"), from_op_lse):
+    _, from_op_lse = sdpa_with_stats(q, k, k, is_causal=is_causal, backend=backend)
+    for got in (qk_head_stats(q, k, is_causal=is_causal, backend=backend), from_op_lse):
         sigma, want_sigma = got.entropy_spread().item(), want.entropy_spread().item()
         assert abs(sigma - want_sigma) <= 1e-5 * max(want_sigma, 1e-6)
         assert abs(got.sync().item() - want.sync().item()) <= 1e-5 * abs(want.sync().item())
