@@ -26,7 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define RB 6            /* query rows per tile */
+#define RB 6            /* query rows per register tile */
+#define MAX_RT 4        /* register tiles per work item: a key panel loaded from L2 serves them all */
 #define KB 16           /* keys per register tile (two 8-float vectors) */
 #define LANES 8
 #define MAX_THREADS 64
@@ -58,6 +59,7 @@ typedef struct {
     const float *kt;      /* shared: [B, Hk, D, ldk] keys transposed, zero-padded to ldk */
     const float *kmax;    /* shared: [B, Hk] max |k| */
     int64_t ldk;
+    int64_t rt;           /* register tiles of RB rows per work item */
     double *gram;         /* this thread's [H, H] (upper triangle) */
     double *entropy;      /* [H] */
     double invalid;
@@ -223,6 +225,15 @@ static void transpose_keys(const Args *a, float *kt_all, float *kmax_all, int64_
     }
 }
 
+/* The keys scored for row r of the work item starting at row i0: all of them, or under a causal mask
+ * those up to the end of the row's register tile (a whole number of tiles; the row's own future keys
+ * among them are cut at n, below). */
+static inline int64_t tile_keys(const Args *a, int64_t i0, int64_t r) {
+    if (!a->causal) return a->Tk;
+    const int64_t end = i0 + (r / RB + 1) * RB;
+    return end < a->Tk ? end : a->Tk;
+}
+
 static void *run(void *arg) {
     Work *w = (Work *)arg;
     const Args *a = w->a;
@@ -231,22 +242,21 @@ static void *run(void *arg) {
     const float cf = (float)c;      /* scores in log2 units; its rounding is one more u in the bound's D + 2 */
     const float floor2 = (float)a->floor2;
     const float u = 0x1p-24f;
-    float *qs = malloc(sizeof(float) * RB * D);
-    float *p = malloc(sizeof(float) * H * RB * ldk);       /* [H][RB][ldk]: scores, then 2^x, then p */
+    const int64_t RI = w->rt * RB;                          /* query rows per work item */
+    float *qs = malloc(sizeof(float) * RI * D);
+    float *p = malloc(sizeof(float) * H * RI * ldk);       /* [H][RI][ldk]: scores, then 2^x, then p */
     double *sd = malloc(sizeof(double) * ldk);
     if (!qs || !p || !sd) { w->failed = 1; free(qs); free(p); free(sd); return NULL; }
-    const int64_t blocks = (Tq + RB - 1) / RB;
+    const int64_t blocks = (Tq + RI - 1) / RI;
     for (int64_t item = w->tid; item < a->B * blocks; item += a->nthreads) {
         /* the last blocks first across threads: under a causal mask they hold the most keys */
         const int64_t blk = blocks - 1 - item / a->B, b = item % a->B;
-        const int64_t i0 = blk * RB, rows = Tq - i0 < RB ? Tq - i0 : RB;
-        const int64_t kb = a->causal ? (i0 + RB < Tk ? i0 + RB : Tk) : Tk;   /* keys any row here sees */
-        const int64_t tiles = (kb + KB - 1) / KB;
-        const int64_t width = (kb + LANES - 1) / LANES * LANES;   /* the Gram's columns: zero past a row's keys */
-        float qmax[RB];
+        const int64_t i0 = blk * RI, rows = Tq - i0 < RI ? Tq - i0 : RI;
+        const int64_t tiles = (tile_keys(a, i0, RI - 1) + KB - 1) / KB;
+        float qmax[MAX_RT * RB];
         for (int64_t h = 0; h < H; h++) {
             const int64_t hk = h / group;
-            for (int64_t r = 0; r < RB; r++) {
+            for (int64_t r = 0; r < RI; r++) {
                 float mx = 0.0f;
                 if (r < rows) {
                     const float *qr = a->q + b * a->q_sb + h * a->q_sh + (i0 + r) * a->q_st;
@@ -270,11 +280,15 @@ static void *run(void *arg) {
                 }
                 qmax[r] = mx;
             }
-            float *ph = p + h * RB * ldk;
+            float *ph = p + h * RI * ldk;
             const float *kt = w->kt + (b * a->Hk + hk) * D * ldk;
-            for (int64_t t = 0; t < tiles; t++) score_tile(qs, kt + t * D * KB, D, t * KB, ph, ldk);
+            for (int64_t t = 0; t < tiles; t++)
+                for (int64_t g = 0; g * RB < rows; g++)
+                    if (t * KB < tile_keys(a, i0, g * RB))
+                        score_tile(qs + g * RB * D, kt + t * D * KB, D, t * KB, ph + g * RB * ldk, ldk);
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t i = i0 + r;
+                const int64_t width = (tile_keys(a, i0, r) + LANES - 1) / LANES * LANES;   /* zero past the row's keys */
                 float *e = ph + r * ldk;
                 const int ok = a->rows_ok ? a->rows_ok[b * a->r_sb + i * a->r_st] != 0 : 1;
                 const int64_t n = a->causal ? (i + 1 < Tk ? i + 1 : Tk) : Tk;
@@ -328,15 +342,17 @@ static void *run(void *arg) {
             }
         }
         /* the heads' Gram over this tile's rows: Σ_j p_h p_h' (products exact in float64) */
-        for (int64_t r = 0; r < rows; r++)
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t width = (tile_keys(a, i0, r) + LANES - 1) / LANES * LANES;
             for (int64_t h = 0; h < H; h++) {
-                const float *x = p + (h * RB + r) * ldk;
+                const float *x = p + (h * RI + r) * ldk;
                 for (int64_t g = h; g < H; g++) {
-                    const float *y = p + (g * RB + r) * ldk;
+                    const float *y = p + (g * RI + r) * ldk;
                     const double sum = dot_f64(x, y, width);
                     w->gram[h * H + g] += sum;
                 }
             }
+        }
     }
     free(qs); free(p); free(sd);
     return NULL;
@@ -350,6 +366,9 @@ int qk_stats_cpu(const Args *a, double *out) {
     args.nthreads = n;
     const int64_t H = a->H;
     const int64_t ldk = (a->Tk + KB - 1) / KB * KB;
+    /* register tiles per work item: as many as keep its probabilities ([H][rows][ldk]) within ~256 KB */
+    int64_t rt = (int64_t)(262144 / (sizeof(float) * (size_t)(H * RB * ldk)));
+    rt = rt < 1 ? 1 : (rt > MAX_RT ? MAX_RT : rt);
     float *kt = aligned_alloc(64, sizeof(float) * (size_t)(a->B * a->Hk * a->D * ldk));
     float *kmax = malloc(sizeof(float) * (size_t)(a->B * a->Hk));
     Work *works = calloc((size_t)n, sizeof(Work));
@@ -359,7 +378,7 @@ int qk_stats_cpu(const Args *a, double *out) {
     if (status == 0) {
         transpose_keys(&args, kt, kmax, ldk);
         for (int t = 0; t < n; t++)
-            works[t] = (Work){.a = &args, .tid = t, .kt = kt, .kmax = kmax, .ldk = ldk,
+            works[t] = (Work){.a = &args, .tid = t, .kt = kt, .kmax = kmax, .ldk = ldk, .rt = rt,
                               .gram = acc + (size_t)t * (H * H + H), .entropy = acc + (size_t)t * (H * H + H) + H * H};
         int started = 1;
         while (started < n && pthread_create(&threads[started], NULL, run, &works[started]) == 0) started++;
