@@ -97,14 +97,18 @@ static inline float exp2_tile(float x) {
     return EXP2_POLY(f) * two_n;
 }
 
+/* 2^x for x in [floor, 0] (finite: the caller looks after NaN), vectorised: n = x rounded to the
+ * nearest integer by the float32 magic-number add (its low bits are n), f = x − n in [−½, ½],
+ * 2^f by a polynomial fitted with p(0) = 1 exactly (1.7 ulp at most), 2^n from n's bits. */
+#define EXP2_POLY_HALF(f) (1.0f + (f) * (6.931471824645996e-1f + (f) * (2.4022647738456726e-1f + (f) * \
+    (5.550329014658928e-2f + (f) * (9.618373587727547e-3f + (f) * (1.339985174126923e-3f + (f) * 1.537070784252137e-4f))))))
+
 static inline v8f exp2_v8(v8f x) {
-    v8i real = x == x;                                  /* −1 where not NaN */
-    v8f xs = as_f(as_i(x) & real);                      /* NaN → 0 for the arithmetic */
-    v8i t = __builtin_convertvector(xs, v8i);           /* toward zero: floor for x ≥ 0 */
-    v8i n = t + (__builtin_convertvector(t, v8f) > xs); /* −1 where x < 0 is not an integer */
-    v8f f = xs - __builtin_convertvector(n, v8f);
-    v8f e = EXP2_POLY(f) * as_f((n + 127) << 23);
-    return select8(real, e, x);
+    const float magic = 0x1.8p23f;
+    const v8f y = x + magic;
+    const v8f f = x - (y - magic);
+    const v8i two_n = (as_i(y) - (0x4B400000 - 127)) << 23;
+    return EXP2_POLY_HALF(f) * as_f(two_n);
 }
 
 /* out[r][j0 .. j0+KB) = Σ_d qs[r][d] · panel[d][j]: RB × KB float32 sums held in registers, from
@@ -142,18 +146,23 @@ static void row_from_float(float *e, const uint8_t *allow, int64_t allow_sk, int
         for (int64_t j = 0; j < n; j++) e[j] = allow[j * allow_sk] ? e[j] : MASKED_F;
     const int64_t n8 = n / LANES * LANES;
     v8f mx = (v8f){0} - INFINITY;
+    v8i nan8 = {0};
     for (int64_t j = 0; j < n8; j += LANES) {
         v8f v = load8(e + j);
         mx = select8(v > mx, v, mx);
+        nan8 |= v != v;
     }
     float m = -INFINITY;
-    for (int l = 0; l < LANES; l++) m = mx[l] > m ? mx[l] : m;
-    for (int64_t j = n8; j < n; j++) m = e[j] > m ? e[j] : m;
+    int nan = 0;
+    for (int l = 0; l < LANES; l++) { m = mx[l] > m ? mx[l] : m; nan |= nan8[l]; }
+    for (int64_t j = n8; j < n; j++) { m = e[j] > m ? e[j] : m; nan |= e[j] != e[j]; }
+    /* a NaN score, or an infinite top (inf − inf): the row is NaN, whatever 2^x gave below */
+    nan |= !(m < INFINITY);
     v4d ms0 = {0}, ms1 = {0}, mo0 = {0}, mo1 = {0};
     const v8f fl = (v8f){0} + floor2;
     for (int64_t j = 0; j < n8; j += LANES) {
         v8f x = load8(e + j) - m;
-        x = select8(x < fl, fl, x);                    /* NaN stays */
+        x = select8(x < fl, fl, x);
         v8f ex = exp2_v8(x);
         store8(e + j, ex);
         v8f xe = ex * x;
@@ -170,17 +179,19 @@ static void row_from_float(float *e, const uint8_t *allow, int64_t allow_sk, int
         msum += (double)ex;
         mom += (double)(ex * x);
     }
-    *top = (double)m; *mass = msum; *moment = mom;
+    *top = (double)m; *mass = nan ? NAN : msum; *moment = nan ? NAN : mom;
 }
 
 static inline v4d load4d(const float *p) { v4f v; memcpy(&v, p, sizeof v); return __builtin_convertvector(v, v4d); }
 
-/* Σ_j x_j y_j over `width` (a multiple of LANES) floats, the products exact in float64. */
+/* Σ_j x_j y_j over `width` (a multiple of LANES) floats: each product rounded once to float32 (all
+ * terms ≥ 0, so the sum is within one float32 rounding, relative), the sum in float64. */
 static inline double dot_f64(const float *x, const float *y, int64_t width) {
     v4d a0 = {0}, a1 = {0};
     for (int64_t j = 0; j < width; j += LANES) {
-        a0 += load4d(x + j) * load4d(y + j);
-        a1 += load4d(x + j + 4) * load4d(y + j + 4);
+        const v8f xy = load8(x + j) * load8(y + j);
+        a0 += lo4(xy);
+        a1 += hi4(xy);
     }
     v4d a = a0 + a1;
     return (a[0] + a[1]) + (a[2] + a[3]);
@@ -246,7 +257,8 @@ static void *run(void *arg) {
     float *qs = malloc(sizeof(float) * RI * D);
     float *p = malloc(sizeof(float) * H * RI * ldk);       /* [H][RI][ldk]: scores, then 2^x, then p */
     double *sd = malloc(sizeof(double) * ldk);
-    if (!qs || !p || !sd) { w->failed = 1; free(qs); free(p); free(sd); return NULL; }
+    double *qd = malloc(sizeof(double) * D);               /* a query row in float64, scaled */
+    if (!qs || !p || !sd || !qd) { w->failed = 1; free(qs); free(p); free(sd); free(qd); return NULL; }
     const int64_t blocks = (Tq + RI - 1) / RI;
     for (int64_t item = w->tid; item < a->B * blocks; item += a->nthreads) {
         /* the last blocks first across threads: under a causal mask they hold the most keys */
@@ -308,11 +320,22 @@ static void *run(void *arg) {
                     if (wide) {        /* this row scored again in float64 */
                         const float *qr = a->q + b * a->q_sb + h * a->q_sh + i * a->q_st;
                         const float *kh = a->k + b * a->k_sb + hk * a->k_sh;
+                        const int64_t d8 = D / LANES * LANES;
+                        for (int64_t d = 0; d < D; d++) qd[d] = (double)qr[d] * c;
                         for (int64_t j = 0; j < n; j++) {
                             const float *kr = kh + j * a->k_st;
-                            double acc = 0.0;
-                            for (int64_t d = 0; d < D; d++) acc += ((double)qr[d] * c) * (double)kr[d];
-                            sd[j] = acc;
+                            v4d acc0 = {0}, acc1 = {0};
+                            for (int64_t d = 0; d < d8; d += LANES) {
+                                v4d q0, q1;
+                                memcpy(&q0, qd + d, sizeof q0);
+                                memcpy(&q1, qd + d + 4, sizeof q1);
+                                acc0 += q0 * load4d(kr + d);
+                                acc1 += q1 * load4d(kr + d + 4);
+                            }
+                            const v4d acc = acc0 + acc1;
+                            double sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+                            for (int64_t d = d8; d < D; d++) sum += qd[d] * (double)kr[d];
+                            sd[j] = sum;
                         }
                         w->f64_rows += 1.0;
                     } else {
@@ -354,7 +377,7 @@ static void *run(void *arg) {
             }
         }
     }
-    free(qs); free(p); free(sd);
+    free(qs); free(p); free(sd); free(qd);
     return NULL;
 }
 
