@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 import statistics
 import sys
@@ -196,60 +197,64 @@ def naive_stats(attentions) -> torch.Tensor:
     return torch.stack(sync).mean() + torch.stack(spread).mean()
 
 
-def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 1000, threads: int = 2,
+def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 10**9, threads: int = 2,
             cpu_time: bool = False) -> dict:
     """``cpu_time``: the process's CPU time instead of the wall clock (at 1 thread, what a loaded machine
-    moves least)."""
+    moves least). Each kind has its own copy of the model (same weights), attached once for the whole
+    run as a user's would be: the careful first pass of each monitor and its compiled kernels fall in the
+    warm-up, not in a timed block; a garbage collection before each block keeps one kind's garbage out
+    of the next kind's time."""
     torch.set_num_threads(threads)
     clock = time.process_time if cpu_time else time.perf_counter
-    model = tiny("gpt2", layers=4, d=256, heads=4, positions=256)
-    eager = tiny("gpt2", "eager", layers=4, d=256, heads=4, positions=256)
-    eager.load_state_dict(model.state_dict())
+    unmeasured = f"every={every_unmeasured} (unmeasured)"
+    kinds = ("bare", "every=1", unmeasured, "eager+output_attentions")
+    models = {kind: tiny("gpt2", "eager" if kind.startswith("eager") else "sdpa", layers=4, d=256, heads=4,
+                         positions=256) for kind in kinds}
+    for model in models.values():
+        model.load_state_dict(models["bare"].state_dict())
     ids = torch.randint(0, 128, (4, 256), generator=torch.Generator().manual_seed(1))
-    opt = torch.optim.SGD(list(model.parameters()) + list(eager.parameters()), lr=0.0)
+    optimizers = {kind: torch.optim.SGD(m.parameters(), lr=0.0) for kind, m in models.items()}
+    monitors = [fastdiag.attach(models["every=1"], every=1, keep_records=False),
+                fastdiag.attach(models[unmeasured], every=every_unmeasured, keep_records=False)]
 
     def run(kind):
+        model = models[kind]
         if kind == "eager+output_attentions":
-            out = eager(input_ids=ids, labels=ids, output_attentions=True)
+            out = model(input_ids=ids, labels=ids, output_attentions=True)
             out.loss.backward()
             naive_stats(out.attentions)
         else:
             model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        optimizers[kind].step()
+        optimizers[kind].zero_grad()
 
-    kinds = ("bare", "every=1", f"every={every_unmeasured} (unmeasured)", "eager+output_attentions")
     times = {k: [] for k in kinds}
     loads = []
-    for kind in kinds:   # warm-up: the careful first pass, compiled kernels, allocator
-        monitor = fastdiag.attach(model, every=1) if kind == "every=1" else None
-        run(kind), run(kind)
-        if monitor:
-            monitor.detach()
-    for _ in range(blocks):
-        loads.append(os.getloadavg()[0])
-        for kind in kinds:
-            monitor = None
-            if kind == "every=1":
-                monitor = fastdiag.attach(model, every=1)
-                run(kind)            # its careful first pass, not timed
-            elif kind.startswith(f"every={every_unmeasured}"):
-                monitor = fastdiag.attach(model, every=every_unmeasured)
-                run(kind)            # step 0 is measured; the timed ones after it are not
-            t0 = clock()
-            for _ in range(steps_per_block):
+    try:
+        for kind in kinds:   # warm-up: each monitor's careful first pass (the unmeasured one's step 0)
+            for _ in range(3):
                 run(kind)
-            times[kind].append((clock() - t0) / steps_per_block)
-            if monitor:
-                monitor.detach()
+        for _ in range(blocks):
+            loads.append(os.getloadavg()[0])
+            for kind in kinds:
+                gc.collect()
+                t0 = clock()
+                for _ in range(steps_per_block):
+                    run(kind)
+                times[kind].append((clock() - t0) / steps_per_block)
+    finally:
+        for monitor in monitors:
+            monitor.detach()
+    print({k: [round(x * 1e3) for x in v] for k, v in times.items()})
     base = statistics.median(times["bare"])
     result = {k: statistics.median(v) / base for k, v in times.items()}
     # each block's own ratio to the bare steps beside it: their range says how far the load moved them
-    spread = {k: [t / b for t, b in zip(v, times["bare"])] for k, v in times.items()}
+    spread = {k: sorted(t / b for t, b in zip(v, times["bare"])) for k, v in times.items()}
     print(f"HF GPT-2 4 layers d 256 T 256 batch 4 sdpa, {torch.get_num_threads()} threads, "
           f"{'CPU time' if cpu_time else 'wall clock'}, {blocks} alternated "
           f"blocks of {steps_per_block} steps, load {min(loads):.1f}-{max(loads):.1f}: bare {base * 1e3:.0f} ms; "
-          + "; ".join(f"{k} x{r:.3f} (blocks {min(spread[k]):.3f}-{max(spread[k]):.3f})"
+          + "; ".join(f"{k} x{r:.3f} (median block ratio {statistics.median(spread[k]):.3f}, "
+                      f"blocks {spread[k][0]:.3f}-{spread[k][-1]:.3f})"
                       for k, r in result.items() if k != "bare"), flush=True)
     return result
 

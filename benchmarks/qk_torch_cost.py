@@ -1,8 +1,9 @@
-"""One attention layer's Q/K statistics on the torch path (what attach runs on CPU) beside the layer's
-own SDPA forward: HF GPT-2's shape in `attach_host_cost.py` ([4, 4, 256, 64] causal float32, Q and K
-as head views of one QKV projection), CPU chunk (`CPU_CHUNK_BYTES`). Milliseconds per call, the
-lower quartile of 15 calls, three alternated rounds; at 1 thread in the thread's CPU time (what a
-loaded machine moves least), else the wall clock.
+"""One attention layer's Q/K statistics on CPU beside the layer's own SDPA forward: the native kernel
+(`qk_stats_cpu`, what attach runs on CPU) and the PyTorch path it falls back to (`qk_stats_torch`,
+CPU chunk `CPU_CHUNK_BYTES`), at HF GPT-2's shape in `attach_host_cost.py` ([4, 4, 256, 64] causal
+float32, Q and K as head views of one QKV projection). Milliseconds per call, the lower quartile of
+15 calls, three alternated rounds; at 1 thread in the thread's CPU time (what a loaded machine moves
+least), else the wall clock.
 
     python benchmarks/qk_torch_cost.py [--threads N]
 """
@@ -16,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fastdiag.core.kernels import qk_stats_cpu
 from fastdiag.core.kernels.qk_stats_torch import qk_stats_torch
 from fastdiag.core.qk import CPU_CHUNK_BYTES
 
@@ -42,7 +44,11 @@ def main(argv=None) -> int:
     qkv = torch.randn(b, t, 3, h, d, generator=torch.Generator().manual_seed(0)) * 0.5
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
     cases = {"SDPA forward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+             "qk_stats_cpu": lambda: qk_stats_cpu.qk_stats_cpu(q, k, None, True, d ** -0.5, None, None, False),
              "qk_stats_torch": lambda: qk_stats_torch(q, k, None, True, d ** -0.5, None, None, CPU_CHUNK_BYTES, False)}
+    if qk_stats_cpu.unavailable_reason() is not None:
+        del cases["qk_stats_cpu"]
+        print(f"qk_stats_cpu: {qk_stats_cpu.unavailable_reason()}")
     load = os.getloadavg()[0]
     ms = {name: [] for name in cases}
     for _ in range(3):
