@@ -245,7 +245,7 @@ def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 10**9
     finally:
         for monitor in monitors:
             monitor.detach()
-    print({k: [round(x * 1e3) for x in v] for k, v in times.items()})
+    print("block means, ms: " + "; ".join(f"{k} " + " ".join(f"{x * 1e3:.0f}" for x in v) for k, v in times.items()))
     base = statistics.median(times["bare"])
     result = {k: statistics.median(v) / base for k, v in times.items()}
     # each block's own ratio to the bare steps beside it: their range says how far the load moved them
