@@ -1,7 +1,7 @@
 /* Head statistics from Q and K on the CPU in one fused pass: the native twin of `qk_stats_torch`
  * (same arguments, same sums, the same float64 reference in the tests). Built on first use by
- * `qk_stats_cpu.py` (cc -O3 -march=native, no OpenMP: plain pthreads, so no second thread pool
- * spins beside PyTorch's).
+ * `qk_stats_cpu.py` (cc -O3 -march=native; -fopenmp only where PyTorch itself runs on GNU OpenMP, so
+ * the threads are PyTorch's own pool; plain pthreads elsewhere, never a second OpenMP pool).
  *
  * Why fused: the torch path makes ~8 passes over every chunk of scores (product, max, x, its floor,
  * 2^x, mass, moment, p, Gram), each an op with its own dispatch and its own trip through memory. Here a
@@ -22,6 +22,9 @@
  */
 #include <math.h>
 #include <pthread.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -396,18 +399,28 @@ int qk_stats_cpu(const Args *a, double *out) {
     float *kmax = malloc(sizeof(float) * (size_t)(a->B * a->Hk));
     Work *works = calloc((size_t)n, sizeof(Work));
     double *acc = calloc((size_t)n * (size_t)(H * H + H), sizeof(double));
+#ifndef _OPENMP
     pthread_t threads[MAX_THREADS];
+#endif
     int status = (kt && kmax && works && acc) ? 0 : -1;
     if (status == 0) {
         transpose_keys(&args, kt, kmax, ldk);
         for (int t = 0; t < n; t++)
             works[t] = (Work){.a = &args, .tid = t, .kt = kt, .kmax = kmax, .ldk = ldk, .rt = rt,
                               .gram = acc + (size_t)t * (H * H + H), .entropy = acc + (size_t)t * (H * H + H) + H * H};
+#ifdef _OPENMP
+        /* PyTorch's own OpenMP pool (this library is loaded after torch, whose libgomp.so.1 the dynamic
+         * linker then reuses): no thread is created and none spins beside ours. A smaller team than asked
+         * runs the missing shares itself, so the partition (and the sums) depend on n only. */
+#pragma omp parallel num_threads(n)
+        for (int t = omp_get_thread_num(); t < n; t += omp_get_num_threads()) run(&works[t]);
+#else
         int started = 1;
         while (started < n && pthread_create(&threads[started], NULL, run, &works[started]) == 0) started++;
         run(&works[0]);
         for (int t = started; t < n; t++) run(&works[t]);   /* a thread that could not start: its share here */
         for (int t = 1; t < started; t++) pthread_join(threads[t], NULL);
+#endif
         for (int t = 0; t < n; t++) if (works[t].failed) status = -1;
     }
     if (status == 0) {

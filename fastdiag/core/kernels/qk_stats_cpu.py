@@ -3,7 +3,8 @@ behind the torch backend, with `qk_stats_torch` as its fallback (no C compiler, 
 torch.func transform) and its twin in the tests (same arguments, same sums, the same float64 reference).
 
 Layout: C kernel (`qk_stats_cpu.c`, built on first use with the system's C compiler into a per-user
-cache keyed by the source, the flags and the CPU) -> launcher `qk_stats_cpu` -> `torch.library` op
+cache keyed by the source, the flags and the CPU; its threads are PyTorch's OpenMP pool where
+PyTorch runs on GNU OpenMP, its own pthreads elsewhere) -> launcher `qk_stats_cpu` -> `torch.library` op
 ``fastdiag::qk_stats_cpu`` (what torch.compile and non-strict export see; eager calls skip its dispatch).
 
 Why native: the torch path makes ~8 passes over each chunk of scores, one op each (≈4.6 ms per
@@ -72,14 +73,23 @@ def _cpu_key() -> str:
         return platform.processor()
 
 
+def _shares_torch_openmp() -> bool:
+    """Whether PyTorch runs on GNU OpenMP (its wheel's ``torch/lib/libgomp.so.1``): then the kernel is
+    built with -fopenmp and the dynamic linker gives it that same runtime, so its threads are PyTorch's
+    pool. Elsewhere (another OpenMP runtime, or none) it starts its own pthreads: two OpenMP runtimes in
+    one process would each keep a pool."""
+    return (Path(torch.__file__).parent / "lib" / "libgomp.so.1").exists()
+
+
 def _build(target: Path) -> None:
     compiler = os.environ.get("CC", "cc")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
-                       timeout=120)
+        openmp = ("-fopenmp",) if _shares_torch_openmp() else ()
+        subprocess.run([compiler, *FLAGS, *openmp, "-o", tmp, str(SOURCE), "-lm"], check=True,
+                       capture_output=True, timeout=120)
         os.replace(tmp, target)         # atomic: parallel builders (test workers) never see half a file
     finally:
         if os.path.exists(tmp):
@@ -98,7 +108,7 @@ def library() -> ctypes.CDLL | None:
             _unavailable = "the native CPU kernel is built for POSIX systems only"
             return None
         source = SOURCE.read_bytes()
-        key = hashlib.sha256(source + repr(FLAGS).encode() + _cpu_key().encode()
+        key = hashlib.sha256(source + repr((FLAGS, _shares_torch_openmp())).encode() + _cpu_key().encode()
                              + platform.machine().encode()).hexdigest()[:16]
         target = _cache_dir() / f"qk_stats_cpu-{key}.so"
         try:
