@@ -153,3 +153,11 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert not native.usable(q.double(), q.double(), None)       # float64 inputs: the torch path
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert not native.usable(q, q, None)
+
+
+def test_an_empty_batch_gives_empty_sums():
+    q = torch.randn(0, 3, 5, 8)
+    got = HeadStats(*native.qk_stats_cpu(q, q, None, True, 0.3, None, None, False))
+    want = HeadStats(*qk_stats_ref(q.double(), q.double(), None, True, 0.3, None))
+    assert torch.equal(got.gram, want.gram) and torch.equal(got.entropy_sum, want.entropy_sum)
+    assert got.rows.item() == 0 and got.invalid.item() == 0

@@ -395,8 +395,10 @@ int qk_stats_cpu(const Args *a, double *out) {
     /* register tiles per work item: as many as keep its probabilities ([H][rows][ldk]) within ~256 KB */
     int64_t rt = (int64_t)(262144 / (sizeof(float) * (size_t)(H * RB * ldk)));
     rt = rt < 1 ? 1 : (rt > MAX_RT ? MAX_RT : rt);
-    float *kt = aligned_alloc(64, sizeof(float) * (size_t)(a->B * a->Hk * a->D * ldk));
-    float *kmax = malloc(sizeof(float) * (size_t)(a->B * a->Hk));
+    /* (sizes a whole number of 64-byte lines, never 0: aligned_alloc's contract, and an empty batch) */
+    const size_t kt_bytes = (sizeof(float) * (size_t)(a->B * a->Hk * a->D * ldk) / 64 + 1) * 64;
+    float *kt = aligned_alloc(64, kt_bytes);
+    float *kmax = malloc(sizeof(float) * (size_t)(a->B * a->Hk + 1));
     Work *works = calloc((size_t)n, sizeof(Work));
     double *acc = calloc((size_t)n * (size_t)(H * H + H), sizeof(double));
 #ifndef _OPENMP
