@@ -95,7 +95,7 @@ def test_members_are_their_single_runs_bit_for_bit_and_finished_members_are_drop
                 assert member.result[key] == value, key
     # λ = 1 grokked and stopped early while the λ = 0 member trained on to the horizon
     assert ensemble[0].result["regime"] == "grok"
-    assert ensemble[0].result["epochs_run"] < ensemble[1].result["epochs_run"] == SMALL["epochs"]
+    assert ensemble[0].result["epochs_run"] < ensemble[1].result["epochs_run"] == singles[1].config.epochs
 
 
 MAMBA = dict(arch="mamba", d_model=32, n_layers=2, p=31, train_frac=0.7, lr=3e-3, batch_size=128, eval_every=10,

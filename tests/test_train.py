@@ -32,7 +32,8 @@ def test_weight_decay_groks_and_no_weight_decay_memorises(small_grok_runs):
     mem = mem.result
     assert mem["regime"] == "memorization", mem
     assert mem["t_mem_epoch"] is not None and mem["t_grok_epoch"] is None
-    assert mem["epochs_run"] == 300 and mem["final_train_acc"] >= 0.99 and mem["final_test_acc"] < 0.9
+    assert mem["epochs_run"] == small_grok_runs[1].config.epochs
+    assert mem["final_train_acc"] >= 0.99 and mem["final_test_acc"] < 0.9
 
 
 def test_same_seed_same_trace():
