@@ -66,9 +66,10 @@ def test_a_killed_fastdiag_run_resumes_bit_identically(tmp_path):
     (mid-epoch, mid-evaluation, mid-save): the rerun resumes from the last checkpoint (not from epoch
     0) and writes exactly the uninterrupted run's trace and results; the checkpoint is gone once the
     outputs are written."""
-    # 240 epochs, a checkpoint every 10 and kills within 0.3 s of one: the second kill comes by epoch ~140
-    # even at 5 ms an epoch (a fast machine), and the three trainings cost ~500 epochs, not 1,200
-    epochs, every = "240", 10
+    # 160 epochs, a checkpoint every 10 and kills within 0.3 s of one: the second kill comes by epoch ~140
+    # even at 5 ms an epoch (a fast machine; ~30 here at 20-40 ms), and the three trainings cost ~340
+    # epochs, not 1,200
+    epochs, every = "160", 10
     whole = fastdiag("run", *TINY_RUN, "--epochs", epochs, "--checkpoint-every", "off", "--out", str(tmp_path / "whole"))
     out, err = finish(whole)
     assert whole.returncode == 0, err
@@ -173,9 +174,10 @@ def store_traces(store):
         conn.close()
 
 
-# 200 epochs, a checkpoint every 10, a kill within 0.5 s of the first: by epoch ~110 at 5 ms an epoch
-SWEEP_GRID = ["--wd", "0.3,1", "--seeds", "1", *TINY_RUN[:-5], "--device", "cpu", "--epochs", "200", "--threads", "1",
-              "--quiet"]
+# 140 epochs, a checkpoint every 10, a kill within 0.5 s of the first: by epoch ~110 at 5 ms an epoch
+SWEEP_EPOCHS = 140
+SWEEP_GRID = ["--wd", "0.3,1", "--seeds", "1", *TINY_RUN[:-5], "--device", "cpu", "--epochs", str(SWEEP_EPOCHS),
+              "--threads", "1", "--quiet"]
 
 
 @pytest.mark.slow
@@ -196,7 +198,7 @@ def test_a_killed_sweep_resumes_bit_identically(tmp_path, how):
     killed = fastdiag("sweep", *grid, "--store", str(store), "--checkpoint-every", "10")
     kill_once_saved(killed, lambda: bool(list(folder.glob("*.ckpt.pt"))), random.Random(seed).uniform(0, 0.5))
     assert killed.returncode == -signal.SIGKILL, f"the sweep ended before the kill (seed {seed})"
-    assert len(store_traces(store)) < 2 * 100
+    assert len(store_traces(store)) < 2 * SWEEP_EPOCHS // 2            # an evaluation every 2 epochs
 
     rerun = fastdiag("sweep", *grid, "--store", str(store), "--checkpoint-every", "10")
     _, err = finish(rerun)
@@ -205,7 +207,7 @@ def test_a_killed_sweep_resumes_bit_identically(tmp_path, how):
     if "--ensemble 2" in how:
         assert "2 resumed from checkpoints" in err, err
     assert store_traces(store) == store_traces(tmp_path / "whole.sqlite"), f"seed {seed}"
-    assert len(store_traces(store)) == 2 * 100
+    assert len(store_traces(store)) == 2 * SWEEP_EPOCHS // 2
     assert not folder.exists()
 
 
