@@ -1,6 +1,7 @@
 """What tests and benchmarks share: random causal attention probabilities with padded query rows, the
-exactness targets and the error measure they are checked with, a free local port for multi-process
-tests, and a trainer that kills its worker (for the sweep backends' lost-worker tests)."""
+exactness targets and the error measure they are checked with, 16-bit Q/K rows whose products cancel, a
+free local port for multi-process tests, and a trainer that kills its worker (for the sweep backends'
+lost-worker tests)."""
 from __future__ import annotations
 
 import os
@@ -157,3 +158,27 @@ def run_snippet(block: str, preambles: dict, checks: dict, directory: Path) -> s
     script.write_text(textwrap.dedent(preambles[key]) + "\n" + block + "\n" + textwrap.dedent(checks.get(key, "")),
                       encoding="utf-8")
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+
+
+def cancelling_qk(seed, size=300.0, gap=6.0, b=2, h=4, t=16, d=64, tops=4, dtype=torch.float16):
+    """(q, k, scale) with sharp rows whose runners-up's products cancel exactly. Head-dimension columns, in
+    a random order: t "small" ones, where each row's q and each key's k make its score, and pairs of "big"
+    ones, where every q holds (w, w) and a runner-up key (β, −β) with |w|, |β| ~ size: their products cancel
+    to exactly 0, so Σ_d |q_d k_d| ~ (d − t)·size² while |s| ~ gap. Key j < tops is row i's top when
+    j = i mod tops (+gap nats, −gap for the other rows) and has no big part (its score, the LSE and the
+    row's mass are exact: the mass check cannot see the error); the other keys are runners-up at N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    f64 = dict(generator=g, dtype=torch.float64)
+    scale = d ** -0.5
+    pairs = (d - t) // 2
+    q_small = torch.randn(b, h, t, t, **f64).to(dtype).double()
+    want = torch.randn(b, h, t, t, **f64)                                   # scores [rows, keys], nats
+    want[..., :tops] = torch.where(torch.arange(t)[:, None] % tops == torch.arange(tops), gap, -gap)
+    k_small = torch.linalg.solve(q_small, want / scale).transpose(-1, -2)  # [keys, t]
+    w = (size * torch.randn(b, h, 1, pairs, **f64)).to(dtype).double().expand(b, h, t, pairs)
+    beta = (size * torch.randn(b, h, t, pairs, **f64)).to(dtype).double()
+    beta[..., :tops, :] = 0.0
+    order = torch.randperm(d, generator=g)
+    q = torch.cat([q_small, w, w], -1)[..., order]
+    k = torch.cat([k_small, beta, -beta], -1)[..., order]
+    return q.to(dtype), k.to(dtype), scale

@@ -63,7 +63,7 @@ _LOOKED_FOR = ("looked for fastdiag.models attention (class attribute records_he
 INVALID_WHY = ("probabilities with a non-finite score, an attention op's log-sum-exp that disagrees with the "
                "scores, or, on the Triton pass 2 (CUDA), sharp rows whose float32 scores are too large to hold the "
                "input dtype's exactness target (1e-5 float32, 1e-3 bf16/fp16: |s| beyond ~5800 for 16-bit "
-               "inputs); docs/attach.md, 'Sharp rows'")
+               "inputs, or q·k products that cancel: ‖q‖·‖k‖·|scale| beyond ~2900); docs/attach.md, 'Sharp rows'")
 
 _MONITORS: dict[int, "Monitor"] = {}
 _IDS = itertools.count()

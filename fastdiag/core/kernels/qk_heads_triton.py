@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .constants import LOG2E, MASKED_SCORE
-from .row_entropy_triton import _row_results, _row_sums_step
+from .row_entropy_triton import _cancel_bound, _key_norms2, _row_results, _row_sums_step
 
 _LOG2E = tl.constexpr(LOG2E)
 _MASKED = tl.constexpr(MASKED_SCORE)
@@ -36,12 +36,14 @@ _MASKED = tl.constexpr(MASKED_SCORE)
 @triton.jit
 def _head_tile(h: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
                mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m, rest, total,
-               stride_qh, stride_kh, stride_mh, stride_lh,
+               k_norm2, stride_qh, stride_kh, stride_mh, stride_lh,
                HEADS: tl.constexpr, GROUP: tl.constexpr, MASK_KIND: tl.constexpr, FP32_DOT: tl.constexpr,
                ROW_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Head ``h``'s probabilities on one ``[BLOCK_M, BLOCK_N]`` tile (in the Gram dot's input type) and,
-    with ROW_SUMS, its rows' running sums ``(m, rest, total)`` (`row_entropy_triton`) with this tile in;
-    zeros and the sums unchanged for a padded head (``h >= HEADS``).
+    with ROW_SUMS, its rows' running sums ``(m, rest, total)`` (`row_entropy_triton`) with this tile in
+    and, for 16-bit inputs, ``k_norm2`` (``[1, 1]``: the largest ‖k_j‖² of every head's keys so far, for the
+    rows' cancellation bound) raised by this tile's; zeros and the sums unchanged for a padded head
+    (``h >= HEADS``).
 
     A head's pointers are the batch entry's base plus one scalar per head plus offset tiles that every
     head shares (``*_offsets``, in bounds where ``*_in``): per-head pointer tiles, hoisted out of the
@@ -70,6 +72,9 @@ def _head_tile(h: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, 
         if ROW_SUMS:
             # p = exp2(s − m) · exp2(m − lse₂): one exp2 per score serves the Gram and the row sums
             e, m, rest, total = _row_sums_step(s, m, rest, total, 1)
+            if not FP32_DOT:
+                # one running max over the program's heads: one register, an upper bound for each head
+                k_norm2 = tl.maximum(k_norm2, tl.max(_key_norms2(kt, 0), 1, keep_dims=True))
             p = tl.where(ok[:, None], e * tl.exp2(m - lse2)[:, None], 0.0)   # NaN in a row that does not count: 0
         else:
             p = tl.exp2(tl.where(ok[:, None], s - lse2[:, None], _MASKED))
@@ -82,13 +87,13 @@ def _head_tile(h: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, 
             tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
             tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float16)
-    return tile, m, rest, total
+    return tile, m, rest, total, k_norm2
 
 
 @triton.jit
 def _stack(h0: tl.constexpr, WIDTH: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, q_in,
            k_offsets, k_in, mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold,
-           m, rest, total, stride_qh, stride_kh, stride_mh, stride_lh,
+           m, rest, total, k_norm2, stride_qh, stride_kh, stride_mh, stride_lh,
            HEADS: tl.constexpr, GROUP: tl.constexpr, MASK_KIND: tl.constexpr, FP32_DOT: tl.constexpr,
            ROW_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Heads ``h0 .. h0 + WIDTH`` stacked: ``[BLOCK_M, BLOCK_N, 2, …, 2]`` (log2 WIDTH axes of 2, the
@@ -97,24 +102,24 @@ def _stack(h0: tl.constexpr, WIDTH: tl.constexpr, q_base, k_base, mask_base, lse
     if WIDTH == 1:
         return _head_tile(h0, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
                           mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m, rest,
-                          total, stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT,
+                          total, k_norm2, stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT,
                           ROW_SUMS, BLOCK_M, BLOCK_N)
     else:
         m_a, m_b = tl.split(m)
         rest_a, rest_b = tl.split(rest)
         total_a, total_b = tl.split(total)
-        a_tile, m_a, rest_a, total_a = _stack(
+        a_tile, m_a, rest_a, total_a, k_norm2 = _stack(
             h0, WIDTH // 2, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
             mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m_a, rest_a, total_a,
-            stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, ROW_SUMS, BLOCK_M,
+            k_norm2, stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, ROW_SUMS, BLOCK_M,
             BLOCK_N)
-        b_tile, m_b, rest_b, total_b = _stack(
+        b_tile, m_b, rest_b, total_b, k_norm2 = _stack(
             h0 + WIDTH // 2, WIDTH // 2, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
             mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m_b, rest_b, total_b,
-            stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, ROW_SUMS, BLOCK_M,
+            k_norm2, stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, ROW_SUMS, BLOCK_M,
             BLOCK_N)
         return (tl.join(a_tile, b_tile), tl.join(m_a, m_b), tl.join(rest_a, rest_b),
-                tl.join(total_a, total_b))
+                tl.join(total_a, total_b), k_norm2)
 
 
 @triton.jit
@@ -189,6 +194,7 @@ def _qk_heads_kernel(
     m = _full_stack(BLOCK_H, BLOCK_M, _MASKED)
     rest = _full_stack(BLOCK_H, BLOCK_M, 0.0)
     total = _full_stack(BLOCK_H, BLOCK_M, 0.0)
+    k_norm2 = tl.zeros((1, 1), dtype=tl.float32)   # 16-bit row sums: max ‖k_j‖² so far, over the heads
     key_end = Tk
     if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
         key_end = tl.minimum(Tk, row0 + BLOCK_M)
@@ -240,22 +246,22 @@ def _qk_heads_kernel(
             m_i, m_j = tl.split(m)
             rest_i, rest_j = tl.split(rest)
             total_i, total_j = tl.split(total)
-            tiles_i, m_i, rest_i, total_i = _stack(
+            tiles_i, m_i, rest_i, total_i, k_norm2 = _stack(
                 0, PAIR_HEADS, q_base, k_base, mask_base, lse_base, q_offsets, q_step, k_offsets, k_in,
                 mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m_i, rest_i, total_i,
-                stride_qh, stride_kh, stride_mh, stride_lh, PAIR_HEADS, GROUP, MASK_KIND, FP32_DOT, False,
+                k_norm2, stride_qh, stride_kh, stride_mh, stride_lh, PAIR_HEADS, GROUP, MASK_KIND, FP32_DOT, False,
                 BLOCK_M, BLOCK_N)
-            tiles_j, m_j, rest_j, total_j = _stack(
+            tiles_j, m_j, rest_j, total_j, k_norm2 = _stack(
                 0, PAIR_HEADS, q_base_j, k_base_j, mask_base_j, lse_base_j, q_offsets, q_step, k_offsets, k_in,
                 mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m_j, rest_j, total_j,
-                stride_qh, stride_kh, stride_mh, stride_lh, PAIR_HEADS, GROUP, MASK_KIND, FP32_DOT, False,
+                k_norm2, stride_qh, stride_kh, stride_mh, stride_lh, PAIR_HEADS, GROUP, MASK_KIND, FP32_DOT, False,
                 BLOCK_M, BLOCK_N)
             tiles = tl.join(tiles_i, tiles_j)
         else:
-            tiles, m, rest, total = _stack(
+            tiles, m, rest, total, k_norm2 = _stack(
                 0, BLOCK_H, q_base, k_base, mask_base, lse_base, q_offsets, q_step, k_offsets, k_in,
                 mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m, rest, total,
-                stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, ROW_SUMS, BLOCK_M,
+                k_norm2, stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, ROW_SUMS, BLOCK_M,
                 BLOCK_N)
         if GRAM:
             gram = _gram_tile(gram, tiles, SPLIT, BLOCK_M, BLOCK_N, BLOCK_H, GRAM_CHUNKS, FP32_DOT)
@@ -274,8 +280,17 @@ def _qk_heads_kernel(
     if ROW_SUMS:
         counted = ok[:, None] & (head0 + head[None, :] < HEADS)
         lse2 = tl.load(lse_base + head[None, :] * stride_lh + lse_offsets[:, None], mask=counted, other=0.0) * _LOG2E
+        bound = k_norm2   # unread for float32 inputs
+        if not FP32_DOT:
+            # ‖q_i‖² per row and head, re-read once here (not held across the key loop), at each head's place
+            q_norm2 = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+            for h in tl.static_range(BLOCK_H):
+                real_head = (tl.full((1, 1), h, tl.int64) + head0) < HEADS   # a tensor: head0 may be 0
+                q_h = tl.load(q_base + h * stride_qh + q_offsets, mask=q_in & real_head, other=0.0).to(tl.float32)
+                q_norm2 = tl.where(head[None, :] == h, tl.sum(q_h * q_h, 1)[:, None], q_norm2)
+            bound = _cancel_bound(q_norm2, k_norm2, qk_scale)
         entropy, off = _row_results(tl.reshape(m, (BLOCK_M, BLOCK_H)), tl.reshape(rest, (BLOCK_M, BLOCK_H)),
-                                    tl.reshape(total, (BLOCK_M, BLOCK_H)), lse2, counted, FP32_DOT)
+                                    tl.reshape(total, (BLOCK_M, BLOCK_H)), lse2, counted, bound, FP32_DOT)
         if BLOCK_H == 1:
             tl.store(entropy_part_ptr + pid * OUT_H + head0, tl.sum(tl.sum(entropy, 1), 0))
         else:

@@ -40,6 +40,22 @@ _SCORE_ROUNDING = tl.constexpr(SCORE_ROUNDING)
 FP32_TARGET, HALF_TARGET = 1e-5, 1e-3
 _FP32_TARGET = tl.constexpr(FP32_TARGET)
 _HALF_TARGET = tl.constexpr(HALF_TARGET)
+# 16-bit inputs: the relative error of a row's entropy per unit of ``|qk_scale|·‖q_i‖·max_j ‖k_j‖`` (log2
+# units), estimated, for rows whose products ``q_d k_jd`` cancel (Σ_d |q_d k_jd| ≫ |s|). The products are
+# exact in float32 and the dot's float32 accumulation rounds running sums bounded by Σ_d |q_d k_jd| ≤
+# ‖q_i‖‖k_j‖ (Cauchy–Schwarz), not by |s|: a score's error is γ·Σ_d |q_d k_jd|, γ a few 2⁻²⁴. A score off by
+# δ_j (nats) moves the entropy by at most max_j |δ_j − Σ p δ| relative (dH = −Σ p_j log p_j (δ_j − Σ p δ),
+# and Σ p |log p| = H), so by 2·ln2·γ per unit here. Measured in float64 emulation of float32-accumulated
+# 16-bit scores (torch's and numpy's summation orders; head dim 8–128; sharp rows of gaps 3–1e3 and score
+# offsets 0–1e3, and rows whose products cancel exactly, benchmarks/cancelling_rows_triton.py): a row's
+# error reached 2.3 units (γ ≈ 1.7·2⁻²⁴); c = 4 keeps 1.7× of margin (benchmarks/RESULTS.md, "Cancelling
+# products"). Not measured on tensor cores (no GPU lent): their 16-column steps align to the largest term
+# and truncate, at most one such rounding per step, 2·ln2·2·D/16 ≈ 11 units at D = 64 in the worst case.
+# With c = 4 a row is named once ‖q_i‖·max‖k_j‖·|scale| passes ~2900 nats (16-bit target 1e-3): no
+# ordinary layer comes near (randomly initialised GPT-2: < 1). Float32 inputs never run pass 2 in Triton
+# on a GPU (`qk_stats_triton.pass2_configs`), so they keep the |s| estimate alone.
+CANCEL_ROUNDING = 4 * 2.0 ** -24
+_CANCEL_ROUNDING = tl.constexpr(CANCEL_ROUNDING)
 
 
 @triton.jit
@@ -73,10 +89,26 @@ def _row_sums_step(s, m, rest, total, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _row_results(m, rest, total, lse2, ok, FP32_DOT: tl.constexpr):
+def _key_norms2(kt, AXIS: tl.constexpr):
+    """‖k_j‖² of every key of a K tile (its head-dimension columns along ``AXIS``, kept as a size-1 axis);
+    the kernels keep a running max over their key tiles for the rows' cancellation bound (`_cancel_bound`)."""
+    k = kt.to(tl.float32)
+    return tl.sum(k * k, AXIS, keep_dims=True)
+
+
+@triton.jit
+def _cancel_bound(q_norm2, k_norm_max2, qk_scale):
+    """``|qk_scale|·‖q_i‖·max_j ‖k_j‖`` (log2 units): by Cauchy–Schwarz, at least Σ_d |q_d k_jd|·|qk_scale|
+    for every key j of the row, the size that sets a score's float32 accumulation error."""
+    return tl.abs(qk_scale) * tl.sqrt(q_norm2) * tl.sqrt(k_norm_max2)
+
+
+@triton.jit
+def _row_results(m, rest, total, lse2, ok, bound, FP32_DOT: tl.constexpr):
     """Per row: its entropy in nats (0 where the row does not count) and whether it counts as invalid:
     its mass under the LSE off 1 by more than MASS_TOLERANCE (a wrong LSE, NaN), or, for a row that
-    counts, more error than the dtype's target allows (float32 scores too large for it)."""
+    counts, more error than the dtype's target allows (float32 scores too large for it, or, 16-bit
+    inputs, products that cancel: ``bound`` from `_cancel_bound`, unread for float32 inputs)."""
     mass_in_row = 1.0 + rest
     # log2(1 + rest) to full precision for a tiny rest: log2(u) · rest / (u − 1) with u = 1 + rest rounded
     log_mass = tl.where(mass_in_row == 1.0, rest * _LOG2E,
@@ -93,4 +125,6 @@ def _row_results(m, rest, total, lse2, ok, FP32_DOT: tl.constexpr):
     drift = tl.abs(mass - 1.0)
     wrong = (drift <= _MASS_TOLERANCE) == 0                               # NaN counts as wrong
     imprecise = (_SCORE_ROUNDING * size > target) | (drift > target)
+    if not FP32_DOT:
+        imprecise = imprecise | (_CANCEL_ROUNDING * bound > target)
     return tl.where(ok, entropy, 0.0), ok & (wrong | imprecise)
