@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import torch
 
-from fastdiag.testing import cancelling_qk
+from fastdiag.testing import cancelling_qk, row_entropy
 
 SIZES = (10.0, 30.0, 100.0, 300.0)
 
@@ -48,24 +48,16 @@ def kernels_table() -> None:
                 print(f"{size:5.0f} {seed:4d} {path:>12} {e_h:9.2e} {err:9.2e} {got.invalid.item():.0f}")
 
 
-def _entropy(s: torch.Tensor) -> torch.Tensor:
-    x = s - s.amax(-1, keepdim=True)
-    e = torch.exp(x)
-    top = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, x.argmax(-1, keepdim=True), True)
-    rest = torch.where(top, 0.0, e).sum(-1)
-    return torch.log1p(rest) + (e * -x).sum(-1) / (1 + rest)
-
-
 def _worst_units(q, k, scale) -> float:
     """Largest row entropy error of float32-accumulated scores, in units of 2⁻²⁴·|scale|·log2e·‖q‖·max‖k‖."""
     s64 = (q.double() @ k.double().transpose(-1, -2)) * scale
-    h64 = _entropy(s64)
+    h64 = row_entropy(s64)
     unit = 2.0 ** -24 * abs(scale) * math.log2(math.e) * q.double().norm(dim=-1) * \
         k.double().norm(dim=-1).amax(-1, keepdim=True)
     worst = 0.0
     for s32 in ((q.float() @ k.float().transpose(-1, -2)).double(),
                 torch.from_numpy(np.matmul(q.float().numpy(), np.swapaxes(k.float().numpy(), -1, -2))).double()):
-        rel = (_entropy(s32 * scale) - h64).abs() / h64.clamp_min(1e-300)
+        rel = (row_entropy(s32 * scale) - h64).abs() / h64.clamp_min(1e-300)
         keep = h64 > 1e-30
         worst = max(worst, (rel[keep] / unit[keep]).max().item())
     return worst

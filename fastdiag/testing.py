@@ -1,7 +1,7 @@
 """What tests and benchmarks share: random causal attention probabilities with padded query rows, the
-exactness targets and the error measure they are checked with, 16-bit Q/K rows whose products cancel, a
-free local port for multi-process tests, and a trainer that kills its worker (for the sweep backends'
-lost-worker tests)."""
+exactness targets and the error measure they are checked with, 16-bit Q/K rows whose products cancel and
+a sharp row's float64 entropy, a free local port for multi-process tests, and a trainer that kills its
+worker (for the sweep backends' lost-worker tests)."""
 from __future__ import annotations
 
 import os
@@ -182,3 +182,12 @@ def cancelling_qk(seed, size=300.0, gap=6.0, b=2, h=4, t=16, d=64, tops=4, dtype
     q = torch.cat([q_small, w, w], -1)[..., order]
     k = torch.cat([k_small, beta, -beta], -1)[..., order]
     return q.to(dtype), k.to(dtype), scale
+
+
+def row_entropy(s: torch.Tensor) -> torch.Tensor:
+    """float64 entropy of each row of scores (nats), shifted by the row's maximum (keeps a sharp row's digits)."""
+    x = s - s.amax(-1, keepdim=True)
+    e = torch.exp(x)
+    top = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, x.argmax(-1, keepdim=True), True)
+    rest = torch.where(top, 0.0, e).sum(-1)
+    return torch.log1p(rest) + (e * -x).sum(-1) / (1 + rest)

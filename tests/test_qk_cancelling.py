@@ -12,7 +12,7 @@ import torch
 import fastdiag
 from fastdiag.core.kernels.qk_stats_ref import qk_stats_ref
 from fastdiag.core.stats import HeadStats
-from fastdiag.testing import TOLERANCE, cancelling_qk
+from fastdiag.testing import TOLERANCE, cancelling_qk, row_entropy
 from tests.helpers import assert_stats_close
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -20,15 +20,6 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 kernels = pytest.importorskip("fastdiag.core.kernels.qk_stats_triton")
 
 HALF_TARGET = TOLERANCE[torch.float16]
-
-
-def row_entropy(s: torch.Tensor) -> torch.Tensor:
-    """float64 entropy of each row of scores (nats), shifted by the row's maximum (keeps a sharp row's digits)."""
-    x = s - s.amax(-1, keepdim=True)
-    e = torch.exp(x)
-    top = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, x.argmax(-1, keepdim=True), True)
-    rest = torch.where(top, 0.0, e).sum(-1)
-    return torch.log1p(rest) + (e * -x).sum(-1) / (1 + rest)
 
 
 def _padding(b, t):

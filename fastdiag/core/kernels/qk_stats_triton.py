@@ -84,7 +84,8 @@ def _load_q(q_ptr, batch, head, row, real, d0, D, stride_qb, stride_qh, stride_q
 def _qk_dot(q_ptr, k_ptr, q, batch, kv_head, head, row, real, key, d0, Hk, Tk, D,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             FP32_DOT: tl.constexpr, Q_IN_LOOP: tl.constexpr, WIDTH: tl.constexpr):
-    """Q·Kᵀ over head-dimension columns ``d0 .. d0 + WIDTH`` (Q re-read when not held)."""
+    """Q·Kᵀ over head-dimension columns ``d0 .. d0 + WIDTH`` (Q re-read when not held), and the keys'
+    squared norms over those columns ``[BLOCK_HK, 1, BLOCK_N]`` (unused ones are dead code)."""
     if Q_IN_LOOP:
         q = _load_q(q_ptr, batch, head, row, real, d0, D, stride_qb, stride_qh, stride_qm, stride_qd, WIDTH)
     d = d0 + tl.arange(0, WIDTH)
@@ -102,10 +103,10 @@ def _qk_dot(q_ptr, k_ptr, q, batch, kv_head, head, row, real, key, d0, Hk, Tk, D
             s2 = tl.dot(q2, kt2, input_precision="tf32x3")
         else:
             s2 = tl.dot(q2, kt2)
-        return tl.reshape(s2, (1, s2.shape[0], s2.shape[1]))
+        return tl.reshape(s2, (1, s2.shape[0], s2.shape[1])), _key_norms2(kt, 1)
     if FP32_DOT:
-        return tl.dot(q, kt, input_precision="tf32x3")     # fp32 inputs keep fp32 accuracy
-    return tl.dot(q, kt)                                   # 16-bit products are exact in fp32
+        return tl.dot(q, kt, input_precision="tf32x3"), _key_norms2(kt, 1)   # fp32 inputs keep fp32 accuracy
+    return tl.dot(q, kt), _key_norms2(kt, 1)                                  # 16-bit products are exact in fp32
 
 
 @triton.jit
@@ -114,17 +115,21 @@ def _scores(q, q_ptr, k_ptr, mask_ptr, batch, kv_head, head, row, real, key0, Hk
             stride_mb, stride_mh, stride_mm, stride_mn,
             IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, FP32_DOT: tl.constexpr, Q_IN_LOOP: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DC: tl.constexpr):
-    """Masked scores in log2 units, ``[BLOCK_HK, G·BLOCK_M, BLOCK_N]``; masked keys hold MASKED.
+    """Masked scores in log2 units, ``[BLOCK_HK, G·BLOCK_M, BLOCK_N]``; masked keys hold MASKED. And the
+    tile's largest squared key norm per key head ``[BLOCK_HK, 1, 1]`` (masked keys included: an upper
+    bound), for the rows' cancellation bound (`row_entropy_triton._cancel_bound`; dead code elsewhere).
 
     ``q`` is the held Q tile, or unused when Q_IN_LOOP (then Q is read in BLOCK_DC-column chunks)."""
     key = key0 + tl.arange(0, BLOCK_N)
-    s = _qk_dot(q_ptr, k_ptr, q, batch, kv_head, head, row, real, key, 0, Hk, Tk, D,
+    s, k_norms2 = _qk_dot(q_ptr, k_ptr, q, batch, kv_head, head, row, real, key, 0, Hk, Tk, D,
                 stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
                 FP32_DOT, Q_IN_LOOP, BLOCK_DC)
     for c in tl.static_range(1, BLOCK_D // BLOCK_DC):
-        s += _qk_dot(q_ptr, k_ptr, q, batch, kv_head, head, row, real, key, c * BLOCK_DC, Hk, Tk, D,
-                     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-                     FP32_DOT, Q_IN_LOOP, BLOCK_DC)
+        s_c, k_norms2_c = _qk_dot(q_ptr, k_ptr, q, batch, kv_head, head, row, real, key, c * BLOCK_DC, Hk, Tk, D,
+                                  stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
+                                  stride_kd, FP32_DOT, Q_IN_LOOP, BLOCK_DC)
+        s += s_c
+        k_norms2 += k_norms2_c
     s = s * qk_scale
     key3 = key[None, None, :]
     visible = key3 < Tk
@@ -142,7 +147,7 @@ def _scores(q, q_ptr, k_ptr, mask_ptr, batch, kv_head, head, row, real, key0, Hk
             mf = tl.maximum(m.to(tl.float32), _MASKED, propagate_nan=tl.PropagateNan.ALL)
             visible = visible & ((mf > mask_threshold) | (mf != mf))   # NaN stays, to show up as NaN
             s = s + mf * _LOG2E
-    return tl.where(visible, s, _MASKED)
+    return tl.where(visible, s, _MASKED), tl.max(k_norms2, 2, keep_dims=True)
 
 
 @triton.jit
@@ -173,7 +178,7 @@ def _qk_lse_kernel(
     if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
         key_end = tl.minimum(Tk, row0 + BLOCK_M)
     for key0 in range(0, key_end, BLOCK_N):
-        s = _scores(q, q_ptr, k_ptr, mask_ptr, batch, kv_head, head, row, real, key0, Hk, Tk, D, qk_scale,
+        s, _k_norm2 = _scores(q, q_ptr, k_ptr, mask_ptr, batch, kv_head, head, row, real, key0, Hk, Tk, D, qk_scale,
                     mask_threshold, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
                     stride_kd, stride_mb, stride_mh, stride_mm, stride_mn,
                     IS_CAUSAL, MASK_KIND, FP32_DOT, Q_IN_LOOP, BLOCK_N, BLOCK_D, BLOCK_DC)
@@ -183,35 +188,6 @@ def _qk_lse_kernel(
     seen = l_i > 0
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
     tl.store(lse_ptr + batch * stride_lb + head * stride_lh + row * stride_lm, lse, mask=real)
-
-
-@triton.jit
-def _norms2(q_ptr, k_ptr, batch, kv_head, head, row, real, Hk, Tk, D, key_end,
-            stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """16-bit rows' cancellation bound (`row_entropy_triton._cancel_bound`) after the key loop: ‖q_i‖² of
-    the rows ``[BLOCK_HK, G·BLOCK_M]`` and max_j ‖k_j‖² over the keys ``< key_end`` of each key head
-    ``[BLOCK_HK, 1]`` (masked keys included: an upper bound). Re-read here (from L2), 16 columns at a time:
-    in the key loop, or in the score dot's wider chunks, the registers it takes made Llama-7B's launch fall
-    back to narrower score dots (sm_90: 192 → 144 KB of shared memory, 16 % more predicted time)."""
-    q_norm2 = tl.zeros((kv_head.shape[0], row.shape[1]), dtype=tl.float32)
-    for c in tl.static_range(BLOCK_D // 16):
-        q_c = _load_q(q_ptr, batch, head, row, real, c * 16, D, stride_qb, stride_qh, stride_qm, stride_qd,
-                      16).to(tl.float32)
-        q_norm2 += tl.sum(q_c * q_c, 2)
-    k_norm2 = tl.zeros((kv_head.shape[0], 1, 1), dtype=tl.float32)
-    k_base = k_ptr + batch * stride_kb + kv_head[:, :, None] * stride_kh
-    for key0 in tl.range(0, key_end, BLOCK_N, num_stages=1):
-        key = key0 + tl.arange(0, BLOCK_N)
-        key_norms2 = tl.zeros((kv_head.shape[0], 1, BLOCK_N), dtype=tl.float32)
-        for c in tl.static_range(BLOCK_D // 16):
-            d = c * 16 + tl.arange(0, 16)
-            kt = tl.load(k_base + d[None, :, None] * stride_kd + key.to(tl.int64)[None, None, :] * stride_kn,
-                         mask=(kv_head[:, :, None] < Hk) & (d[None, :, None] < D) & (key[None, None, :] < Tk),
-                         other=0.0)
-            key_norms2 += _key_norms2(kt, 1)
-        k_norm2 = tl.maximum(k_norm2, tl.max(key_norms2, 2, keep_dims=True))
-    return q_norm2, tl.reshape(k_norm2, (kv_head.shape[0], 1))
 
 
 @triton.jit
@@ -283,17 +259,20 @@ def _qk_stats_kernel(
 
     gram = tl.zeros((BLOCK_HK * BLOCK_G, BLOCK_HK * BLOCK_G), dtype=tl.float32)
     m, rest, total = _row_sums_start((BLOCK_HK, BLOCK_G * BLOCK_M))   # the rows' running sums
+    k_norm2 = tl.zeros((BLOCK_HK, 1, 1), dtype=tl.float32)   # 16-bit: max ‖k_j‖² so far, per key head
     key_end = Tk
     if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
         key_end = tl.minimum(Tk, row0 + BLOCK_M)
     for key0 in range(0, key_end, BLOCK_N):
-        s_i = _scores(q_i, q_ptr, k_ptr, mask_ptr, batch, kv_i, head_i, row, real_i, key0, Hk, Tk, D, qk_scale,
+        s_i, k_norm2_tile = _scores(q_i, q_ptr, k_ptr, mask_ptr, batch, kv_i, head_i, row, real_i, key0, Hk, Tk, D, qk_scale,
                       mask_threshold, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
                       stride_kd, stride_mb, stride_mh, stride_mm, stride_mn,
                       IS_CAUSAL, MASK_KIND, FP32_DOT, Q_IN_LOOP, BLOCK_N, BLOCK_D, BLOCK_DC)
         if DIAGONAL:
             # p = exp2(s − m) · exp2(m − lse₂): one exp2 per score serves the Gram and the row sums
             e_i, m, rest, total = _row_sums_step(s_i, m, rest, total, 2)
+            if not FP32_DOT:
+                k_norm2 = tl.maximum(k_norm2, k_norm2_tile)
             p_i = tl.where(ok_i[:, :, None], e_i * tl.exp2(m - lse2_i)[:, :, None], 0.0)
         else:
             p_i = tl.exp2(_log2_probs(s_i, lse2_i, ok_i))
@@ -301,7 +280,7 @@ def _qk_stats_kernel(
         if DIAGONAL:
             slab_j = slab_i
         else:
-            s_j = _scores(q_j, q_ptr, k_ptr, mask_ptr, batch, kv_j, head_j, row, real_j, key0, Hk, Tk, D,
+            s_j, _k_norm2_j = _scores(q_j, q_ptr, k_ptr, mask_ptr, batch, kv_j, head_j, row, real_j, key0, Hk, Tk, D,
                           qk_scale, mask_threshold, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh,
                           stride_kn, stride_kd, stride_mb, stride_mh, stride_mm, stride_mn,
                           IS_CAUSAL, MASK_KIND, FP32_DOT, Q_IN_LOOP, BLOCK_N, BLOCK_D, BLOCK_DC)
@@ -317,12 +296,16 @@ def _qk_stats_kernel(
     part = pid * tl.num_programs(1) + pair
     tl.store(gram_part_ptr + part * bh * bh + out[:, None] * bh + out[None, :], gram)
     if DIAGONAL:
-        bound = m   # unread for float32 inputs
+        bound = k_norm2   # unread for float32 inputs
         if not FP32_DOT:
-            q_norm2, k_norm2 = _norms2(q_ptr, k_ptr, batch, kv_i, head_i, row, real_i, Hk, Tk, D, key_end, stride_qb,
-                                       stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-                                       BLOCK_N, BLOCK_D)
-            bound = _cancel_bound(q_norm2, k_norm2, qk_scale)
+            # ‖q_i‖² re-read once here (Q is L2-resident), not held across the key loop; 16 columns at a time
+            # (unrolled: a loop here would be what the kernel report takes for the hot loop)
+            q_norm2 = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
+            for c in tl.static_range(BLOCK_D // 16):
+                q_c = _load_q(q_ptr, batch, head_i, row, real_i, c * 16, D, stride_qb, stride_qh, stride_qm,
+                              stride_qd, 16).to(tl.float32)
+                q_norm2 += tl.sum(q_c * q_c, 2)
+            bound = _cancel_bound(q_norm2, tl.reshape(k_norm2, (BLOCK_HK, 1)), qk_scale)
         entropy, off = _row_results(m, rest, total, lse2_i, ok_i, bound, FP32_DOT)
         tl.store(entropy_part_ptr + part * bh + out, tl.sum(tl.reshape(entropy, (bh, BLOCK_M)), 1))
         tl.store(invalid_part_ptr + part, tl.sum(tl.sum(off.to(tl.float32), 1), 0))

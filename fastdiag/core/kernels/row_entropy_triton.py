@@ -22,10 +22,10 @@ input dtype's target (1e-5 for float32 inputs, 1e-3 for 16-bit ones: README, "Ex
 |s| is not the size that sets a score's rounding when its products cancel: the float32 accumulation of
 ``Σ_d q_d k_jd`` rounds running sums as large as ``Σ_d |q_d k_jd|``, which can be 1e5× |s| (a float16 layer
 so built read σ_l 1e-2 off, silent, before this). For 16-bit inputs the kernels also bound it by
-Cauchy–Schwarz, ``Σ_d |q_d k_jd| ≤ ‖q_i‖‖k_j‖``, from what they load anyway: ‖q_i‖² re-read once after the
-key loop, max_j ‖k_j‖² (`_key_norms2`) a running max over the K tiles, so a row's error is estimated as the
-larger of the |s| estimate and `CANCEL_ROUNDING` × `_cancel_bound` (``|qk_scale|·‖q_i‖·max_j ‖k_j‖``): no
-host op, no host read, one loop-carried register or ``[BLOCK_HK]`` vector.
+Cauchy–Schwarz, ``Σ_d |q_d k_jd| ≤ ‖q_i‖‖k_j‖``: ‖q_i‖² re-read once after the key loop, max_j ‖k_j‖²
+(`_key_norms2`) a running max over the K tiles the kernels load (one loop-carried register, or one per key
+head), so a row's error is estimated as the larger of the |s| estimate and `CANCEL_ROUNDING` ×
+`_cancel_bound` (``|qk_scale|·‖q_i‖·max_j ‖k_j‖``): no host op, no host read.
 """
 from __future__ import annotations
 
