@@ -2,7 +2,10 @@
 ``$OUT/results.jsonl`` as it goes (flushed per line: a stage cut off by its timeout keeps what it
 finished).
 
-    python benchmarks/gpu_stages.py STAGE [--dry-run]     STAGE: kernels | accuracy | attach | int64
+    python benchmarks/gpu_stages.py STAGE [STAGE ...] [--dry-run]     STAGE: kernels | accuracy | attach | int64 | ...
+
+gpu_check.sh runs each stage in a process of its own on a GPU (its own timeout; a fault ends one
+stage), and all of them in one process in a dry run (each Python start-up costs seconds of CPU in CI).
 
 On a GPU: model-size shapes, CUDA events, medians. ``--dry-run`` runs the same code on CPU with tiny
 shapes (kernels under TRITON_INTERPRET=1), so CI proves the script works before a GPU sees it; its
@@ -518,7 +521,7 @@ STAGES = {"kernels": stage_kernels, "accuracy": stage_accuracy, "attach": stage_
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=sorted(STAGES))
+    ap.add_argument("stage", nargs="+", choices=sorted(STAGES), help="run in turn; one failing does not stop the next")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, kernels interpreted")
     args = ap.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
@@ -528,13 +531,15 @@ def main() -> int:
         print("gpu_stages: --dry-run needs TRITON_INTERPRET=1 (gpu_check.sh --dry-run sets it)", file=sys.stderr)
         return 2
     dev = torch.device("cpu" if args.dry_run else "cuda")
-    try:
-        STAGES[args.stage](dev, args.dry_run)
-    except Exception as e:
-        emit(args.stage, args.dry_run, error=f"{type(e).__name__}: {e}"[:500],
-             where=traceback.format_exc().strip().splitlines()[-3:])
-        return 1
-    return 0
+    failed = 0
+    for stage in args.stage:
+        try:
+            STAGES[stage](dev, args.dry_run)
+        except Exception as e:
+            emit(stage, args.dry_run, error=f"{type(e).__name__}: {e}"[:500],
+                 where=traceback.format_exc().strip().splitlines()[-3:])
+            failed += 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
