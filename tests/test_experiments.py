@@ -211,7 +211,7 @@ def test_headdim_command_fits_and_draws(tmp_path, capsys, monkeypatch):
     store, out = tmp_path / "hd.sqlite", tmp_path / "hd"
     args = ["headdim", "--d-model", "16,32,64,128", "--heads", "2,4,8,3", "--wd", "1", "--seeds", "3",
             "--p", "11", "--epochs", "40", "--store", str(store), "--out", str(out), "--workers", "1",
-            "--n-boot", "200", "--quiet", "--device", "cpu"]
+            "--n-boot", "50", "--quiet", "--device", "cpu"]
     main(args)
     cap = capsys.readouterr()
     assert "skipped d=16, H=3 (H does not divide d)" in cap.err
