@@ -220,21 +220,24 @@ static void row_from_double(const double *restrict s, int64_t n, double floor2, 
 
 /* K [Tk, D] of each (batch, key head) as panels [ldk / KB][D][KB] (zero keys past Tk), and its
  * largest |k|. */
-static void transpose_keys(const Args *a, float *kt_all, float *kmax_all, int64_t ldk) {
-    for (int64_t bh = 0; bh < a->B * a->Hk; bh++) {
+static void transpose_keys(const Args *a, float *kt_all, float *kmax_all, int64_t ldk, int64_t first,
+                           int64_t step) {
+    for (int64_t bh = first; bh < a->B * a->Hk; bh += step) {
         int64_t b = bh / a->Hk, hk = bh % a->Hk;
         const float *k = a->k + b * a->k_sb + hk * a->k_sh;
         float *kt = kt_all + bh * a->D * ldk;
         float kmax = 0.0f;
-        for (int64_t j = 0; j < a->Tk; j++)
+        for (int64_t j = 0; j < a->Tk; j++) {
+            float *panel = kt + (j / KB) * a->D * KB + j % KB;
+            const float *kr = k + j * a->k_st;
             for (int64_t d = 0; d < a->D; d++) {
-                float v = k[j * a->k_st + d];
-                kt[(j / KB) * a->D * KB + d * KB + j % KB] = v;
-                float av = fabsf(v);
+                const float v = kr[d], av = fabsf(v);
+                panel[d * KB] = v;
                 kmax = av > kmax || av != av ? av : kmax;
             }
-        for (int64_t d = 0; d < a->D; d++)
-            for (int64_t j = a->Tk; j < ldk; j++) kt[(j / KB) * a->D * KB + d * KB + j % KB] = 0.0f;
+        }
+        for (int64_t j = a->Tk; j < ldk; j++)
+            for (int64_t d = 0; d < a->D; d++) kt[(j / KB) * a->D * KB + d * KB + j % KB] = 0.0f;
         kmax_all[bh] = kmax;
     }
 }
@@ -406,7 +409,9 @@ int qk_stats_cpu(const Args *a, double *out) {
 #endif
     int status = (kt && kmax && works && acc) ? 0 : -1;
     if (status == 0) {
-        transpose_keys(&args, kt, kmax, ldk);
+#ifndef _OPENMP
+        transpose_keys(&args, kt, kmax, ldk, 0, 1);
+#endif
         for (int t = 0; t < n; t++)
             works[t] = (Work){.a = &args, .tid = t, .kt = kt, .kmax = kmax, .ldk = ldk, .rt = rt,
                               .gram = acc + (size_t)t * (H * H + H), .entropy = acc + (size_t)t * (H * H + H) + H * H};
@@ -415,7 +420,12 @@ int qk_stats_cpu(const Args *a, double *out) {
          * linker then reuses): no thread is created and none spins beside ours. A smaller team than asked
          * runs the missing shares itself, so the partition (and the sums) depend on n only. */
 #pragma omp parallel num_threads(n)
-        for (int t = omp_get_thread_num(); t < n; t += omp_get_num_threads()) run(&works[t]);
+        {
+            const int me = omp_get_thread_num(), team = omp_get_num_threads();
+            transpose_keys(&args, kt, kmax, ldk, me, team);
+#pragma omp barrier
+            for (int t = me; t < n; t += team) run(&works[t]);
+        }
 #else
         int started = 1;
         while (started < n && pthread_create(&threads[started], NULL, run, &works[started]) == 0) started++;
