@@ -65,9 +65,12 @@ typedef struct {
     int64_t rt;           /* register tiles of RB rows per work item */
     double *gram;         /* this thread's [H, H] (upper triangle) */
     double *entropy;      /* [H] */
+    float *qs;            /* [rt·RB][D] its query rows, scaled */
+    float *p;             /* [H][rt·RB][ldk]: scores, then 2^x, then p */
+    double *sd;           /* [ldk] a row's scores in float64 */
+    double *qd;           /* [D] a query row in float64, scaled */
     double invalid;
     double f64_rows;
-    int failed;
 } Work;
 
 /* Eight floats (or ints, or four doubles) as one value: GCC/clang vector extensions, AVX2 where
@@ -260,11 +263,8 @@ static void *run(void *arg) {
     const float floor2 = (float)a->floor2;
     const float u = 0x1p-24f;
     const int64_t RI = w->rt * RB;                          /* query rows per work item */
-    float *qs = malloc(sizeof(float) * RI * D);
-    float *p = malloc(sizeof(float) * H * RI * ldk);       /* [H][RI][ldk]: scores, then 2^x, then p */
-    double *sd = malloc(sizeof(double) * ldk);
-    double *qd = malloc(sizeof(double) * D);               /* a query row in float64, scaled */
-    if (!qs || !p || !sd || !qd) { w->failed = 1; free(qs); free(p); free(sd); free(qd); return NULL; }
+    float *qs = w->qs, *p = w->p;
+    double *sd = w->sd, *qd = w->qd;
     const int64_t blocks = (Tq + RI - 1) / RI;
     for (int64_t item = w->tid; item < a->B * blocks; item += a->nthreads) {
         /* the last blocks first across threads: under a causal mask they hold the most keys */
@@ -383,8 +383,25 @@ static void *run(void *arg) {
             }
         }
     }
-    free(qs); free(p); free(sd); free(qd);
     return NULL;
+}
+
+static pthread_mutex_t workspace_lock = PTHREAD_MUTEX_INITIALIZER;
+static char *workspace_buf = NULL;
+static size_t workspace_size = 0;
+
+/* A whole number of 64-byte lines, at least one (aligned_alloc's contract; an empty batch). */
+static inline size_t lines(size_t bytes) { return (bytes / 64 + 1) * 64; }
+
+/* The kept workspace, grown to at least `bytes` (64-byte aligned); NULL when memory ran out. Called
+ * with workspace_lock held. */
+static char *workspace(size_t bytes) {
+    if (bytes > workspace_size) {
+        free(workspace_buf);
+        workspace_buf = aligned_alloc(64, lines(bytes));
+        workspace_size = workspace_buf ? lines(bytes) : 0;
+    }
+    return workspace_buf;
 }
 
 /* out: [H·H + H + 3] float64 = gram (row-major), entropy per head, rows counted, invalid, rows scored
@@ -398,23 +415,43 @@ int qk_stats_cpu(const Args *a, double *out) {
     /* register tiles per work item: as many as keep its probabilities ([H][rows][ldk]) within ~256 KB */
     int64_t rt = (int64_t)(262144 / (sizeof(float) * (size_t)(H * RB * ldk)));
     rt = rt < 1 ? 1 : (rt > MAX_RT ? MAX_RT : rt);
-    /* (sizes a whole number of 64-byte lines, never 0: aligned_alloc's contract, and an empty batch) */
-    const size_t kt_bytes = (sizeof(float) * (size_t)(a->B * a->Hk * a->D * ldk) / 64 + 1) * 64;
-    float *kt = aligned_alloc(64, kt_bytes);
-    float *kmax = malloc(sizeof(float) * (size_t)(a->B * a->Hk + 1));
-    Work *works = calloc((size_t)n, sizeof(Work));
-    double *acc = calloc((size_t)n * (size_t)(H * H + H), sizeof(double));
+    const int64_t RI = rt * RB;
+    /* every buffer carved from one workspace kept between calls (a call's ~1 MB of keys and tiles would
+     * otherwise be mapped and unmapped by malloc each time: page faults, and a TLB shootdown on the
+     * other threads' cores); one call at a time holds it */
+    const size_t kt_bytes = lines(sizeof(float) * (size_t)(a->B * a->Hk * a->D * ldk));
+    const size_t kmax_bytes = lines(sizeof(float) * (size_t)(a->B * a->Hk));
+    const size_t works_bytes = lines(sizeof(Work) * (size_t)n);
+    const size_t acc_bytes = lines(sizeof(double) * (size_t)n * (size_t)(H * H + H));
+    const size_t qs_bytes = lines(sizeof(float) * (size_t)(RI * a->D)), p_bytes = lines(sizeof(float) * (size_t)(H * RI * ldk));
+    const size_t sd_bytes = lines(sizeof(double) * (size_t)ldk), qd_bytes = lines(sizeof(double) * (size_t)a->D);
+    const size_t per_thread = qs_bytes + p_bytes + sd_bytes + qd_bytes;
+    pthread_mutex_lock(&workspace_lock);
+    char *ws = workspace(kt_bytes + kmax_bytes + works_bytes + acc_bytes + (size_t)n * per_thread);
+    int status = ws ? 0 : -1;
+    float *kt = NULL, *kmax = NULL;
+    Work *works = NULL;
+    double *acc = NULL;
+    if (ws) {
+        kt = (float *)ws;
+        kmax = (float *)(ws += kt_bytes);
+        works = (Work *)(ws += kmax_bytes);
+        acc = (double *)(ws += works_bytes);
+        ws += acc_bytes;
+        memset(acc, 0, acc_bytes);
+    }
 #ifndef _OPENMP
     pthread_t threads[MAX_THREADS];
 #endif
-    int status = (kt && kmax && works && acc) ? 0 : -1;
     if (status == 0) {
 #ifndef _OPENMP
         transpose_keys(&args, kt, kmax, ldk, 0, 1);
 #endif
-        for (int t = 0; t < n; t++)
+        for (int t = 0; t < n; t++, ws += per_thread)
             works[t] = (Work){.a = &args, .tid = t, .kt = kt, .kmax = kmax, .ldk = ldk, .rt = rt,
-                              .gram = acc + (size_t)t * (H * H + H), .entropy = acc + (size_t)t * (H * H + H) + H * H};
+                              .gram = acc + (size_t)t * (H * H + H), .entropy = acc + (size_t)t * (H * H + H) + H * H,
+                              .qs = (float *)ws, .p = (float *)(ws + qs_bytes),
+                              .sd = (double *)(ws + qs_bytes + p_bytes), .qd = (double *)(ws + qs_bytes + p_bytes + sd_bytes)};
 #ifdef _OPENMP
         /* PyTorch's own OpenMP pool (this library is loaded after torch, whose libgomp.so.1 the dynamic
          * linker then reuses): no thread is created and none spins beside ours. A smaller team than asked
@@ -433,7 +470,6 @@ int qk_stats_cpu(const Args *a, double *out) {
         for (int t = started; t < n; t++) run(&works[t]);   /* a thread that could not start: its share here */
         for (int t = 1; t < started; t++) pthread_join(threads[t], NULL);
 #endif
-        for (int t = 0; t < n; t++) if (works[t].failed) status = -1;
     }
     if (status == 0) {
         memset(out, 0, sizeof(double) * (size_t)(H * H + H + 3));
@@ -457,6 +493,6 @@ int qk_stats_cpu(const Args *a, double *out) {
         for (int64_t h = 0; h < H; h++) finite_entropy &= isfinite(out[H * H + h]) != 0;
         out[H * H + H + 1] += (double)!finite_gram + (double)!finite_entropy;
     }
-    free(kt); free(kmax); free(works); free(acc);
+    pthread_mutex_unlock(&workspace_lock);
     return status;
 }
