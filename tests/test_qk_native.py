@@ -16,16 +16,10 @@ from fastdiag.core.kernels.qk_stats_ref import qk_stats_ref
 from fastdiag.core.kernels.qk_stats_torch import CHUNK_BYTES, qk_stats_torch
 from fastdiag.core.kernels.rows import valid_rows
 from fastdiag.core.stats import HeadStats
-from fastdiag.testing import rel_err
+from fastdiag.testing import in_inf_padding, rel_err
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
                                 reason=f"native kernel unavailable: {native.unavailable_reason()}")
-
-
-def _padded(x: torch.Tensor) -> torch.Tensor:
-    buf = torch.full((*x.shape[:-2], x.shape[-2] + 3, x.shape[-1] + 5), float("inf"), dtype=x.dtype)
-    buf[..., 1:-2, 2:-3] = x
-    return buf[..., 1:-2, 2:-3]
 
 
 def _close(got: HeadStats, want: HeadStats, tol: float = 1e-5) -> None:
@@ -49,8 +43,8 @@ SHAPES = [(1, 1, 1, 1, 1, 1), (1, 2, 1, 3, 2, 3), (2, 3, 3, 5, 7, 7), (1, 4, 2, 
 def test_odd_shapes_match_float64(shape, causal):
     b, h, hk, tq, tk, d = shape
     gen = torch.Generator().manual_seed(sum(shape) + causal)
-    q = _padded(torch.randn(b, h, tq, d, generator=gen))
-    k = _padded(torch.randn(b, hk, tk, d, generator=gen))
+    q = in_inf_padding(torch.randn(b, h, tq, d, generator=gen))
+    k = in_inf_padding(torch.randn(b, hk, tk, d, generator=gen))
     query_mask = torch.rand(b, tq, generator=gen) > 0.25
     want = HeadStats(*qk_stats_ref(q.double(), k.double(), None, causal, 0.9 / d ** 0.5, query_mask))
     rows_ok = valid_rows(None, causal, (b, h, tq, tk), query_mask)

@@ -16,7 +16,7 @@ from fastdiag.core.diagnostics import triton_available
 from fastdiag.core.kernels.qk_stats_ref import qk_stats_ref
 from fastdiag.qk import qk_head_stats, sdpa_with_stats, valid_rows
 from fastdiag.core.stats import HeadStats
-from fastdiag.testing import TOLERANCE, rel_err
+from fastdiag.testing import TOLERANCE, in_inf_padding, rel_err
 
 # "torch" on CPU runs the native kernel (qk_stats_cpu.c); "torch-pure" the PyTorch path it falls back to
 BACKENDS = ["torch", "torch-pure", "triton"]
@@ -34,13 +34,6 @@ def _check_backend(backend) -> str:
     if backend == "triton" and not (triton_available() and os.environ.get("TRITON_INTERPRET") == "1"):
         pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1 (CUDA: tests/test_qk_gpu.py)")
     return "torch" if backend == "torch-pure" else backend
-
-
-def _in_inf_padding(x: torch.Tensor) -> torch.Tensor:
-    """x as a strided view inside a larger buffer full of +inf (last two dimensions padded)."""
-    buf = torch.full((*x.shape[:-2], x.shape[-2] + 3, x.shape[-1] + 5), float("inf"), dtype=x.dtype)
-    buf[..., 1:-2, 2:-3] = x
-    return buf[..., 1:-2, 2:-3]
 
 
 def _mask(kind, b, h, tq, tk, gen):
@@ -62,11 +55,11 @@ def _mask(kind, b, h, tq, tk, gen):
         m = m.masked_fill(torch.rand(b, 1, tq, tk, generator=gen) > 0.6, torch.finfo(torch.float32).min)
         m[-1, :, 1] = torch.finfo(torch.float32).min
         m[0, :, 0, 0] = float("-inf")
-        return _in_inf_padding(m), False
+        return in_inf_padding(m), False
     if kind == "additive-causal":
         m = torch.randn(1, h, tq, tk, generator=gen)
         m[..., -1, :] = float("-inf")
-        return _in_inf_padding(m), True
+        return in_inf_padding(m), True
     raise AssertionError(kind)
 
 
@@ -79,7 +72,7 @@ CASES = list(itertools.product(MASKS, HEADS, SHAPES))
 def _qk(b, h, hk, tq, tk, d, dtype, gen):
     q = torch.randn(b, h, tq, d, generator=gen).to(dtype)
     k = torch.randn(b, hk, tk, d, generator=gen).to(dtype)
-    return _in_inf_padding(q), _in_inf_padding(k)
+    return in_inf_padding(q), in_inf_padding(k)
 
 
 def _assert_close(got, ref, tol):
@@ -435,7 +428,7 @@ def test_fp32_sigma_h_within_1e_5_of_itself_at_a_small_spread():
     ref = qk_head_stats(q.double(), k.double(), is_causal=True, backend="reference")
     sigma = ref.entropy_spread().item()
     assert 3e-4 < sigma < 1e-2, sigma
-    q, k = _in_inf_padding(q), _in_inf_padding(k)
+    q, k = in_inf_padding(q), in_inf_padding(k)
     fused = qk_head_stats(q, k, is_causal=True, backend="triton")
     lse = triton_path.row_lse_triton(q, k, None, True, d ** -0.5)
     gpu_route = HeadStats(*torch_path.qk_stats_torch(q, k, None, True, d ** -0.5, None, lse, torch_path.CHUNK_BYTES,

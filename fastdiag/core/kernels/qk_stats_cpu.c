@@ -37,8 +37,6 @@
 
 static const double LOG2E = 1.4426950408889634;
 static const double LN2 = 0.6931471805599453;
-static const float MASKED_F = -1e30f;
-static const double MASKED_D = -1e30;
 
 typedef struct {
     const float *q; int64_t q_sb, q_sh, q_st;        /* [B, H, Tq, D], last dim contiguous */
@@ -51,6 +49,7 @@ typedef struct {
     int causal;
     double scale;
     double floor2;                                   /* the floor of x = s − max, log2 units */
+    double masked;                                   /* a masked key's score (MASKED_SCORE) */
     double mass_tolerance;
     double score_error_bound;
     int nthreads;
@@ -88,33 +87,29 @@ static inline v8f select8(v8i m, v8f a, v8f b) { return as_f((as_i(a) & m) | (as
 static inline v4d lo4(v8f v) { return __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), v4d); }
 static inline v4d hi4(v8f v) { return __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), v4d); }
 
-/* 2^x for x in [floor, 0] (NaN stays NaN): 2^n · p(f), n = floor(x), f = x − n in [0, 1), p fitted
- * with p(0) = 1 exactly (the top key's term is exactly 1), 1.4 ulp at most. */
-#define EXP2_POLY(f) (1.0f + (f) * (6.931470632553101e-1f + (f) * (2.4022932350635529e-1f + (f) * \
-    (5.548521876335144e-2f + (f) * (9.675536304712296e-3f + (f) * (1.24673405662179e-3f + (f) * 2.1613943681586534e-4f))))))
+/* 2^x for x in [floor, 0], finite (the callers track NaN and inf per row): n = x rounded to the nearest
+ * integer by the float32 magic-number add (its low bits are n), f = x − n in [−½, ½], 2^f by a
+ * polynomial fitted with p(0) = 1 exactly (the top key's term is exactly 1; 1.7 ulp at most), 2^n from
+ * n's bits. One scalar and one 8-lane form of the same arithmetic. */
+#define EXP2_MAGIC 0x1.8p23f
+#define EXP2_POLY(f) (1.0f + (f) * (6.931471824645996e-1f + (f) * (2.4022647738456726e-1f + (f) * \
+    (5.550329014658928e-2f + (f) * (9.618373587727547e-3f + (f) * (1.339985174126923e-3f + (f) * 1.537070784252137e-4f))))))
 
-static inline float exp2_tile(float x) {
-    float n = floorf(x);
-    if (n != n) return x;
-    float f = x - n;
-    int32_t bits = ((int32_t)n + 127) << 23;
+static inline float exp2_one(float x) {
+    const float y = x + EXP2_MAGIC, f = x - (y - EXP2_MAGIC);
+    int32_t bits;
+    memcpy(&bits, &y, sizeof bits);
+    bits = (bits - (0x4B400000 - 127)) << 23;
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return EXP2_POLY(f) * two_n;
 }
 
-/* 2^x for x in [floor, 0] (finite: the caller looks after NaN), vectorised: n = x rounded to the
- * nearest integer by the float32 magic-number add (its low bits are n), f = x − n in [−½, ½],
- * 2^f by a polynomial fitted with p(0) = 1 exactly (1.7 ulp at most), 2^n from n's bits. */
-#define EXP2_POLY_HALF(f) (1.0f + (f) * (6.931471824645996e-1f + (f) * (2.4022647738456726e-1f + (f) * \
-    (5.550329014658928e-2f + (f) * (9.618373587727547e-3f + (f) * (1.339985174126923e-3f + (f) * 1.537070784252137e-4f))))))
-
 static inline v8f exp2_v8(v8f x) {
-    const float magic = 0x1.8p23f;
-    const v8f y = x + magic;
-    const v8f f = x - (y - magic);
+    const v8f y = x + EXP2_MAGIC;
+    const v8f f = x - (y - EXP2_MAGIC);
     const v8i two_n = (as_i(y) - (0x4B400000 - 127)) << 23;
-    return EXP2_POLY_HALF(f) * as_f(two_n);
+    return EXP2_POLY(f) * as_f(two_n);
 }
 
 /* out[r][j0 .. j0+KB) = Σ_d qs[r][d] · panel[d][j]: RB × KB float32 sums held in registers, from
@@ -146,10 +141,10 @@ static inline double mask_at(const Args *a, int64_t b, int64_t h, int64_t i, int
 
 /* One row's x = s − max (floored), 2^x into e (in place of the scores), and its float64 mass and
  * Σ 2^x·x, from float32 scores (no additive mask). Returns the row maximum through *top. */
-static void row_from_float(float *e, const uint8_t *allow, int64_t allow_sk, int64_t n, float floor2,
+static void row_from_float(float *e, const uint8_t *allow, int64_t allow_sk, int64_t n, float floor2, float masked,
                            double *top, double *mass, double *moment) {
     if (allow)
-        for (int64_t j = 0; j < n; j++) e[j] = allow[j * allow_sk] ? e[j] : MASKED_F;
+        for (int64_t j = 0; j < n; j++) e[j] = allow[j * allow_sk] ? e[j] : masked;
     const int64_t n8 = n / LANES * LANES;
     v8f mx = (v8f){0} - INFINITY;
     v8i nan8 = {0};
@@ -180,7 +175,7 @@ static void row_from_float(float *e, const uint8_t *allow, int64_t allow_sk, int
     for (int64_t j = n8; j < n; j++) {
         float x = e[j] - m;
         x = x < floor2 ? floor2 : x;
-        float ex = exp2_tile(x);
+        float ex = exp2_one(x);
         e[j] = ex;
         msum += (double)ex;
         mom += (double)(ex * x);
@@ -213,12 +208,13 @@ static void row_from_double(const double *restrict s, int64_t n, double floor2, 
     for (int64_t j = 0; j < n; j++) {
         double xd = s[j] - m;
         float x = (float)(xd < floor2 ? floor2 : xd);
-        float ex = exp2_tile(x);
+        float ex = exp2_one(x);
         e[j] = ex;
         msum += (double)ex;
         mom += (double)(ex * x);
     }
-    *top = nan ? NAN : m; *mass = msum; *moment = mom;
+    nan |= !isfinite(m);          /* a NaN score, or an infinite top (inf − inf) */
+    *top = nan ? NAN : m; *mass = nan ? NAN : msum; *moment = nan ? NAN : mom;
 }
 
 /* K [Tk, D] of each (batch, key head) as panels [ldk / KB][D][KB] (zero keys past Tk), and its
@@ -321,7 +317,7 @@ static void *run(void *arg) {
                 if (!wide && a->mask_kind <= 1) {
                     const uint8_t *allow = a->mask_kind == 1
                         ? (const uint8_t *)a->mask + b * a->m_sb + h * a->m_sh + i * a->m_st : NULL;
-                    row_from_float(e, allow, a->m_sk, n, floor2, &top, &mass, &moment);
+                    row_from_float(e, allow, a->m_sk, n, floor2, (float)a->masked, &top, &mass, &moment);
                 } else {
                     if (wide) {        /* this row scored again in float64 */
                         const float *qr = a->q + b * a->q_sb + h * a->q_sh + i * a->q_st;
@@ -349,11 +345,11 @@ static void *run(void *arg) {
                     }
                     if (a->mask_kind == 1) {
                         const uint8_t *allow = (const uint8_t *)a->mask + b * a->m_sb + h * a->m_sh + i * a->m_st;
-                        for (int64_t j = 0; j < n; j++) if (!allow[j * a->m_sk]) sd[j] = MASKED_D;
+                        for (int64_t j = 0; j < n; j++) if (!allow[j * a->m_sk]) sd[j] = a->masked;
                     } else if (a->mask_kind >= 2) {
                         for (int64_t j = 0; j < n; j++) {
                             double m = mask_at(a, b, h, i, j) * LOG2E;
-                            sd[j] += m < MASKED_D ? MASKED_D : m;   /* NaN stays NaN */
+                            sd[j] += m < a->masked ? a->masked : m;   /* NaN stays NaN */
                         }
                     }
                     row_from_double(sd, n, a->floor2, e, &top, &mass, &moment);

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .constants import LOG_P_FLOOR, LOG2E, MASS_TOLERANCE
+from .constants import LOG_P_FLOOR, LOG2E, MASKED_SCORE, MASS_TOLERANCE
 
 SOURCE = Path(__file__).with_name("qk_stats_cpu.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-std=gnu11")
@@ -38,6 +38,7 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-std=gnu11")
 # A randomly initialised HF GPT-2 layer (D 64) is at ~1.6e-5.
 SCORE_ERROR_BOUND = 2.0 ** -12
 DISABLE_ENV = "FASTDIAG_NATIVE"       # "0": always the torch path
+_TAKEN = (torch.float32, torch.bfloat16, torch.float16)   # input dtypes the kernel takes (16-bit as float32)
 
 
 class _Args(ctypes.Structure):
@@ -50,6 +51,7 @@ class _Args(ctypes.Structure):
                 ("B", ctypes.c_int64), ("H", ctypes.c_int64), ("Hk", ctypes.c_int64), ("Tq", ctypes.c_int64),
                 ("Tk", ctypes.c_int64), ("D", ctypes.c_int64),
                 ("causal", ctypes.c_int), ("scale", ctypes.c_double), ("floor2", ctypes.c_double),
+                ("masked", ctypes.c_double),
                 ("mass_tolerance", ctypes.c_double), ("score_error_bound", ctypes.c_double),
                 ("nthreads", ctypes.c_int)]
 
@@ -153,9 +155,6 @@ def usable(q4: torch.Tensor, k4: torch.Tensor, mask4: torch.Tensor | None) -> bo
     return library() is not None
 
 
-_TAKEN = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def qk_stats_cpu(q4, k4, mask4, is_causal: bool, scale: float, rows_ok, lse, check_lse: bool):
     """`qk_stats_torch`'s sums ``(gram [H, H], entropy_sum [H], rows, invalid)`` in float64, from the
     native kernel (arguments as `qk_stats_torch`, without its chunk size: the kernel holds a cache-sized
@@ -212,6 +211,7 @@ def _launch(q4, k4, mask4, is_causal, scale, rows_ok, lse, check_lse) -> torch.T
     args.causal = int(bool(is_causal))
     args.scale = scale
     args.floor2 = LOG_P_FLOOR * LOG2E
+    args.masked = MASKED_SCORE
     args.mass_tolerance = MASS_TOLERANCE
     args.score_error_bound = SCORE_ERROR_BOUND
     args.nthreads = torch.get_num_threads()
