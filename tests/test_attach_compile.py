@@ -221,21 +221,34 @@ def test_a_compiled_hugging_face_eager_llama_stays_exact_and_quiet():
     ("block", 2),
     ("root", 1),
 ])
-def test_a_foreign_model_in_a_compiled_model_is_not_folded_into_a_layer(where, layers):
-    """A frozen teacher outside the student's tree, called in its forward, compiled: module calls are
-    numbered in compiled passes too, so a call holding its own attention and the teacher's (or the
-    teacher's two) is named as two attention ops in one call, never recorded as ``block#1``; a one-op
-    teacher called by the root is named as attention beside the attention of the modules it contains."""
-    from tests.helpers import SDPALayer, TwoLayers
+@pytest.mark.parametrize("held", ["list", "closure"])
+def test_a_foreign_model_in_a_compiled_model_is_not_folded_into_a_layer(where, layers, held):
+    """A frozen teacher outside the student's tree, called in its forward, compiled. Held in a list
+    attribute, its modules are hooked at attach: its attention is another model's, named, and the
+    student's layer is exact. Reached through a closure nothing can hook: module calls are numbered in
+    compiled passes too, so a call holding its own attention and the teacher's (or the teacher's two) is
+    named as two attention ops in one call, never recorded as ``block#1``; a one-op teacher called by the
+    root is named as attention beside the attention of the modules it contains."""
+    from tests.helpers import SDPALayer, TwoLayers, reference_stats
     from tests.test_attach_forms import Student
 
     torch.manual_seed(5)
     teacher = (SDPALayer() if layers == 1 else TwoLayers()).requires_grad_(False)
     torch.manual_seed(0)
     model = Student(teacher, where)
+    if held == "closure":
+        model.frozen = model.block.frozen = [lambda x: teacher(x)]
     monitor, warned = _compiled_pass(model, torch.randn(2, 6, 16))
-    assert set(monitor.latest_stats() or {}) <= {"block"}
     caller = "<root>" if where == "root" else where
+    if held == "list":
+        assert set(monitor.latest_stats()) == {"block"}
+        assert_stats_close(monitor.latest_stats()["block"], reference_stats(*model.block.last), 1e-4)
+        assert monitor.coverage()["missing"] == {}
+        outer = "SDPALayer" if layers == 1 else "TwoLayers"
+        assert any(f"attention in SDPALayer, part of {outer}: a module outside the attached model called by "
+                   f"{caller!r} (" in w for w in warned), warned
+        return
+    assert set(monitor.latest_stats() or {}) <= {"block"}
     why = "beside attention in the modules it contains" if (where, layers) == ("root", 1) else "2 attention ops"
     assert why in monitor.coverage()["missing"][caller]
     assert any(f"{caller!r}" in w and why in w for w in warned), warned
@@ -269,3 +282,165 @@ def test_the_compiled_layout_check_holds_at_another_sequence_length(dynamic):
     warned = [str(w.message) for w in caught if "fastdiag" in str(w.message)]
     assert len(warned) == 1, warned
     assert "'mixer' (Hand)" in warned[0] and "(2, 4, 4, 4)" in warned[0] and "dims 1 and 2" in warned[0]
+
+
+# ---- a teacher called by a module with no attention of its own (a loss head), compiled --------------
+
+class LossHead(torch.nn.Module):
+    """A loss head with no attention of its own and no submodules (a leaf): it calls a frozen teacher,
+    kept outside the module tree, on its input. ``holder``: where the teacher is kept ("list", "dict",
+    "setattr": ``object.__setattr__``, or None: handed in by the caller)."""
+
+    def __init__(self, teacher=None, holder=None):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 16))
+        if holder is not None:
+            _hold(self, teacher, holder)
+
+    def forward(self, x, teacher=None):
+        teacher = _held(self) if teacher is None else teacher
+        with torch.no_grad():
+            target = teacher(x)
+        return (x * self.scale - target).square().mean(-1)
+
+
+def _hold(module, teacher, holder):
+    if holder == "list":
+        module.frozen = [teacher]
+    elif holder == "dict":
+        module.frozen = {"teacher": teacher}
+    else:
+        object.__setattr__(module, "teacher", teacher)
+
+
+def _held(module):
+    frozen = module.__dict__.get("frozen")
+    return module.teacher if frozen is None else frozen[0] if isinstance(frozen, list) else frozen["teacher"]
+
+
+class Distilled(torch.nn.Module):
+    """One attention layer of its own (``block``) and a loss head calling a one-op teacher kept outside
+    the tree, on the head (``on="head"``) or on the root, handed to the head (``on="root"``)."""
+
+    def __init__(self, teacher, holder, on):
+        super().__init__()
+        self.block = SDPALayerOf()
+        self.on = on
+        self.head = LossHead(teacher, holder) if on == "head" else LossHead()
+        if on == "root":
+            _hold(self, teacher, holder)
+
+    def forward(self, x):
+        h = x + self.block(x)
+        return self.head(h, _held(self) if self.on == "root" else None)
+
+
+def SDPALayerOf():
+    from tests.helpers import SDPALayer
+    return SDPALayer()
+
+
+def _one_op_teacher(form):
+    torch.manual_seed(5)
+    teacher = SDPALayerOf() if form == "sdpa" else Hand("bhqk", stated=True)
+    return teacher.requires_grad_(False)
+
+
+@pytest.mark.parametrize("form", ["sdpa", "softmax"])
+@pytest.mark.parametrize("holder,on", [("list", "head"), ("setattr", "head"), ("dict", "head"),
+                                       ("list", "root"), ("setattr", "root"), ("dict", "root")])
+def test_a_teacher_called_by_a_compiled_loss_head_is_no_layer_of_it(form, holder, on):
+    """A one-op teacher called by a module with no attention of its own, compiled: its attention is
+    another model's, named as such, never recorded as the head's layer; the student's layer is exact."""
+    from tests.helpers import reference_stats
+
+    teacher = _one_op_teacher(form)
+    torch.manual_seed(0)
+    model = Distilled(teacher, holder, on)
+    monitor, warned = _compiled_pass(model, torch.randn(2, 6, 16))
+    assert set(monitor.latest_stats()) == {"block"}, monitor.latest_stats()
+    assert_stats_close(monitor.latest_stats()["block"], reference_stats(*model.block.last), 1e-4)
+    assert monitor.coverage()["missing"] == {}
+    inner = "SDPALayer" if form == "sdpa" else "Hand"
+    assert any("outside the attached model called by 'head' (LossHead)" in w and f"attention in {inner}" in w
+               for w in warned), warned
+
+
+@pytest.mark.parametrize("form", ["sdpa", "softmax"])
+def test_a_teacher_attached_itself_inside_a_compiled_student_is_measured_as_its_own(form):
+    """The teacher called by the loss head is attached with a monitor of its own: each monitor records its
+    own model's attention exactly, the student's never the teacher's. (Its root hooks are a graph break
+    inside the student's graph: compiled without fullgraph, docs/attach.md "torch.compile".)"""
+    from tests.helpers import reference_stats
+
+    torch._dynamo.reset()
+    teacher = _one_op_teacher(form)
+    torch.manual_seed(0)
+    model = Distilled(teacher, "list", "head")
+    x = torch.randn(2, 6, 16)
+    want = model(x)
+    compiled = torch.compile(model, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fastdiag.attach(teacher, every=1) as of_teacher, fastdiag.attach(model, every=1) as of_student:
+            for _ in range(2):
+                got = compiled(x)
+                got.sum().backward()
+                assert torch.equal(got, want)
+                assert set(of_student.latest_stats()) == {"block"}
+                assert set(of_teacher.latest_stats()) == {"<root>"}
+                assert_stats_close(of_student.latest_stats()["block"], reference_stats(*model.block.last), 1e-4)
+                want_teacher = (reference_stats(*teacher.last) if form == "sdpa"
+                                else fastdiag.head_stats(teacher.used, backend="reference"))
+                assert_stats_close(of_teacher.latest_stats()["<root>"], want_teacher, 1e-4)
+    assert of_student.coverage()["missing"] == {} and of_teacher.coverage()["missing"] == {}
+
+
+def test_a_held_teacher_adds_no_graph_and_its_hooks_go_with_detach():
+    """The teacher's hooks are held while attached, so the compiled student still has two graphs
+    (measured, not) over seven steps; each measured step records the student's layer alone. A teacher
+    held only after attach is found at the next measured pass's begin. Detached, no hook is left on it."""
+    from tests.helpers import reference_stats
+
+    torch._dynamo.reset()
+    teacher = _one_op_teacher("sdpa")
+    torch.manual_seed(0)
+    model = Distilled(teacher, "list", "head")
+    x = torch.randn(2, 6, 16)
+    count, graphs = _counting("eager")
+    compiled = torch.compile(model, backend=count, fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fastdiag.attach(model, every=3) as monitor:
+            assert teacher._forward_pre_hooks and teacher._forward_hooks
+            for _ in range(7):
+                compiled(x).sum().backward()
+                if monitor.latest_stats() is not None:
+                    assert set(monitor.latest_stats()) == {"block"}
+            assert [r["step"] for r in monitor.history()] == [0, 3, 6]
+            assert len(graphs) == 2, "the held teacher's hooks must not recompile the student"
+            late = _one_op_teacher("sdpa")
+            model.head.frozen = [late]       # a teacher held only now: found at the next measured begin
+            for _ in range(3):
+                compiled(x).sum().backward()
+            assert monitor.history()[-1]["step"] == 9 and set(monitor.latest_stats()) == {"block"}
+            assert monitor.coverage()["missing"] == {}
+            assert_stats_close(monitor.latest_stats()["block"], reference_stats(*model.block.last), 1e-4)
+    for module in (teacher, late):
+        assert not module._forward_pre_hooks and not module._forward_hooks
+
+
+def test_a_module_held_back_by_the_model_is_no_other_model():
+    """A submodule holding its parent (a back-reference in a list) or the model's own block in a plain
+    attribute: their trees are this model's, not hooked as another model's; the block stays measured."""
+    from tests.helpers import reference_stats
+
+    torch.manual_seed(0)
+    model = Distilled(_one_op_teacher("sdpa"), "list", "head")
+    model.block.owner = [model]
+    object.__setattr__(model.head, "shortcut", model.block)
+    monitor, warned = _compiled_pass(model, torch.randn(2, 6, 16))
+    assert set(monitor.latest_stats()) == {"block"}
+    assert_stats_close(monitor.latest_stats()["block"], reference_stats(*model.block.last), 1e-4)
+    assert not model._forward_pre_hooks and not model.block._forward_pre_hooks    # none left after detach
+    assert all("'head' (LossHead)" in w for w in warned), warned

@@ -58,6 +58,12 @@ SEEN_ONLY_BY_ITSELF = ("its mask lets positions be seen by their own query row o
                        "monitor.set_padding(attention_mask) leaves them out")
 
 
+def _class_name(foreign) -> str:
+    """A foreign entry of the module stack: the module (global hooks, eager) or its class name (the hooks
+    of a model held by this one, `Monitor._hook_held`, traced into compiled graphs)."""
+    return foreign if isinstance(foreign, str) else type(foreign).__name__
+
+
 class AttentionCalls:
     """Handles the attention ops of an attached model's measured passes (`adapters.AttentionMode`
     calls ``on_sdpa``, ``on_probs``, ``on_softmax_elsewhere``, ``on_logsumexp``,
@@ -198,7 +204,7 @@ class AttentionCalls:
             while outer > 0 and stack[outer - 1][0] is None:
                 outer -= 1
             caller = stack[outer - 1][0] if outer > 0 else None
-            self.state.foreign.setdefault((caller, type(stack[outer][1]).__name__), type(call).__name__)
+            self.state.foreign.setdefault((caller, _class_name(stack[outer][1])), _class_name(call))
             return None
         if name in self.kinds or name not in self.selected:
             return None

@@ -65,6 +65,11 @@ INVALID_WHY = ("probabilities with a non-finite score, an attention op's log-sum
                "input dtype's exactness target (1e-5 float32, 1e-3 bf16/fp16: |s| beyond ~5800 for 16-bit "
                "inputs, or q·k products that cancel: ‖q‖·‖k‖·|scale| beyond ~2900); docs/attach.md, 'Sharp rows'")
 
+# torch's own attributes of every module (hook dicts, parameters, ...): never another model held by it
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+HELD_ITEMS = 256   # the most items of a list, tuple, set or dict attribute looked into for modules held there
+_CONTAINERS = (list, tuple, set, frozenset, dict)
+
 _MONITORS: dict[int, "Monitor"] = {}
 _IDS = itertools.count()
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, Monitor]" = weakref.WeakKeyDictionary()
@@ -107,6 +112,26 @@ class _EagerHook:
 
     def __reduce__(self):
         return _inert, ()
+
+
+def _held_modules(modules) -> list[torch.nn.Module]:
+    """The modules that ``modules`` hold outside their module tree: in a plain attribute
+    (``object.__setattr__``), or as an item of a list, tuple, set or dict (up to `HELD_ITEMS` items)
+    held in one. One level only: never an arbitrary object graph."""
+    held, module_class = [], torch.nn.Module
+    for module in modules:
+        attributes = vars(module)
+        for key in attributes.keys() - _MODULE_INTERNALS:
+            # by type(), not isinstance: isinstance reads a value's __class__, which a Hugging Face config
+            # serves through its own __getattribute__ (twice the cost of the whole scan)
+            value = attributes[key]
+            kind = type(value)
+            if issubclass(kind, module_class):
+                held.append(value)
+            elif issubclass(kind, _CONTAINERS) and len(value) <= HELD_ITEMS:
+                held.extend(item for item in (value.values() if issubclass(kind, dict) else value)
+                            if issubclass(type(item), module_class))
+    return held
 
 
 def _unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
@@ -203,6 +228,14 @@ class Monitor:
         self._lazy_handles: list = []
         self._ours = {id(m) for m in modules.values()}
         self._foreign_handles: list = []             # global module hooks, held during measured passes only
+        # the modules whose own code can hold and call another model: torch.nn's hold torch's attributes only
+        self._holders = [m for m in modules.values() if m is model or not adapters.is_torch_builtin(m)]
+        # by id (a module may define __eq__ and no hash), never keeping a module alive
+        self._held_seen = weakref.WeakValueDictionary()    # modules held outside the tree, looked at already
+        self._held_hooked = weakref.WeakValueDictionary()  # modules of other models held by this one, hooked
+        # looked for again at each measured pass's begin until one has finished, and for good once one was
+        # compiled (eager passes have the global hooks: no cost of it there after the first)
+        self._held_rescan = "first"
         if not self._expected and all(adapters.is_torch_builtin(m) for m in modules.values()):
             raise ValueError(f"attach: found no attention in {type(model).__name__}: {_LOOKED_FOR}; "
                              "it is made of torch.nn modules only, none of them attention")
@@ -216,6 +249,7 @@ class Monitor:
                         self._lazy_hooks.append((name, m, self._kind.get(name)))
                     else:
                         self._hook(name, m, self._kind.get(name), root=m is model)
+            self._watch_held_models()
             for name, kind in self._kind.items():
                 if kind == "zoo":
                     zoo_handoff.hold(modules[name], self._id, self.backend)
@@ -458,6 +492,8 @@ class Monitor:
         if not self._measuring:
             self.calls.state = passes.IDLE
             return
+        if self._held_rescan != "no":  # a model held since attach (a teacher set later) is hooked too
+            self._watch_held_models()
         # fresh every pass: a compiled graph sees the same state on every pass
         plan = self._plans.get(self._plan_key(training)) if len(_MONITORS) == 1 else None
         self.calls.state = passes.PassState(plan=plan, recorder=None if plan is not None else PlanRecorder())
@@ -508,6 +544,47 @@ class Monitor:
             torch.nn.modules.module.register_module_forward_pre_hook(self._foreign_enter),
             torch.nn.modules.module.register_module_forward_hook(self._foreign_leave, always_call=True)]
 
+    def _watch_held_models(self) -> None:
+        """Other models held by this one outside its module tree (`_held_modules`: a frozen teacher in a
+        list or a plain attribute) get hooks of their own, held while attached, which put their modules on
+        the stack of a measured pass as foreign where the global hooks are not held (compiled passes,
+        `_watch_foreign_modules`). Looked for at attach and at each measured pass's begin (eager); a held
+        module whose tree holds this model's modules (a back-reference) is no other model."""
+        for held in _held_modules(self._holders):
+            if id(held) in self._ours or self._held_seen.get(id(held)) is held:
+                continue
+            self._held_seen[id(held)] = held
+            tree = dict(held.named_modules())
+            if any(id(m) in self._ours for m in tree.values()):
+                continue
+            # torch takes nn.TransformerEncoderLayer's fused eval kernel only with no hook on or inside it
+            encoders = [n for n, m in tree.items() if isinstance(m, torch.nn.TransformerEncoderLayer)]
+            for name, m in tree.items():
+                if self._held_hooked.get(id(m)) is m or adapters.is_torch_builtin(m) and not m._modules \
+                        or any(name == n or name.startswith(n + ".") or not n for n in encoders):
+                    continue
+                self._held_hooked[id(m)] = m
+                self._hook_held(m)
+
+    def _hook_held(self, module: torch.nn.Module) -> None:
+        """Hooks on a module of another model held by this one: on a measured pass without the global
+        hooks (compiled), it is on the stack as foreign while it runs. Traced into a compiled graph: they
+        read bools and push a name only."""
+        entry = (None, type(module).__name__)
+
+        def pre(mod, args):
+            if self._measuring and not self._foreign_handles and not self._other_thread():
+                self.calls.state.stack.append(entry)
+
+        def post(mod, args, output):
+            if self._measuring and not self._foreign_handles and not self._other_thread():
+                stack = self.calls.state.stack
+                if stack and stack[-1][0] is None:
+                    stack.pop()
+
+        self._handles.append(module.register_forward_pre_hook(_Hook(pre)))
+        self._handles.append(module.register_forward_hook(_Hook(post), always_call=True))
+
     def _foreign_enter(self, module, args) -> None:
         """A torch.nn leaf made on the fly (``nn.Softmax(-1)(s)``) is the calling module's own code, not another model."""
         if id(module) in self._ours or not self._measuring or self._other_thread() \
@@ -549,6 +626,8 @@ class Monitor:
             return
         if self.calls.state.compiled_calls:
             self.calls.enclosing_compiled()
+        if measured and self._held_rescan != "always":
+            self._held_rescan = "always" if self.calls.state.compiled_calls else "no"
         for name in self.calls.state.refused:  # one module = one exact layer record, or none and a warning
             key = name
             pending = {k: v for k, v in pending.items() if k != key and not k.startswith(key + "#")}
