@@ -239,6 +239,38 @@ class Mixed(nn.Module):
         return self.hidden(self.seen(x))
 
 
+
+class SometimesHiddenAttention(nn.Module):
+    """SDPA while ``hidden`` is False; attention the monitor cannot see (a 3-D softmax) once it is True."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.hidden = nn.Linear(16, 48), False
+
+    def forward(self, x):
+        q, k, v = self.proj(x).view(2, 6, 3, 4, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        if not self.hidden:
+            return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 6, 16)
+        q, k, v = (t.reshape(8, 6, 4) for t in (q, k, v))
+        return torch.bmm(torch.bmm(q, k.transpose(1, 2)).softmax(-1), v).reshape(2, 4, 6, 4).transpose(1, 2).reshape(2, 6, 16)
+
+
+def test_a_layer_measured_before_and_missing_later_is_listed_as_missing():
+    """Measured on step 0, unseen on step 1: named once, and listed under ``missing`` (saying it was
+    measured on other passes) as well as under ``measured`` — a gap is never hidden by earlier records."""
+    torch.manual_seed(0)
+    model, x = SometimesHiddenAttention(), torch.randn(2, 6, 16)
+    with fastdiag.attach(model, every=1) as monitor:
+        model(x)
+        assert list(monitor.latest_stats()) == ["<root>"] and monitor.coverage()["missing"] == {}
+        model.hidden = True
+        with pytest.warns(RuntimeWarning, match=r"'<root>' \(SometimesHiddenAttention\)"):
+            model(x)
+        assert monitor.num_records == 1                  # nothing recorded for step 1
+        coverage = monitor.coverage()
+        assert list(coverage["measured"]) == ["<root>"]
+        assert list(coverage["missing"]) == ["<root>"] and "measured on others" in coverage["missing"]["<root>"]
+
 def test_an_attention_module_without_statistics_is_named_in_a_warning_once():
     torch.manual_seed(0)
     model, x = Mixed(), torch.randn(2, 6, 16)

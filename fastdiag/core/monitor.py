@@ -735,7 +735,8 @@ class Monitor:
     def coverage(self) -> dict:
         """What attach found and measured so far: ``found`` (module names, expected at attach time or
         seen doing attention on a measured pass), ``measured`` (name → how), ``missing``
-        (name → why it has no statistics), ``all_rows`` (measured layers whose padding rows could
+        (name → why it has no statistics on a measured pass; a layer measured on other passes is listed
+        in both, its reason saying so), ``all_rows`` (measured layers whose padding rows could
         not be told from the call, so every row that sees a key is counted: name → why) and
         ``padding_rows`` (name → the query rows of its last measured pass left out because the mask
         hides their own position from every query: padding, or the real token of a token-drop mask,
@@ -743,7 +744,10 @@ class Monitor:
         self._read_suspects()
         found = list(self._expected) + [n for n in self._how if n not in self._expected]
         measured = {name: HOW[how] for name, how in self._how.items()}
-        missing = {name: reason for name, reason in self._missing.items() if name not in self._how}
+        # a layer missing on some measured passes and measured on others is listed in both, so that a
+        # gap in its history is never hidden by the passes that did measure it
+        missing = {name: reason if name not in self._how else f"{reason} (on some measured passes; measured on others)"
+                   for name, reason in self._missing.items()}
         all_rows = {name: why for name, why in self._all_rows.items() if name in self._how}
         padding_rows = {name: int(count) for name, count in self._padding_rows.items() if name in self._how and int(count)}
         return {"found": found, "measured": measured, "missing": missing, "all_rows": all_rows,
