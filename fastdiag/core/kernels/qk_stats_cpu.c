@@ -12,7 +12,7 @@
  * - scores in log2 units (q pre-scaled by scale·log2 e), each row shifted by its own maximum, so the top
  *   key's 2^0 is exactly 1 and log Σ exp x = log1p(mass off the top);
  * - the mass and Σ 2^x·x summed in float64, the entropy finished in float64 per row, the Gram's products
- *   (exact in float64) summed in float64;
+ *   summed in float32 over blocks of 64 keys (8 roundings at most, relative) and the blocks in float64;
  * - float32 scores only where they cannot be off by more than SCORE_ERROR_BOUND (log2 units, worst case
  *   for this row and head: 2u·(D+2)·max|q_scaled|·max|k|); elsewhere the row is scored again in float64,
  *   as the torch path scores every float32 row. A randomly initialised GPT-2 layer is at ~2^-16; sharp
@@ -185,17 +185,26 @@ static void row_from_float(float *e, const uint8_t *allow, int64_t allow_sk, int
 
 static inline v4d load4d(const float *p) { v4f v; memcpy(&v, p, sizeof v); return __builtin_convertvector(v, v4d); }
 
-/* Σ_j x_j y_j over `width` (a multiple of LANES) floats: each product rounded once to float32 (all
- * terms ≥ 0, so the sum is within one float32 rounding, relative), the sum in float64. */
+/* Σ_j x_j y_j over `width` (a multiple of LANES) floats, all terms ≥ 0: fused multiply-adds into
+ * float32 lanes over blocks of GRAM_BLOCK keys (each block's sum within GRAM_BLOCK / LANES float32
+ * roundings, relative: 8 u ≈ 5e-7), the blocks summed in float64. Converting every product to float64
+ * instead cost twice the instructions. */
+#define GRAM_BLOCK 64
 static inline double dot_f64(const float *x, const float *y, int64_t width) {
-    v4d a0 = {0}, a1 = {0};
-    for (int64_t j = 0; j < width; j += LANES) {
-        const v8f xy = load8(x + j) * load8(y + j);
-        a0 += lo4(xy);
-        a1 += hi4(xy);
+    double total = 0.0;
+    for (int64_t j0 = 0; j0 < width; j0 += GRAM_BLOCK) {
+        const int64_t end = j0 + GRAM_BLOCK < width ? j0 + GRAM_BLOCK : width;
+        v8f acc0 = {0}, acc1 = {0};
+        int64_t j = j0;
+        for (; j + 2 * LANES <= end; j += 2 * LANES) {
+            acc0 += load8(x + j) * load8(y + j);
+            acc1 += load8(x + j + LANES) * load8(y + j + LANES);
+        }
+        if (j < end) acc0 += load8(x + j) * load8(y + j);
+        const v4d s = (lo4(acc0) + hi4(acc0)) + (lo4(acc1) + hi4(acc1));
+        total += (s[0] + s[1]) + (s[2] + s[3]);
     }
-    v4d a = a0 + a1;
-    return (a[0] + a[1]) + (a[2] + a[3]);
+    return total;
 }
 
 /* The same from float64 scores (scored again in float64, or with an additive mask added). */
@@ -218,25 +227,33 @@ static void row_from_double(const double *restrict s, int64_t n, double floor2, 
 }
 
 /* K [Tk, D] of each (batch, key head) as panels [ldk / KB][D][KB] (zero keys past Tk), and its
- * largest |k|. */
+ * largest |k| (NaN if any is NaN). The maximum runs 8 lanes wide: a scalar running maximum is one
+ * compare-and-select chain through every element, which made this copy a fifth of the kernel's time. */
 static void transpose_keys(const Args *a, float *kt_all, float *kmax_all, int64_t ldk, int64_t first,
                            int64_t step) {
+    const int64_t D = a->D, d8 = D / LANES * LANES;
     for (int64_t bh = first; bh < a->B * a->Hk; bh += step) {
         int64_t b = bh / a->Hk, hk = bh % a->Hk;
         const float *k = a->k + b * a->k_sb + hk * a->k_sh;
-        float *kt = kt_all + bh * a->D * ldk;
+        float *kt = kt_all + bh * D * ldk;
+        v8f mx8 = {0};
         float kmax = 0.0f;
         for (int64_t j = 0; j < a->Tk; j++) {
-            float *panel = kt + (j / KB) * a->D * KB + j % KB;
+            float *panel = kt + (j / KB) * D * KB + j % KB;
             const float *kr = k + j * a->k_st;
-            for (int64_t d = 0; d < a->D; d++) {
-                const float v = kr[d], av = fabsf(v);
-                panel[d * KB] = v;
+            for (int64_t d = 0; d < d8; d += LANES) {
+                const v8f v = load8(kr + d), av = as_f(as_i(v) & 0x7fffffff);
+                mx8 = select8((av > mx8) | (av != av), av, mx8);
+            }
+            for (int64_t d = d8; d < D; d++) {
+                const float av = fabsf(kr[d]);
                 kmax = av > kmax || av != av ? av : kmax;
             }
+            for (int64_t d = 0; d < D; d++) panel[d * KB] = kr[d];
         }
+        for (int l = 0; l < LANES; l++) kmax = mx8[l] > kmax || mx8[l] != mx8[l] ? mx8[l] : kmax;
         for (int64_t j = a->Tk; j < ldk; j++)
-            for (int64_t d = 0; d < a->D; d++) kt[(j / KB) * a->D * KB + d * KB + j % KB] = 0.0f;
+            for (int64_t d = 0; d < D; d++) kt[(j / KB) * D * KB + d * KB + j % KB] = 0.0f;
         kmax_all[bh] = kmax;
     }
 }
@@ -366,7 +383,7 @@ static void *run(void *arg) {
                 }
             }
         }
-        /* the heads' Gram over this tile's rows: Σ_j p_h p_h' (products exact in float64) */
+        /* the heads' Gram over this tile's rows: Σ_j p_h p_h' (float32 blocks, float64 across them) */
         for (int64_t r = 0; r < rows; r++) {
             const int64_t width = (tile_keys(a, i0, r) + LANES - 1) / LANES * LANES;
             for (int64_t h = 0; h < H; h++) {
