@@ -11,8 +11,9 @@
  * Precision, as on the torch path (its docstring says why each step is there):
  * - scores in log2 units (q pre-scaled by scale·log2 e), each row shifted by its own maximum, so the top
  *   key's 2^0 is exactly 1 and log Σ exp x = log1p(mass off the top);
- * - the mass and Σ 2^x·x summed in float64, the entropy finished in float64 per row, the Gram's products
- *   summed in float32 over blocks of 64 keys (8 roundings at most, relative) and the blocks in float64;
+ * - the mass, Σ 2^x·x and the Gram's products summed in float32 lanes over blocks of 64 keys (terms of one
+ *   sign: 8 roundings at most, relative, ~5e-7) and the blocks in float64; the entropy finished in
+ *   float64 per row;
  * - float32 scores only where they cannot be off by more than SCORE_ERROR_BOUND (log2 units, worst case
  *   for this row and head: 2u·(D+2)·max|q_scaled|·max|k|); elsewhere the row is scored again in float64,
  *   as the torch path scores every float32 row. A randomly initialised GPT-2 layer is at ~2^-16; sharp
@@ -139,6 +140,9 @@ static inline double mask_at(const Args *a, int64_t b, int64_t h, int64_t i, int
     return ((const double *)a->mask)[off];
 }
 
+/* keys per float32 block of a sum whose blocks are then added in float64 */
+#define SUM_BLOCK 64
+
 /* One row's x = s − max (floored), 2^x into e (in place of the scores), and its float64 mass and
  * Σ 2^x·x, from float32 scores (no additive mask). Returns the row maximum through *top. */
 static void row_from_float(float *e, const uint8_t *allow, int64_t allow_sk, int64_t n, float floor2, float masked,
@@ -159,18 +163,24 @@ static void row_from_float(float *e, const uint8_t *allow, int64_t allow_sk, int
     for (int64_t j = n8; j < n; j++) { m = e[j] > m ? e[j] : m; nan |= e[j] != e[j]; }
     /* a NaN score, or an infinite top (inf − inf): the row is NaN, whatever 2^x gave below */
     nan |= !(m < INFINITY);
-    v4d ms0 = {0}, ms1 = {0}, mo0 = {0}, mo1 = {0};
+    /* the mass and moment in float32 lanes over blocks of SUM_BLOCK keys (terms of one sign: 8 roundings
+     * at most per block, relative), the blocks in float64 */
+    v4d ms = {0}, mo = {0};
     const v8f fl = (v8f){0} + floor2;
-    for (int64_t j = 0; j < n8; j += LANES) {
-        v8f x = load8(e + j) - m;
-        x = select8(x < fl, fl, x);
-        v8f ex = exp2_v8(x);
-        store8(e + j, ex);
-        v8f xe = ex * x;
-        ms0 += lo4(ex); ms1 += hi4(ex);
-        mo0 += lo4(xe); mo1 += hi4(xe);
+    for (int64_t j0 = 0; j0 < n8; j0 += SUM_BLOCK) {
+        const int64_t end = j0 + SUM_BLOCK < n8 ? j0 + SUM_BLOCK : n8;
+        v8f msf = {0}, mof = {0};
+        for (int64_t j = j0; j < end; j += LANES) {
+            v8f x = load8(e + j) - m;
+            x = select8(x < fl, fl, x);
+            const v8f ex = exp2_v8(x);
+            store8(e + j, ex);
+            msf += ex;
+            mof += ex * x;
+        }
+        ms += lo4(msf) + hi4(msf);
+        mo += lo4(mof) + hi4(mof);
     }
-    v4d ms = ms0 + ms1, mo = mo0 + mo1;
     double msum = (ms[0] + ms[1]) + (ms[2] + ms[3]), mom = (mo[0] + mo[1]) + (mo[2] + mo[3]);
     for (int64_t j = n8; j < n; j++) {
         float x = e[j] - m;
@@ -186,14 +196,13 @@ static void row_from_float(float *e, const uint8_t *allow, int64_t allow_sk, int
 static inline v4d load4d(const float *p) { v4f v; memcpy(&v, p, sizeof v); return __builtin_convertvector(v, v4d); }
 
 /* Σ_j x_j y_j over `width` (a multiple of LANES) floats, all terms ≥ 0: fused multiply-adds into
- * float32 lanes over blocks of GRAM_BLOCK keys (each block's sum within GRAM_BLOCK / LANES float32
+ * float32 lanes over blocks of SUM_BLOCK keys (each block's sum within SUM_BLOCK / LANES float32
  * roundings, relative: 8 u ≈ 5e-7), the blocks summed in float64. Converting every product to float64
  * instead cost twice the instructions. */
-#define GRAM_BLOCK 64
 static inline double dot_f64(const float *x, const float *y, int64_t width) {
     double total = 0.0;
-    for (int64_t j0 = 0; j0 < width; j0 += GRAM_BLOCK) {
-        const int64_t end = j0 + GRAM_BLOCK < width ? j0 + GRAM_BLOCK : width;
+    for (int64_t j0 = 0; j0 < width; j0 += SUM_BLOCK) {
+        const int64_t end = j0 + SUM_BLOCK < width ? j0 + SUM_BLOCK : width;
         v8f acc0 = {0}, acc1 = {0};
         int64_t j = j0;
         for (; j + 2 * LANES <= end; j += 2 * LANES) {
