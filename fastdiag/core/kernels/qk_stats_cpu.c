@@ -88,6 +88,18 @@ static inline v8f select8(v8i m, v8f a, v8f b) { return as_f((as_i(a) & m) | (as
 static inline v4d lo4(v8f v) { return __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), v4d); }
 static inline v4d hi4(v8f v) { return __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), v4d); }
 
+/* The largest of m and v's lanes, NaN when any of them is NaN: a tree of three selects (a loop over the
+ * lanes was a chain of eight compare-and-branch steps for every query row and head). */
+static inline float max_lanes(v8f v, float m) {
+    v8f s = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v = select8((s > v) | (s != s), s, v);
+    s = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v = select8((s > v) | (s != s), s, v);
+    s = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    v = select8((s > v) | (s != s), s, v);
+    return v[0] > m || v[0] != v[0] ? v[0] : m;
+}
+
 /* 2^x for x in [floor, 0], finite (the callers track NaN and inf per row): n = x rounded to the nearest
  * integer by the float32 magic-number add (its low bits are n), f = x − n in [−½, ½], 2^f by a
  * polynomial fitted with p(0) = 1 exactly (the top key's term is exactly 1; 1.7 ulp at most), 2^n from
@@ -260,7 +272,7 @@ static void transpose_keys(const Args *a, float *kt_all, float *kmax_all, int64_
             }
             for (int64_t d = 0; d < D; d++) panel[d * KB] = kr[d];
         }
-        for (int l = 0; l < LANES; l++) kmax = mx8[l] > kmax || mx8[l] != mx8[l] ? mx8[l] : kmax;
+        kmax = max_lanes(mx8, kmax);
         for (int64_t j = a->Tk; j < ldk; j++)
             for (int64_t d = 0; d < D; d++) kt[(j / KB) * D * KB + d * KB + j % KB] = 0.0f;
         kmax_all[bh] = kmax;
@@ -309,7 +321,7 @@ static void *run(void *arg) {
                         const v8f av = as_f(as_i(v) & 0x7fffffff);
                         mx8 = select8((av > mx8) | (av != av), av, mx8);
                     }
-                    for (int l = 0; l < LANES; l++) mx = mx8[l] > mx || mx8[l] != mx8[l] ? mx8[l] : mx;
+                    mx = max_lanes(mx8, mx);
                     for (int64_t d = d8; d < D; d++) {
                         const float v = qr[d] * cf, av = fabsf(v);
                         qd[d] = v;
