@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fastdiag
+from fastdiag.core import calls
 from fastdiag.testing import NanoGPT
 
 from tests.helpers import assert_stats_close
@@ -221,14 +222,16 @@ def test_a_compiled_hugging_face_eager_llama_stays_exact_and_quiet():
     ("block", 2),
     ("root", 1),
 ])
-@pytest.mark.parametrize("held", ["list", "closure"])
-def test_a_foreign_model_in_a_compiled_model_is_not_folded_into_a_layer(where, layers, held):
+@pytest.mark.parametrize("held", ["list", "closure", "global", "unread"])
+def test_a_foreign_model_in_a_compiled_model_is_not_folded_into_a_layer(where, layers, held, monkeypatch):
     """A frozen teacher outside the student's tree, called in its forward, compiled. Held in a list
     attribute, its modules are hooked at attach: its attention is another model's, named, and the
-    student's layer is exact. Reached through a closure nothing can hook: module calls are numbered in
-    compiled passes too, so a call holding its own attention and the teacher's (or the teacher's two) is
-    named as two attention ops in one call, never recorded as ``block#1``; a one-op teacher called by the
-    root is named as attention beside the attention of the modules it contains."""
+    student's layer is exact, whoever calls it. Reached through a closure or a global, nothing hooks it:
+    dynamo's module stack at trace time tells its attention apart where the caller runs none of its own
+    (the root: told as above); a call running both (``block``) is named as running its own and another
+    model's, never recorded as ``block#1``. Where dynamo's stack is not read ("unread": another torch), the rules
+    without it name every case: two ops in one call, or, for a one-op teacher called by the root, attention
+    beside the attention of the modules it contains."""
     from tests.helpers import SDPALayer, TwoLayers, reference_stats
     from tests.test_attach_forms import Student
 
@@ -236,11 +239,16 @@ def test_a_foreign_model_in_a_compiled_model_is_not_folded_into_a_layer(where, l
     teacher = (SDPALayer() if layers == 1 else TwoLayers()).requires_grad_(False)
     torch.manual_seed(0)
     model = Student(teacher, where)
-    if held == "closure":
+    monkeypatch.setitem(globals(), "_GLOBAL_TEACHER", teacher)
+    if held == "global":
+        model.frozen = model.block.frozen = [_call_global_teacher]
+    elif held != "list":
         model.frozen = model.block.frozen = [lambda x: teacher(x)]
+    if held == "unread":
+        monkeypatch.setattr(calls, "comptime_if_loaded", lambda: None)
     monitor, warned = _compiled_pass(model, torch.randn(2, 6, 16))
     caller = "<root>" if where == "root" else where
-    if held == "list":
+    if held == "list" or held != "unread" and where == "root":
         assert set(monitor.latest_stats()) == {"block"}
         assert_stats_close(monitor.latest_stats()["block"], reference_stats(*model.block.last), 1e-4)
         assert monitor.coverage()["missing"] == {}
@@ -250,8 +258,18 @@ def test_a_foreign_model_in_a_compiled_model_is_not_folded_into_a_layer(where, l
         return
     assert set(monitor.latest_stats() or {}) <= {"block"}
     why = "beside attention in the modules it contains" if (where, layers) == ("root", 1) else "2 attention ops"
+    if held != "unread":
+        outer = "SDPALayer" if layers == 1 else "TwoLayers"
+        why = f"its calls ran attention of its own and another model's (a {outer}, reached outside the module tree)"
     assert why in monitor.coverage()["missing"][caller]
     assert any(f"{caller!r}" in w and why in w for w in warned), warned
+
+
+_GLOBAL_TEACHER = None   # a teacher reached through a global (set by the tests that use it)
+
+
+def _call_global_teacher(x):
+    return _GLOBAL_TEACHER(x)
 
 
 @pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "recompiled"])
@@ -305,7 +323,11 @@ class LossHead(torch.nn.Module):
 
 
 def _hold(module, teacher, holder):
-    if holder == "list":
+    if holder == "closure":
+        module.frozen = [lambda x: teacher(x)]
+    elif holder == "global":    # the test sets _GLOBAL_TEACHER
+        module.frozen = [_call_global_teacher]
+    elif holder == "list":
         module.frozen = [teacher]
     elif holder == "dict":
         module.frozen = {"teacher": teacher}
@@ -348,13 +370,16 @@ def _one_op_teacher(form):
 
 @pytest.mark.parametrize("form", ["sdpa", "softmax"])
 @pytest.mark.parametrize("holder,on", [("list", "head"), ("setattr", "head"), ("dict", "head"),
-                                       ("list", "root"), ("setattr", "root"), ("dict", "root")])
-def test_a_teacher_called_by_a_compiled_loss_head_is_no_layer_of_it(form, holder, on):
+                                       ("list", "root"), ("setattr", "root"), ("dict", "root"),
+                                       ("closure", "head"), ("global", "head")])
+def test_a_teacher_called_by_a_compiled_loss_head_is_no_layer_of_it(form, holder, on, monkeypatch):
     """A one-op teacher called by a module with no attention of its own, compiled: its attention is
-    another model's, named as such, never recorded as the head's layer; the student's layer is exact."""
+    another model's, named as such, never recorded as the head's layer; the student's layer is exact.
+    Held in an attribute, its hooks tell it; through a closure or a global, dynamo's module stack."""
     from tests.helpers import reference_stats
 
     teacher = _one_op_teacher(form)
+    monkeypatch.setitem(globals(), "_GLOBAL_TEACHER", teacher)
     torch.manual_seed(0)
     model = Distilled(teacher, holder, on)
     monitor, warned = _compiled_pass(model, torch.randn(2, 6, 16))
@@ -366,17 +391,19 @@ def test_a_teacher_called_by_a_compiled_loss_head_is_no_layer_of_it(form, holder
                for w in warned), warned
 
 
+@pytest.mark.parametrize("holder", ["list", "closure"])
 @pytest.mark.parametrize("form", ["sdpa", "softmax"])
-def test_a_teacher_attached_itself_inside_a_compiled_student_is_measured_as_its_own(form):
+def test_a_teacher_attached_itself_inside_a_compiled_student_is_measured_as_its_own(form, holder):
     """The teacher called by the loss head is attached with a monitor of its own: each monitor records its
     own model's attention exactly, the student's never the teacher's. (Its root hooks are a graph break
-    inside the student's graph: compiled without fullgraph, docs/attach.md "torch.compile".)"""
+    inside the student's graph: compiled without fullgraph, docs/attach.md "torch.compile"; the teacher
+    then runs in a frame of its own, told by the frame's module.)"""
     from tests.helpers import reference_stats
 
     torch._dynamo.reset()
     teacher = _one_op_teacher(form)
     torch.manual_seed(0)
-    model = Distilled(teacher, "list", "head")
+    model = Distilled(teacher, holder, "head")
     x = torch.randn(2, 6, 16)
     want = model(x)
     compiled = torch.compile(model, backend="eager")
@@ -444,3 +471,61 @@ def test_a_module_held_back_by_the_model_is_no_other_model():
     assert_stats_close(monitor.latest_stats()["block"], reference_stats(*model.block.last), 1e-4)
     assert not model._forward_pre_hooks and not model.block._forward_pre_hooks    # none left after detach
     assert all("'head' (LossHead)" in w for w in warned), warned
+
+
+class RootAttends(torch.nn.Module):
+    """Attention in the root's own code (an attention pool over its block's output) beside the block's."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.helpers import SDPALayer
+        self.block = SDPALayer()
+        self.pool = torch.nn.Linear(16, 48)
+        self.last = None
+
+    def forward(self, x):
+        h = x + self.block(x)
+        b, t, _ = h.shape
+        q, k, v = (z.view(b, t, 4, 4).transpose(1, 2) for z in self.pool(h).chunk(3, -1))
+        self.last = (q.detach(), k.detach())
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, 16)
+
+
+@pytest.mark.parametrize("read", [True, False], ids=["stack-read", "unread"])
+def test_a_compiled_roots_own_attention_beside_its_blocks_is_exact_where_dynamos_stack_says_so(read, monkeypatch):
+    """The root's own attention op beside its block's: dynamo's module stack at trace time shows no other
+    model's module around it, so it is recorded, exact, as the eager pass records it. Where that stack
+    is not read, it cannot be told from a teacher's op run by the root: named, not recorded."""
+    from tests.helpers import reference_stats
+
+    if not read:
+        monkeypatch.setattr(calls, "comptime_if_loaded", lambda: None)
+    torch.manual_seed(0)
+    model = RootAttends()
+    monitor, warned = _compiled_pass(model, torch.randn(2, 6, 16))
+    assert_stats_close(monitor.latest_stats()["block"], reference_stats(*model.block.last), 1e-4)
+    if read:
+        assert not warned, warned
+        assert set(monitor.latest_stats()) == {"<root>", "block"}
+        assert_stats_close(monitor.latest_stats()["<root>"], reference_stats(*model.last), 1e-4)
+    else:
+        assert set(monitor.latest_stats()) == {"block"}
+        assert "beside attention in the modules it contains" in monitor.coverage()["missing"]["<root>"]
+
+
+def test_a_global_multihead_attention_called_by_a_compiled_loss_head_is_named(monkeypatch):
+    """A bare torch.nn.MultiheadAttention reached through a global, called by the loss head: another
+    model's attention (as in eager passes, where a torch.nn module that holds modules is another model),
+    named, never the head's layer; a torch.nn softmax made on the fly stays the caller's own code."""
+    from tests.helpers import reference_stats
+
+    torch.manual_seed(5)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).requires_grad_(False)
+    monkeypatch.setitem(globals(), "_GLOBAL_TEACHER", lambda x: mha(x, x, x, need_weights=False)[0])
+    torch.manual_seed(0)
+    model = Distilled(None, "global", "head")
+    monitor, warned = _compiled_pass(model, torch.randn(2, 6, 16))
+    assert set(monitor.latest_stats()) == {"block"} and monitor.coverage()["missing"] == {}
+    assert_stats_close(monitor.latest_stats()["block"], reference_stats(*model.block.last), 1e-4)
+    assert any("attention in MultiheadAttention, part of MultiheadAttention: a module outside the attached model "
+               "called by 'head' (LossHead)" in w for w in warned), warned
