@@ -87,15 +87,15 @@ def _traced_site(ctx) -> None:
         tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
         stack = [(int(key.split("@")[0]), cls) for key, (_, cls) in tx.nn_module_stack.items()]
         frame = tx.output.root_tx.f_locals.get("self")   # the compiled frame's module: not on the stack
+        if calls is None or not isinstance(name, str) or not all(isinstance(cls, type) for _, cls in stack):
+            return
+        if isinstance(frame, torch.nn.Module):
+            stack.insert(0, (id(frame), type(frame)))
+        elif not any(ident in calls._ids for ident, _ in stack):
+            return      # a frame of no module, this model's modules not on its stack: nothing to go by
+        calls.traced(name, stack)
     except Exception:   # noqa: BLE001 - another torch's dynamo: no conclusion, never a failed trace
         return
-    if calls is None or not isinstance(name, str):
-        return
-    if isinstance(frame, torch.nn.Module):
-        stack.insert(0, (id(frame), type(frame)))
-    elif not any(ident in calls._ids for ident, _ in stack):
-        return          # a frame of no module, this model's modules not on its stack: nothing to go by
-    calls.traced(name, stack)
 
 
 def _class_name(foreign) -> str:
