@@ -11,8 +11,9 @@ warm-up steps, bare and with ``attach(every=1, keep_records=False)``:
 - ops that would make a CUDA host wait (`fastdiag.core.host_sync`), on every backend.
 
 Timings (``--time BLOCKS``): HF GPT-2 (4 layers, d 256, T 256, batch 4, sdpa) at 2 threads, blocks
-of steps alternating bare / every=1 / attached-but-unmeasured / the eager + ``output_attentions``
-alternative with naive statistics; medians of the per-block means, as ratios to bare. The machine
+of steps alternating bare / a second bare copy (the control: how far copies and load alone move a
+ratio) / every=1 / attached-but-unmeasured / the eager + ``output_attentions`` alternative with naive
+statistics; medians of the per-block means, as ratios to bare. The machine
 load (``os.getloadavg``) is printed beside them.
 
     python benchmarks/attach_host_cost.py [--time BLOCKS [--threads N] [--cpu-time]] [--detail]
@@ -207,7 +208,8 @@ def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 10**9
     torch.set_num_threads(threads)
     clock = time.process_time if cpu_time else time.perf_counter
     unmeasured = f"every={every_unmeasured} (unmeasured)"
-    kinds = ("bare", "every=1", unmeasured, "eager+output_attentions")
+    # a second bare copy is the control: its ratio to the first is what copies and load alone move
+    kinds = ("bare", "bare (another copy)", "every=1", unmeasured, "eager+output_attentions")
     models = {kind: tiny("gpt2", "eager" if kind.startswith("eager") else "sdpa", layers=4, d=256, heads=4,
                          positions=256) for kind in kinds}
     for model in models.values():
@@ -256,7 +258,47 @@ def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 10**9
           + "; ".join(f"{k} x{r:.3f} (median block ratio {statistics.median(spread[k]):.3f}, "
                       f"blocks {spread[k][0]:.3f}-{spread[k][-1]:.3f})"
                       for k, r in result.items() if k != "bare"), flush=True)
+    result["bare_ms"] = base * 1e3
     return result
+
+
+def unmeasured_cost(rounds: int = 40, steps: int = 50) -> float:
+    """Microseconds an attached but unmeasured step adds, in process CPU time: on a tiny GPT-2 with the
+    timed model's modules (4 layers, d 16, T 8), whose step is short enough that the hooks' Python shows
+    above the noise (a ~0.2 % effect on the timed model drowns in its block-to-block spread). The same
+    model alternates bare and attached (every=10**9, its careful step 0 untimed) in paired blocks."""
+    model = tiny("gpt2", layers=LAYERS, d=16, heads=4, positions=16)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    added, bare_us = [], []
+    for _ in range(rounds):
+        block = {}
+        for kind in ("bare", "attached"):
+            monitor = fastdiag.attach(model, every=10**9, keep_records=False) if kind == "attached" else None
+            try:
+                for _ in range(3 + (monitor is not None)):
+                    step()
+                gc.collect()
+                gc.disable()
+                t0 = time.process_time()
+                for _ in range(steps):
+                    step()
+                block[kind] = (time.process_time() - t0) / steps * 1e6
+            finally:
+                gc.enable()
+                if monitor is not None:
+                    monitor.detach()
+        added.append(block["attached"] - block["bare"])
+        bare_us.append(block["bare"])
+    added.sort()
+    q1, median, q3 = added[len(added) // 4], statistics.median(added), added[3 * len(added) // 4]
+    print(f"attached but unmeasured: +{median:.0f} us per step (paired blocks, quartiles {q1:.0f}..{q3:.0f}; "
+          f"tiny GPT-2 with the timed model's {LAYERS} layers of modules, bare {statistics.median(bare_us):.0f} us, "
+          f"process CPU time, {rounds} rounds of {steps} steps)", flush=True)
+    return median
 
 
 def main(argv=None) -> int:
@@ -280,7 +322,11 @@ def main(argv=None) -> int:
     if not args.no_counts:
         counts(args.detail, families, syncs=not args.no_syncs)
     if args.time:
-        timings(args.time, threads=args.threads, cpu_time=args.cpu_time)
+        result = timings(args.time, threads=args.threads, cpu_time=args.cpu_time)
+        added_us = unmeasured_cost()
+        print(f"  = {added_us / (result['bare_ms'] * 1e3) * 100:.2f} % of the timed bare step "
+              f"({result['bare_ms']:.0f} ms): attached-but-unmeasured x{1 + added_us / (result['bare_ms'] * 1e3):.4f}",
+              flush=True)
     return 0
 
 
