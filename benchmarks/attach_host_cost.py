@@ -6,7 +6,8 @@ warm-up steps, bare and with ``attach(every=1, keep_records=False)``:
 
 - aten ops added per measured layer (a TorchDispatchMode; ``backend="triton"`` under
   TRITON_INTERPRET=1: the launch glue is counted, each kernel launch as one op, and the tensor copies
-  the interpreter makes to emulate a launch not at all: a GPU launch has none),
+  the interpreter makes to emulate a launch not at all: a GPU launch has none), on a float16 copy of
+  the model: float32 Q and K run pass 2 on the torch path (on a GPU no float32 tile fits), also printed,
 - Python calls added per measured layer (``sys.setprofile`` "call" events; ``backend="torch"``),
 - ops that would make a CUDA host wait (`fastdiag.core.host_sync`), on every backend.
 
@@ -161,17 +162,23 @@ def counts(detail: bool = False, families=("gpt2", "llama"), syncs: bool = True)
     rows = []
     for family in families:
         model = tiny(family)
-        ops_bare, ops_att = bare(model, count_ops), attached(model, "triton", count_ops)
+        # the Triton kernels run pass 2 on 16-bit Q and K (float32 runs it on the torch path, on a GPU as
+        # in the interpreter): counted on a float16 copy, what a bf16/fp16 step on a GPU runs
+        half = tiny(family).half()
+        ops_bare, ops_att = bare(half, count_ops), attached(half, "triton", count_ops)
+        fp32_glue = (sum(attached(model, "triton", count_ops).ops.values())
+                     - sum(bare(model, count_ops).ops.values())) / LAYERS
         calls_bare, calls_att = bare(model, count_calls), attached(model, "torch", count_calls)
         sync = {backend: syncs_seen(model, backend) for backend in ("torch", "triton", "reference")} if syncs else {}
         glue = sum(ops_att.ops.values()) - sum(ops_bare.ops.values())
-        row = dict(model=family, aten_ops_per_layer=glue / LAYERS,
+        row = dict(model=family, aten_ops_per_layer=glue / LAYERS, float32_aten_ops_per_layer=fp32_glue,
                    with_interpreter_copies=(glue + ops_att.interpreter - ops_bare.interpreter) / LAYERS,
                    python_calls_per_layer=(calls_att - calls_bare) / LAYERS,
                    sync_ops={b: len(s) for b, s in sync.items()})
         rows.append(row)
-        print(f"{family}: +{row['aten_ops_per_layer']:.1f} aten ops / measured layer (triton; "
-              f"{row['with_interpreter_copies']:.1f} with the interpreter's launch copies), "
+        print(f"{family}: +{row['aten_ops_per_layer']:.1f} aten ops / measured layer (triton, float16; "
+              f"{row['with_interpreter_copies']:.1f} with the interpreter's launch copies; float32, pass 2 on "
+              f"the torch path: +{fp32_glue:.1f}), "
               f"+{row['python_calls_per_layer']:.0f} Python calls / measured layer (torch), host-sync ops "
               + ", ".join(f"{b} {n}" for b, n in row["sync_ops"].items()), flush=True)
         if detail:

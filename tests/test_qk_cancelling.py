@@ -12,6 +12,7 @@ import torch
 import fastdiag
 from fastdiag.core.kernels.qk_stats_ref import qk_stats_ref
 from fastdiag.core.stats import HeadStats
+from fastdiag.qk import qk_head_stats
 from fastdiag.testing import TOLERANCE, cancelling_qk, row_entropy
 from tests.helpers import assert_stats_close
 
@@ -103,6 +104,25 @@ def test_ordinary_rows_are_not_named(kind, dtype):
         assert rel <= target, (path, rel)
         sigma = want.entropy_spread().item()
         assert abs(got.entropy_spread().item() - sigma) <= target * max(sigma, 1e-6), path
+
+
+def test_float32_rows_whose_products_cancel_are_exact_on_the_triton_backend():
+    """float32 inputs run pass 2 on the torch path on every device, the interpreter included (on a GPU no
+    float32 tile fits): rows whose products cancel are scored again in float64 there, and are exact. The
+    batched Triton kernel, forced onto them, has no bound for float32 rows and is silently off — why it
+    is not used (before, the interpreter ran it: σ_l 2e-4 off, nothing counted)."""
+    q, k, scale = cancelling_qk(seed=0, size=30.0, dtype=torch.float32)
+    want = HeadStats(*qk_stats_ref(q.double(), k.double(), None, False, scale))
+    h, hk, d = q.shape[1], k.shape[1], q.shape[3]
+    forced = HeadStats(*kernels._stats(q, k, None, False, scale, None, kernels.row_lse_triton(q, k, None, False, scale),
+                                       kernels.tile_config(h, hk, d)))
+    sigma = want.entropy_spread().item()
+    assert forced.invalid.item() == 0 and abs(forced.entropy_spread().item() - sigma) > 1e-5 * sigma
+    assert_stats_close(qk_head_stats(q, k, scale=scale, backend="triton"), want)
+    model = FixedQK(q, k, scale)
+    with fastdiag.attach(model, every=1, backend="triton") as monitor:
+        model(torch.zeros(q.shape[0], h, q.shape[2], d))
+        assert_stats_close(monitor.latest_stats()["<root>"], want)
 
 
 # ---- through attach (backend "triton": the kernels in the interpreter) ----------------------------------

@@ -415,9 +415,12 @@ def pass2_configs(h: int, hk: int, d: int, dtype: torch.dtype, shared_limit: int
     per block (None: no limit applies — CPU, the interpreter). Empty: no tile fits, and pass 2 runs
     on `qk_stats_torch` (cuBLAS in full float32; the Triton LSE of pass 1 still saves a pass).
 
-    float32 inputs never fit a GPU: the TF32×3 dots hold three copies of every operand, 256–640 KB at
-    the smallest tiles at GPT-2-small and Llama-7B (compiled for sm_90, benchmarks/RESULTS.md), where
-    the largest GPU allows 227 KB. 16-bit tiles are chosen by the estimate `_shared_bytes` (checked
+    float32 inputs run pass 2 there on every device, the interpreter included, so that it runs what a
+    GPU runs: they never fit a GPU (the TF32×3 dots hold three copies of every operand, 256–640 KB at
+    the smallest tiles at GPT-2-small and Llama-7B, compiled for sm_90, benchmarks/RESULTS.md, where the
+    largest GPU allows 227 KB), and the kernels do not bound float32 rows whose products cancel (σ_l
+    2e-4 off, silent, in the interpreter: `tests/test_qk_cancelling.py`), which the torch path scores
+    again in float64. 16-bit tiles are chosen by the estimate `_shared_bytes` (checked
     against the compiled metadata); a launch that still exceeds the device tries the next.
     ``explicit_mask`` (bool or additive): the mask tile's registers come on top, so the key tile starts
     at 16 (at 32, GPT-2-small spilled 8 B / 12 B on sm_90 under an additive / bool mask and the 4k
@@ -426,11 +429,11 @@ def pass2_configs(h: int, hk: int, d: int, dtype: torch.dtype, shared_limit: int
     tiles = ((_SCORE_BUDGET, 32), (_SCORE_BUDGET // 2, 32), (_SCORE_BUDGET // 4, 16), (_SCORE_BUDGET // 8, 16))
     if explicit_mask:
         tiles = ((_SCORE_BUDGET // 2, 16), (_SCORE_BUDGET // 4, 16), (_SCORE_BUDGET // 8, 16))
+    if dtype == torch.float32:
+        return []
     if shared_limit is None:
         budget, block_n = tiles[0]
         return [tile_config(h, hk, d, budget, block_n, element_bytes=element_bytes)]
-    if dtype == torch.float32:
-        return []
     fits = []
     for budget, block_n in tiles:
         c, shared = _tile_config_and_shared(h, hk, d, budget, block_n, element_bytes, shared_limit)
@@ -748,7 +751,7 @@ _HEADS_PLANS: dict = {}
 
 def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=None):
     """Pass 2 on `_qk_heads_kernel`, or None where it does not apply: no plan for these heads
-    (`heads_config`), float32 on a GPU (TF32x3 operands do not fit), or on this device every plan
+    (`heads_config`), float32 (`pass2_configs`: its pass 2 is the torch path), or on this device every plan
     (`heads_plans`) exceeds shared memory or spills registers (the batched kernel then runs).
     ``plan`` (an index into `heads_plans`) replaces the choice (tests run each plan)."""
     b, h, tq, d = q4.shape
@@ -757,7 +760,7 @@ def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=Non
         cfg = heads_config(*shape_key)
         _HEADS_PLANS[shape_key] = (cfg, None if cfg is None else heads_plans(cfg))
     cfg, plans = _HEADS_PLANS[shape_key]
-    if cfg is None or (limits is not None and q4.dtype == torch.float32) or (plan is None and cfg["PAIRS"]):
+    if cfg is None or (plan is None and q4.dtype == torch.float32) or (plan is None and cfg["PAIRS"]):
         return None     # the head pairs run only when asked for (`heads_plans`: they spill everywhere)
     if plan is None and limits is not None:
         key = (limits["arch"], q4.dtype, *shape_key[:3], bool(is_causal),
