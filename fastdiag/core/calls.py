@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import sys
 import warnings
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -60,42 +59,43 @@ SEEN_ONLY_BY_ITSELF = ("its mask lets positions be seen by their own query row o
                        "monitor.set_padding(attention_mask) leaves them out")
 
 
-# AttentionCalls by key, for `_traced_site` (a comptime function has no closure: it finds them by a local)
-_TRACED: "weakref.WeakValueDictionary[int, AttentionCalls]" = weakref.WeakValueDictionary()
-_TRACE_KEYS = itertools.count()
-
-
 # torch.nn modules that take a softmax: made on the fly in a module's forward, they are its own code
 _SOFTMAX_MODULES = (torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.Softmin, torch.nn.Softmax2d)
 
 
-def comptime_if_loaded():
-    """torch._dynamo's ``comptime`` where torch._dynamo is imported already (torch.compile imports it
-    before a compiled pass), else None: fastdiag never imports torch._dynamo itself (1.7 s)."""
-    return getattr(sys.modules.get("torch._dynamo.comptime"), "comptime", None)
+def stack_reader_ready() -> bool:
+    """Marks `_traced_verdict` for torch.compile (``torch.compiler.assume_constant_result``: run while
+    tracing, its result a constant of the graph) once torch._dynamo is imported (torch.compile imports it
+    before a compiled pass; fastdiag never imports it itself: 1.7 s). Whether it is marked."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    torch.compiler.assume_constant_result(_traced_verdict)
+    return True
 
 
-def _traced_site(ctx) -> None:
-    """Run by torch.compile at trace time (``comptime``), for an attention op that the pass's module stack
-    gives to module ``name`` of this model: dynamo's own stack of the module calls it traces through
-    (innermost last, each keyed by the module's id) says whether the op ran inside a module outside the
-    model (a teacher reached through a global or a closure, which nothing hooks). Dynamo's stack is its
-    own, not a public API: where it cannot be read, nothing is concluded (the op counts as ``name``'s)."""
+def _traced_verdict(calls: "AttentionCalls", name: str) -> tuple | None:
+    """Run by torch.compile while it traces an attention op that the pass's module stack gives to module
+    ``name`` of this model (`stack_reader_ready`): dynamo's own stack of the module calls it traces through
+    (innermost last, each keyed by the module's id; the compiled frame's module is not on it) says whether
+    the op ran inside another model's module — a teacher reached through a global or a closure, which
+    nothing hooks (`AttentionCalls.verdict`). The result is part of the graph: the stack is the traced
+    code's, the same on every run of it. Dynamo's stack is its own, not a public API: where it cannot be
+    read, None (nothing concluded)."""
     try:
-        calls = _TRACED.get(ctx.get_local("site").as_python_constant())
-        name = ctx.get_local("name").as_python_constant()
-        tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx().output.current_tx      # the innermost (inlining) translator
         stack = [(int(key.split("@")[0]), cls) for key, (_, cls) in tx.nn_module_stack.items()]
-        frame = tx.output.root_tx.f_locals.get("self")   # the compiled frame's module: not on the stack
-        if calls is None or not isinstance(name, str) or not all(isinstance(cls, type) for _, cls in stack):
-            return
+        frame = tx.output.root_tx.f_locals.get("self")
+        if not all(isinstance(cls, type) for _, cls in stack):
+            return None
         if isinstance(frame, torch.nn.Module):
             stack.insert(0, (id(frame), type(frame)))
-        elif not any(ident in calls._ids for ident, _ in stack):
-            return      # a frame of no module, this model's modules not on its stack: nothing to go by
-        calls.traced(name, stack)
+        elif not any(ident in calls.ids for ident, _ in stack):
+            return None     # a frame of no module, this model's modules not on its stack: nothing to go by
+        return calls.verdict(stack)
     except Exception:   # noqa: BLE001 - another torch's dynamo: no conclusion, never a failed trace
-        return
+        return None
 
 
 def _class_name(foreign) -> str:
@@ -128,14 +128,8 @@ class AttentionCalls:
         self.candidate_ids = itertools.count()
         self.warned_softmax: set[str] = set()
         self.warned_foreign: set[tuple] = set()
-        # attention ops traced by torch.compile (`_traced_site`): the module whose call ran another model's
-        # attention (-> that model's outermost and innermost module classes), and those that ran their own
-        self.traced_foreign: dict[str, tuple[str, str]] = {}
-        self.traced_own: set[str] = set()
-        self.comptime = None        # torch._dynamo's comptime once loaded (the monitor sets it, eagerly)
-        self.trace_key = next(_TRACE_KEYS)
-        _TRACED[self.trace_key] = self
-        self._ids = {id(m) for m in modules.values()}
+        self.read_stack = False     # `_traced_verdict` is marked for torch.compile (the monitor, eagerly)
+        self.ids = {id(m) for m in modules.values()}
 
     def with_padding(self, rows: torch.Tensor | None, b: int, t: int, device: torch.device,
                       name: str) -> torch.Tensor | None:
@@ -158,8 +152,6 @@ class AttentionCalls:
         """End of a measured pass: a softmax never multiplied with values along its key axis is no
         attention (a heat map, a router): not a layer, named once; attention written as
         exp(s − logsumexp) in a module with no statistics is named as unmeasured."""
-        if self.state.compiled_calls and self.traced_foreign:
-            self._traced_foreign_attention()
         if self.state.candidates:
             self.state.recorder = None    # no plan from a pass that met softmaxes it could not place
         for entry in self.state.candidates.values():
@@ -237,8 +229,8 @@ class AttentionCalls:
         not recorded."""
         busy = set(self.state.how) | set(self.state.refused)
         for name in list(self.state.how):
-            if name in self.traced_own and name not in self.traced_foreign:
-                continue    # each of its attention ops traced with no other model's module around it (`traced`)
+            if name in self.state.read_own and name not in self.state.unread:
+                continue    # each of its attention ops traced with no other model's module around it (`verdict`)
             if any(other != name and (name == ROOT or other.startswith(name + ".")) for other in busy):
                 self.refuse(name, "under torch.compile an attention op in its own code, beside attention in the "
                                   "modules it contains, cannot be told from another model's attention run by it "
@@ -260,42 +252,26 @@ class AttentionCalls:
             return None
         if name in self.kinds or name not in self.selected:
             return None
-        if self.comptime is not None and torch.compiler.is_compiling():
-            site = self.trace_key       # noqa: F841 - read by `_traced_site` at trace time
-            self.comptime(_traced_site)
+        verdict = _traced_verdict(self, name) if self.read_stack and torch.compiler.is_compiling() else None
+        if verdict:         # another model's module ran it: its attention, named as such (`unconfirmed`)
+            self.state.foreign.setdefault((name, verdict[0]), verdict[1])
+            return None
+        if verdict is not None:
+            self.state.read_own.add(name)
+        elif torch.compiler.is_compiling() or self.state.compiled_calls:
+            self.state.unread.add(name)
         return name, call
 
-    def traced(self, name: str, stack: list) -> None:
-        """At trace time: an attention op given to module ``name``, run inside dynamo's module ``stack``
-        (module id, class; innermost last; the compiled frame's module first). A module outside this model
-        entered inside the innermost of its modules there (those around it are a model running this one;
-        with none there, the frame runs inside ``name``'s call: all of it is), but for a torch.nn softmax
-        made on the fly (``nn.Softmax(-1)(s)``: the caller's own code), makes it another model's attention."""
-        inner = max((i for i, (ident, _) in enumerate(stack) if ident in self._ids), default=-1)
+    def verdict(self, stack: list) -> tuple:
+        """While tracing (`_traced_verdict`): an attention op run inside dynamo's module ``stack`` (module id,
+        class; innermost last; the compiled frame's module first). A module outside this model entered
+        inside the innermost of its modules there (those around it are a model running this one; with none
+        there, the frame runs inside the calling module's call: all of it is), but for a torch.nn softmax
+        made on the fly (``nn.Softmax(-1)(s)``: the caller's own code), makes it another model's attention:
+        (its outermost module's class, its innermost's); () where none does."""
+        inner = max((i for i, (ident, _) in enumerate(stack) if ident in self.ids), default=-1)
         foreign = [cls for ident, cls in stack[inner + 1:] if not issubclass(cls, _SOFTMAX_MODULES)]
-        if foreign:
-            self.traced_foreign.setdefault(name, (foreign[0].__name__, foreign[-1].__name__))
-        else:
-            self.traced_own.add(name)
-
-    def _traced_foreign_attention(self) -> None:
-        """End of a compiled pass: a module whose call ran another model's attention at trace time
-        (`traced`) has no record of it — the other model's attention is named as such — and one that
-        also ran attention of its own in a compiled graph is named, not recorded: the two cannot be told
-        apart in the pass's records."""
-        state = self.state
-        for caller, (outer, inner) in self.traced_foreign.items():
-            if caller in self.traced_own:   # this reason, not the count of ops in one call it may have met
-                state.refused[caller] = (f"under torch.compile its calls ran attention of its own and another model's "
-                                         f"(a {outer}, reached outside the module tree), which cannot be told apart in "
-                                         "a compiled pass: not recorded; an eager pass tells them")
-                continue
-            mine = lambda key: key == caller or key.startswith(caller + "#")  # noqa: E731
-            state.pending = {k: v for k, v in state.pending.items() if not mine(k)}
-            state.undecided = {k: v for k, v in state.undecided.items() if k[0] != caller}
-            for entries in (state.how, state.refused, state.padding_rows):
-                entries.pop(caller, None)
-            state.foreign.setdefault((caller, outer), inner)
+        return (foreign[0].__name__, foreign[-1].__name__) if foreign else ()
 
     @staticmethod
     def _applies(within: str | None, name: str, explicit: bool) -> bool:

@@ -492,8 +492,8 @@ class Monitor:
         if not self._measuring:
             self.calls.state = passes.IDLE
             return
-        if self.calls.comptime is None:
-            self.calls.comptime = calls.comptime_if_loaded()
+        if not self.calls.read_stack:
+            self.calls.read_stack = calls.stack_reader_ready()
         if self._held_rescan != "no":  # a model held since attach (a teacher set later) is hooked too
             self._watch_held_models()
         # fresh every pass: a compiled graph sees the same state on every pass

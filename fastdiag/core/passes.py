@@ -23,6 +23,8 @@ class PassState:
     ops: dict = field(default_factory=dict)          # (module, call) -> attention ops in that call
     lse: set = field(default_factory=set)            # modules taking logsumexp over 4-D scores
     foreign: dict = field(default_factory=dict)      # (calling module, foreign model class) -> its attention's class
+    read_own: set = field(default_factory=set)       # compiled: modules with an attention op read as their own
+    unread: set = field(default_factory=set)         # compiled: modules with an attention op not read so
     padding_used: bool = False                       # a handed-in mask matched an attention call
     compiled_calls: int = 0                          # hooked module calls so far in a compiled pass
     # lean passes
