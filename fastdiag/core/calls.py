@@ -129,7 +129,7 @@ class AttentionCalls:
         self.warned_softmax: set[str] = set()
         self.warned_foreign: set[tuple] = set()
         self.read_stack = False     # `_traced_verdict` is marked for torch.compile (the monitor, eagerly)
-        self.ids = {id(m) for m in modules.values()}
+        self.ids = {id(m) for m in modules.values()}   # this model's modules, by id: all others are another's
 
     def with_padding(self, rows: torch.Tensor | None, b: int, t: int, device: torch.device,
                       name: str) -> torch.Tensor | None:

@@ -226,7 +226,6 @@ class Monitor:
         self._suspended: list[str] = []              # fast-path modules running with the mode left out
         self._lazy_hooks: list[tuple] = []           # (name, module, kind) hooked on measured training passes
         self._lazy_handles: list = []
-        self._ours = {id(m) for m in modules.values()}
         self._foreign_handles: list = []             # global module hooks, held during measured passes only
         # the modules whose own code can hold and call another model: torch.nn's hold torch's attributes only
         self._holders = [m for m in modules.values() if m is model or not adapters.is_torch_builtin(m)]
@@ -553,11 +552,11 @@ class Monitor:
         `_watch_foreign_modules`). Looked for at attach and at each measured pass's begin (eager); a held
         module whose tree holds this model's modules (a back-reference) is no other model."""
         for held in _held_modules(self._holders):
-            if id(held) in self._ours or self._held_seen.get(id(held)) is held:
+            if id(held) in self.calls.ids or self._held_seen.get(id(held)) is held:
                 continue
             self._held_seen[id(held)] = held
             tree = dict(held.named_modules())
-            if any(id(m) in self._ours for m in tree.values()):
+            if any(id(m) in self.calls.ids for m in tree.values()):
                 continue
             # torch takes nn.TransformerEncoderLayer's fused eval kernel only with no hook on or inside it
             encoders = [n for n, m in tree.items() if isinstance(m, torch.nn.TransformerEncoderLayer)]
@@ -589,7 +588,7 @@ class Monitor:
 
     def _foreign_enter(self, module, args) -> None:
         """A torch.nn leaf made on the fly (``nn.Softmax(-1)(s)``) is the calling module's own code, not another model."""
-        if id(module) in self._ours or not self._measuring or self._other_thread() \
+        if id(module) in self.calls.ids or not self._measuring or self._other_thread() \
                 or adapters.is_torch_builtin(module) and not module._modules:
             return
         self.calls.state.stack.append((None, module))
