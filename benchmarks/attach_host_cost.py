@@ -17,7 +17,11 @@ ratio) / every=1 / attached-but-unmeasured / the eager + ``output_attentions`` a
 statistics; medians of the per-block means, as ratios to bare. The machine
 load (``os.getloadavg``) is printed beside them.
 
-    python benchmarks/attach_host_cost.py [--time BLOCKS [--threads N] [--cpu-time]] [--detail]
+A measured forward's parts (``--parts ROUNDS``): bare, with the statistics, and with the kernel's calls
+answered from a cache and run right after the forward instead: what running the kernel inside the
+model costs beyond its own time.
+
+    python benchmarks/attach_host_cost.py [--time BLOCKS] [--parts ROUNDS] [--threads N] [--cpu-time] [--detail]
 """
 from __future__ import annotations
 
@@ -269,6 +273,59 @@ def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 10**9
     return result
 
 
+def parts(rounds: int, threads: int = 1, cpu_time: bool = True) -> dict:
+    """Where a measured forward's time goes (HF GPT-2 of ``timings``, forward only, no grad): bare; with the
+    statistics; with the native kernel's calls answered from a cache (the rest of attach unchanged) and the
+    same calls run right after the forward instead. Inside minus (cached + after) is what running the
+    kernel in the middle of the model costs beyond its own time (caches, threads)."""
+    from fastdiag.core.kernels import qk_stats_cpu as native
+
+    torch.set_num_threads(threads)
+    clock = time.process_time if cpu_time else time.perf_counter
+    model = tiny("gpt2", layers=4, d=256, heads=4, positions=256)
+    ids = torch.randint(0, 128, (4, 256), generator=torch.Generator().manual_seed(1))
+    launch, cached, calls = native._launch, {}, []
+
+    def answered_from_cache(*args):
+        calls.append([a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+        key = tuple(args[0].shape)
+        if key not in cached:
+            cached[key] = launch(*args)
+        return cached[key].clone()
+
+    kinds = ("bare", "statistics inside", "cached, the same kernel calls after")
+    times = {k: [] for k in kinds}
+    try:
+        with torch.no_grad():
+            for _ in range(rounds):
+                for kind in kinds:
+                    native._launch = answered_from_cache if kind.startswith("cached") else launch
+                    monitor = None if kind == "bare" else fastdiag.attach(model, every=1, keep_records=False)
+                    try:
+                        for _ in range(2):
+                            model(input_ids=ids, labels=ids)
+                        gc.collect()
+                        for _ in range(5):
+                            calls.clear()
+                            t0 = clock()
+                            model(input_ids=ids, labels=ids)
+                            t1 = clock()
+                            for args in calls:
+                                launch(*args)
+                            times[kind].append((t1 - t0, clock() - t1))
+                    finally:
+                        if monitor is not None:
+                            monitor.detach()
+    finally:
+        native._launch = launch
+    result = {k: tuple(statistics.median(t[i] for t in v) * 1e3 for i in (0, 1)) for k, v in times.items()}
+    print(f"a measured forward's parts (HF GPT-2 4 layers d 256 T 256 batch 4, no grad, {threads} thread(s), "
+          f"{'CPU time' if cpu_time else 'wall clock'}, {rounds} rounds of 5, load {os.getloadavg()[0]:.1f}): "
+          + "; ".join(f"{k} {f:.1f} ms" + (f" + {after:.1f} ms after" if after >= 0.05 else "")
+                      for k, (f, after) in result.items()), flush=True)
+    return result
+
+
 def unmeasured_cost(rounds: int = 40, steps: int = 50) -> float:
     """Microseconds an attached but unmeasured step adds, in process CPU time: on a tiny GPT-2 with the
     timed model's modules (4 layers, d 16, T 8), whose step is short enough that the hooks' Python shows
@@ -317,6 +374,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-syncs", action="store_true", help="skip the host-sync count")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for --time (default 2)")
     parser.add_argument("--cpu-time", action="store_true", help="time --time blocks in process CPU time")
+    parser.add_argument("--parts", type=int, default=0, metavar="ROUNDS",
+                        help="a measured forward's parts: bare, with statistics, their kernel moved after it")
     args = parser.parse_args(argv)
     if args.time < 0:
         parser.error("--time: expected a non-negative number of blocks")
@@ -328,6 +387,8 @@ def main(argv=None) -> int:
         parser.error(f"--models: expected gpt2 and/or llama, got {args.models!r}")
     if not args.no_counts:
         counts(args.detail, families, syncs=not args.no_syncs)
+    if args.parts:
+        parts(args.parts, threads=args.threads, cpu_time=args.cpu_time)
     if args.time:
         result = timings(args.time, threads=args.threads, cpu_time=args.cpu_time)
         added_us = unmeasured_cost()
