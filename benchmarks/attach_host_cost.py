@@ -12,9 +12,10 @@ warm-up steps, bare and with ``attach(every=1, keep_records=False)``:
 - ops that would make a CUDA host wait (`fastdiag.core.host_sync`), on every backend.
 
 Timings (``--time BLOCKS``): HF GPT-2 (4 layers, d 256, T 256, batch 4, sdpa) at 2 threads, blocks
-of steps alternating bare / a second bare copy (the control: how far copies and load alone move a
-ratio) / every=1 / attached-but-unmeasured / the eager + ``output_attentions`` alternative with naive
-statistics; medians of the per-block means, as ratios to bare. The machine
+of steps alternating bare / bare again (the control: how far order and load alone move a ratio) /
+every=1 / attached-but-unmeasured / the eager + ``output_attentions`` alternative with naive
+statistics, on one model set up for each block (``--copies``: a copy per kind); medians of the
+per-block means, as ratios to bare. The machine
 load (``os.getloadavg``) is printed beside them.
 
 A measured forward's parts (``--parts ROUNDS``): bare, with the statistics, and with the kernel's calls
@@ -210,25 +211,35 @@ def naive_stats(attentions) -> torch.Tensor:
 
 
 def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 10**9, threads: int = 2,
-            cpu_time: bool = False) -> dict:
-    """``cpu_time``: the process's CPU time instead of the wall clock (at 1 thread, what a loaded machine
-    moves least). Each kind has its own copy of the model (same weights), attached once for the whole
-    run as a user's would be: the careful first pass of each monitor and its compiled kernels fall in the
-    warm-up, not in a timed block; a garbage collection before each block keeps one kind's garbage out
-    of the next kind's time."""
+            cpu_time: bool = False, copies: bool = False) -> dict:
+    """Blocks of steps per kind, alternated, the kinds' order rotated from round to round.
+
+    One model (the default), as in a user's process: each block sets it up for its kind — attached for
+    that block only (its careful first pass and a lean one in two untimed warm-up steps, detached after
+    it), or switched to eager attention for the alternative — so every kind runs the same tensors in the
+    same heap. ``copies``: the earlier method, one copy of the model per kind (same weights), each
+    attached once for the whole run; with five models in the process a measured step read ~6 % dearer
+    than with one (RESULTS.md, fifth session). ``cpu_time``: the process's CPU time instead of the wall
+    clock. A garbage collection before each block keeps one kind's garbage out of the next kind's time."""
     torch.set_num_threads(threads)
     clock = time.process_time if cpu_time else time.perf_counter
     unmeasured = f"every={every_unmeasured} (unmeasured)"
-    # a second bare copy is the control: its ratio to the first is what copies and load alone move
-    kinds = ("bare", "bare (another copy)", "every=1", unmeasured, "eager+output_attentions")
-    models = {kind: tiny("gpt2", "eager" if kind.startswith("eager") else "sdpa", layers=4, d=256, heads=4,
-                         positions=256) for kind in kinds}
-    for model in models.values():
-        model.load_state_dict(models["bare"].state_dict())
+    # a second bare kind is the control: its ratio to the first is what order, copies and load alone move
+    kinds = ("bare", "bare (another copy)" if copies else "bare (again)", "every=1", unmeasured,
+             "eager+output_attentions")
+    every = {"every=1": 1, unmeasured: every_unmeasured}
+    if copies:
+        models = {kind: tiny("gpt2", "eager" if kind.startswith("eager") else "sdpa", layers=4, d=256, heads=4,
+                             positions=256) for kind in kinds}
+        for model in models.values():
+            model.load_state_dict(models["bare"].state_dict())
+    else:
+        model = tiny("gpt2", layers=4, d=256, heads=4, positions=256)
+        models = dict.fromkeys(kinds, model)
     ids = torch.randint(0, 128, (4, 256), generator=torch.Generator().manual_seed(1))
-    optimizers = {kind: torch.optim.SGD(m.parameters(), lr=0.0) for kind, m in models.items()}
-    monitors = [fastdiag.attach(models["every=1"], every=1, keep_records=False),
-                fastdiag.attach(models[unmeasured], every=every_unmeasured, keep_records=False)]
+    optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.0) for m in models.values()}
+    monitors = {kind: fastdiag.attach(models[kind], every=n, keep_records=False) for kind, n in every.items()} \
+        if copies else {}
 
     def run(kind):
         model = models[kind]
@@ -238,34 +249,52 @@ def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 10**9
             naive_stats(out.attentions)
         else:
             model(input_ids=ids, labels=ids).loss.backward()
-        optimizers[kind].step()
-        optimizers[kind].zero_grad()
+        optimizers[id(model)].step()
+        optimizers[id(model)].zero_grad()
+
+    def set_up(kind):
+        """One model: its attention implementation and monitor for this block (two warm-up steps)."""
+        if copies:
+            return None
+        model.config._attn_implementation = "eager" if kind.startswith("eager") else "sdpa"
+        monitor = fastdiag.attach(model, every=every[kind], keep_records=False) if kind in every else None
+        for _ in range(2):
+            run(kind)
+        return monitor
 
     times = {k: [] for k in kinds}
     loads = []
     try:
-        for kind in kinds:   # warm-up: each monitor's careful first pass (the unmeasured one's step 0)
-            for _ in range(3):
-                run(kind)
-        for _ in range(blocks):
-            loads.append(os.getloadavg()[0])
-            for kind in kinds:
-                gc.collect()
-                t0 = clock()
-                for _ in range(steps_per_block):
+        if copies:
+            for kind in kinds:   # warm-up: each monitor's careful first pass (the unmeasured one's step 0)
+                for _ in range(3):
                     run(kind)
-                times[kind].append((clock() - t0) / steps_per_block)
+        for block in range(blocks):
+            loads.append(os.getloadavg()[0])
+            for kind in kinds[block % len(kinds):] + kinds[:block % len(kinds)]:
+                monitor = set_up(kind)
+                try:
+                    gc.collect()
+                    t0 = clock()
+                    for _ in range(steps_per_block):
+                        run(kind)
+                    times[kind].append((clock() - t0) / steps_per_block)
+                finally:
+                    if monitor is not None:
+                        monitor.detach()
     finally:
-        for monitor in monitors:
+        for monitor in monitors.values():
             monitor.detach()
+        if not copies:
+            model.config._attn_implementation = "sdpa"
     print("block means, ms: " + "; ".join(f"{k} " + " ".join(f"{x * 1e3:.0f}" for x in v) for k, v in times.items()))
     base = statistics.median(times["bare"])
     result = {k: statistics.median(v) / base for k, v in times.items()}
-    # each block's own ratio to the bare steps beside it: their range says how far the load moved them
+    # each block's own ratio to the bare steps of its round: their range says how far the load moved them
     spread = {k: sorted(t / b for t, b in zip(v, times["bare"])) for k, v in times.items()}
-    print(f"HF GPT-2 4 layers d 256 T 256 batch 4 sdpa, {torch.get_num_threads()} threads, "
-          f"{'CPU time' if cpu_time else 'wall clock'}, {blocks} alternated "
-          f"blocks of {steps_per_block} steps, load {min(loads):.1f}-{max(loads):.1f}: bare {base * 1e3:.0f} ms; "
+    print(f"HF GPT-2 4 layers d 256 T 256 batch 4 sdpa, {'a copy per kind' if copies else 'one model'}, "
+          f"{torch.get_num_threads()} threads, {'CPU time' if cpu_time else 'wall clock'}, {blocks} rounds of "
+          f"alternated blocks of {steps_per_block} steps, load {min(loads):.1f}-{max(loads):.1f}: bare {base * 1e3:.0f} ms; "
           + "; ".join(f"{k} x{r:.3f} (median block ratio {statistics.median(spread[k]):.3f}, "
                       f"blocks {spread[k][0]:.3f}-{spread[k][-1]:.3f})"
                       for k, r in result.items() if k != "bare"), flush=True)
@@ -331,6 +360,8 @@ def unmeasured_cost(rounds: int = 40, steps: int = 50) -> float:
     timed model's modules (4 layers, d 16, T 8), whose step is short enough that the hooks' Python shows
     above the noise (a ~0.2 % effect on the timed model drowns in its block-to-block spread). The same
     model alternates bare and attached (every=10**9, its careful step 0 untimed) in paired blocks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)     # the hooks' cost is Python's: a thread pool on ops this small only adds noise
     model = tiny("gpt2", layers=LAYERS, d=16, heads=4, positions=16)
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
 
@@ -357,6 +388,7 @@ def unmeasured_cost(rounds: int = 40, steps: int = 50) -> float:
                     monitor.detach()
         added.append(block["attached"] - block["bare"])
         bare_us.append(block["bare"])
+    torch.set_num_threads(threads)
     added.sort()
     q1, median, q3 = added[len(added) // 4], statistics.median(added), added[3 * len(added) // 4]
     print(f"attached but unmeasured: +{median:.0f} us per step (paired blocks, quartiles {q1:.0f}..{q3:.0f}; "
@@ -374,6 +406,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-syncs", action="store_true", help="skip the host-sync count")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for --time (default 2)")
     parser.add_argument("--cpu-time", action="store_true", help="time --time blocks in process CPU time")
+    parser.add_argument("--copies", action="store_true",
+                        help="--time with a copy of the model per kind (the earlier method), not one model")
     parser.add_argument("--parts", type=int, default=0, metavar="ROUNDS",
                         help="a measured forward's parts: bare, with statistics, their kernel moved after it")
     args = parser.parse_args(argv)
@@ -390,7 +424,7 @@ def main(argv=None) -> int:
     if args.parts:
         parts(args.parts, threads=args.threads, cpu_time=args.cpu_time)
     if args.time:
-        result = timings(args.time, threads=args.threads, cpu_time=args.cpu_time)
+        result = timings(args.time, threads=args.threads, cpu_time=args.cpu_time, copies=args.copies)
         added_us = unmeasured_cost()
         print(f"  = {added_us / (result['bare_ms'] * 1e3) * 100:.2f} % of the timed bare step "
               f"({result['bare_ms']:.0f} ms): attached-but-unmeasured x{1 + added_us / (result['bare_ms'] * 1e3):.4f}",
