@@ -97,6 +97,48 @@ def test_a_foreign_model_attached_itself_is_measured_as_its_own():
     del h
 
 
+class FastPathTeacherStudent(nn.Module):
+    """A student whose output uses a frozen torch.nn teacher in eval, kept outside its tree: a
+    TransformerEncoder (with a key-padding mask: nested tensors on its fast path) or a MultiheadAttention."""
+
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(5)
+        if kind == "encoder":
+            layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+            teacher = nn.TransformerEncoder(layer, 2)      # enable_nested_tensor: padding runs nested
+        else:
+            teacher = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.kind, self.frozen = kind, [teacher.eval().requires_grad_(False)]
+        torch.manual_seed(0)
+        self.block = SDPALayer()
+
+    def forward(self, x):
+        teacher = self.frozen[0]
+        padding = torch.zeros(x.shape[:2], dtype=torch.bool)
+        padding[1, -2:] = True
+        with torch.no_grad():
+            hint = (teacher(x, src_key_padding_mask=padding) if self.kind == "encoder"
+                    else teacher(x, x, x, key_padding_mask=padding, need_weights=False)[0])
+        return self.block(x + hint.nan_to_num())
+
+
+@pytest.mark.parametrize("kind", ["encoder", "mha"])
+def test_a_foreign_fast_path_module_in_eval_keeps_outputs_bit_identical(kind):
+    """With the mode active torch takes a fast-path module's slow path, whose outputs differ (4.8e-7 on the
+    careful pass here before; nested-tensor padding 0 against real numbers): another model's fast-path
+    module in eval runs with the mode left out, as this model's own do, and is named once, never recorded."""
+    model = FastPathTeacherStudent(kind)
+    x = _x()
+    for _ in range(2):     # two monitors: each one's careful first pass
+        model.zero_grad()
+        monitor, warned = attached_unchanged(model, lambda m: m(x))
+        q, k = model.block.last
+        assert_stats_close(monitor.latest_stats()["block"], reference_stats(q, k), EXACT)
+        assert set(monitor.latest_stats()) == {"block"}
+    assert any("outside the attached model" in w and "fast path" in w for w in warned), warned
+
+
 class TwoOpsAtRoot(nn.Module):
     """Attention done twice in the root's own forward: not one map, refused by name."""
 

@@ -134,6 +134,15 @@ def _held_modules(modules) -> list[torch.nn.Module]:
     return held
 
 
+# torch.nn modules with an eval fast path that a torch function mode turns off (their outputs then differ)
+_FAST_PATH_MODULES = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
+
+
+def _foreign_marker(module: torch.nn.Module) -> str:
+    """`Monitor._suspended`'s entry for another model's fast-path module (this model's own are its names)."""
+    return f"<outside the model: {id(module)}>"
+
+
 def _unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
     """``torch.compile(model)`` returns a wrapper; hook the module inside it (same names, same hooks)."""
     while type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None),
@@ -587,13 +596,24 @@ class Monitor:
         self._handles.append(module.register_forward_hook(_Hook(post), always_call=True))
 
     def _foreign_enter(self, module, args) -> None:
-        """A torch.nn leaf made on the fly (``nn.Softmax(-1)(s)``) is the calling module's own code, not another model."""
+        """A torch.nn leaf made on the fly (``nn.Softmax(-1)(s)``) is the calling module's own code, not another
+        model. Another model's torch.nn fast-path module in eval runs with the mode left out, as this model's
+        own do (`_suspend_mode`): its outputs stay bit-identical, and nothing in it is this model's attention."""
         if id(module) in self.calls.ids or not self._measuring or self._other_thread() \
                 or adapters.is_torch_builtin(module) and not module._modules:
             return
         self.calls.state.stack.append((None, module))
+        if isinstance(module, _FAST_PATH_MODULES) and not module.training and not self._suspended:
+            self._suspend_mode(_foreign_marker(module))
+            if self._suspended and self._suspended[-1] == _foreign_marker(module):
+                self._warn_once(("foreign fast path", type(module)),
+                                f"{type(module).__name__}, a module outside the attached model, runs in eval on "
+                                "torch's fast path inside a measured pass: its attention is not recorded as a layer "
+                                "of this model; attach that model itself to measure it as its own")
 
     def _foreign_leave(self, module, args, output) -> None:
+        if self._suspended and self._suspended[-1] == _foreign_marker(module):
+            self._resume_mode()
         stack = self.calls.state.stack
         if stack and stack[-1][0] is None and stack[-1][1] is module:
             stack.pop()
