@@ -390,6 +390,23 @@ def test_a_teacher_called_by_a_compiled_loss_head_is_no_layer_of_it(form, holder
                for w in warned), warned
 
 
+@pytest.mark.parametrize("holder", ["closure", "global"])
+def test_where_dynamos_stack_is_not_read_a_compiled_loss_heads_attention_is_said_to_be_unchecked(holder, monkeypatch):
+    """Where this torch's traced module stack cannot be read (another torch, or reading it fails), a
+    one-op teacher reached through a closure or a global and called by the loss head is recorded as the
+    head's layer — and said: one warning names the layers whose attention was recorded without the check
+    (before, nothing was said)."""
+    teacher = _one_op_teacher("sdpa")
+    monkeypatch.setitem(globals(), "_GLOBAL_TEACHER", teacher)
+    monkeypatch.setattr(calls, "stack_reader_ready", lambda: False)
+    torch.manual_seed(0)
+    model = Distilled(teacher, holder, "head")
+    monitor, warned = _compiled_pass(model, torch.randn(2, 6, 16))
+    assert set(monitor.latest_stats()) == {"block", "head"}
+    said = [w for w in warned if "could not be read" in w]
+    assert len(said) == 1 and "'head'" in said[0] and "'block'" in said[0], warned
+
+
 @pytest.mark.parametrize("holder", ["list", "closure"])
 @pytest.mark.parametrize("form", ["sdpa", "softmax"])
 def test_a_teacher_attached_itself_inside_a_compiled_student_is_measured_as_its_own(form, holder):

@@ -235,6 +235,14 @@ class AttentionCalls:
                 self.refuse(name, "under torch.compile an attention op in its own code, beside attention in the "
                                   "modules it contains, cannot be told from another model's attention run by it "
                                   "(a teacher outside the module tree): not recorded; an eager pass tells them")
+        unverified = [n for n in self.state.how if n in self.state.unread and n not in self.state.refused]
+        if unverified:      # recorded, but whose attention it was could not be read: said, never silent
+            shown = ", ".join(repr(n) for n in unverified[:4]) + (f" and {len(unverified) - 4} more" if len(unverified) > 4 else "")
+            self._warn_once(("unverified owner",), f"layers {shown}: under torch.compile this torch's traced module "
+                            "stack could not be read, so their attention ops are recorded as their own without the "
+                            "check that tells another model's attention run by them (a teacher outside the module "
+                            "tree, reached through a global or a closure; one held in an attribute is told anyway); "
+                            "an eager pass checks them")
 
     def _attention_call(self) -> tuple[str, int] | None:
         """(name, call number) of the module running an attention op now, if it is to be measured
