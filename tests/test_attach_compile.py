@@ -367,10 +367,13 @@ def _one_op_teacher(form):
     return teacher.requires_grad_(False)
 
 
-@pytest.mark.parametrize("form", ["sdpa", "softmax"])
-@pytest.mark.parametrize("holder,on", [("list", "head"), ("setattr", "head"), ("dict", "head"),
-                                       ("list", "root"), ("setattr", "root"), ("dict", "root"),
-                                       ("closure", "head"), ("global", "head")])
+# every holder with an SDPA teacher; the softmax teacher with one holder of each kind (hooks, dynamo's stack)
+@pytest.mark.parametrize("form,holder,on", [
+    *(("sdpa", holder, on) for holder, on in [("list", "head"), ("setattr", "head"), ("dict", "head"),
+                                              ("list", "root"), ("setattr", "root"), ("dict", "root"),
+                                              ("closure", "head"), ("global", "head")]),
+    ("softmax", "list", "head"), ("softmax", "dict", "root"), ("softmax", "closure", "head"),
+    ("softmax", "global", "head")])
 def test_a_teacher_called_by_a_compiled_loss_head_is_no_layer_of_it(form, holder, on, monkeypatch):
     """A one-op teacher called by a module with no attention of its own, compiled: its attention is
     another model's, named as such, never recorded as the head's layer; the student's layer is exact.
@@ -407,8 +410,7 @@ def test_where_dynamos_stack_is_not_read_a_compiled_loss_heads_attention_is_said
     assert len(said) == 1 and "'head'" in said[0] and "'block'" in said[0], warned
 
 
-@pytest.mark.parametrize("holder", ["list", "closure"])
-@pytest.mark.parametrize("form", ["sdpa", "softmax"])
+@pytest.mark.parametrize("form,holder", [("sdpa", "list"), ("softmax", "closure")])
 def test_a_teacher_attached_itself_inside_a_compiled_student_is_measured_as_its_own(form, holder):
     """The teacher called by the loss head is attached with a monitor of its own: each monitor records its
     own model's attention exactly, the student's never the teacher's. (Its root hooks are a graph break
