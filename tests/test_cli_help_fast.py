@@ -48,3 +48,15 @@ def test_a_bad_sweep_grid_is_refused_before_torch_loads(grid):
     """The grid's spelling is read torch-free (fastdiag.grokking.sweep_spec): a typo is answered at once."""
     seen = _probe("sweep", *grid)
     assert seen["exit"] == 2 and not seen["loaded"], seen
+
+
+def test_the_attach_stack_imports_without_torch_dynamo():
+    """`fastdiag.core.monitor` (imported by every command that trains) leaves torch._dynamo unloaded until a
+    monitor is attached: the root hooks' `torch.compiler.disable` imports it (1.3 s), and it once ran at import,
+    so every refused `fastdiag run` paid it (3.9 s to start, now 2.0 s)."""
+    probe = ("import sys, torch, fastdiag.core.monitor as m; before = 'torch._dynamo' in sys.modules; "
+             "model = torch.nn.MultiheadAttention(8, 2); m.attach(model).detach(); "
+             "print(before, 'torch._dynamo' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True"], r.stdout

@@ -100,13 +100,19 @@ class _Hook(functools.partial):
 
 
 class _EagerHook:
-    """The root's begin and end: run by torch.compile outside the traced frame, never traced."""
+    """The root's begin and end: run by torch.compile outside the traced frame, never traced. Its
+    ``__call__`` is disabled for torch.compile when the first one is made (at attach), not when this
+    module is imported: `torch.compiler.disable` imports torch._dynamo (1.3 s), which a command that
+    never attaches (most of the CLI) does not need."""
     __slots__ = ("fn",)
+    _disabled = False
 
     def __init__(self, fn):
         self.fn = fn
+        if not _EagerHook._disabled:
+            _EagerHook.__call__ = _eager(_EagerHook.__call__)
+            _EagerHook._disabled = True
 
-    @_eager
     def __call__(self, *args):
         return self.fn(*args)
 
