@@ -66,6 +66,11 @@ def tiny(family: str, attn: str = "sdpa", layers: int = LAYERS, d: int = 64, hea
     return model
 
 
+def timed_model(attn: str = "sdpa"):
+    """The timed model of ``--time`` and ``--parts``: HF GPT-2, 4 layers, d 256, 4 heads, 256 positions."""
+    return tiny("gpt2", attn, layers=4, d=256, heads=4, positions=256)
+
+
 def step_fn(model, batch: int = 2, seq: int = 32):
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
 
@@ -229,12 +234,11 @@ def timings(blocks: int, steps_per_block: int = 3, every_unmeasured: int = 10**9
              "eager+output_attentions")
     every = {"every=1": 1, unmeasured: every_unmeasured}
     if copies:
-        models = {kind: tiny("gpt2", "eager" if kind.startswith("eager") else "sdpa", layers=4, d=256, heads=4,
-                             positions=256) for kind in kinds}
+        models = {kind: timed_model("eager" if kind.startswith("eager") else "sdpa") for kind in kinds}
         for model in models.values():
             model.load_state_dict(models["bare"].state_dict())
     else:
-        model = tiny("gpt2", layers=4, d=256, heads=4, positions=256)
+        model = timed_model()
         models = dict.fromkeys(kinds, model)
     ids = torch.randint(0, 128, (4, 256), generator=torch.Generator().manual_seed(1))
     optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.0) for m in models.values()}
@@ -311,7 +315,7 @@ def parts(rounds: int, threads: int = 1, cpu_time: bool = True) -> dict:
 
     torch.set_num_threads(threads)
     clock = time.process_time if cpu_time else time.perf_counter
-    model = tiny("gpt2", layers=4, d=256, heads=4, positions=256)
+    model = timed_model()
     ids = torch.randint(0, 128, (4, 256), generator=torch.Generator().manual_seed(1))
     launch, cached, calls = native._launch, {}, []
 

@@ -588,12 +588,15 @@ class Monitor:
         read bools and push a name only."""
         entry = (None, type(module).__name__)
 
+        def watching() -> bool:      # a measured pass of this thread without the global hooks
+            return self._measuring and not self._foreign_handles and not self._other_thread()
+
         def pre(mod, args):
-            if self._measuring and not self._foreign_handles and not self._other_thread():
+            if watching():
                 self.calls.state.stack.append(entry)
 
         def post(mod, args, output):
-            if self._measuring and not self._foreign_handles and not self._other_thread():
+            if watching():
                 stack = self.calls.state.stack
                 if stack and stack[-1][0] is None:
                     stack.pop()
@@ -610,8 +613,9 @@ class Monitor:
             return
         self.calls.state.stack.append((None, module))
         if isinstance(module, _FAST_PATH_MODULES) and not module.training and not self._suspended:
-            self._suspend_mode(_foreign_marker(module))
-            if self._suspended and self._suspended[-1] == _foreign_marker(module):
+            marker = _foreign_marker(module)
+            self._suspend_mode(marker)
+            if self._suspended and self._suspended[-1] == marker:
                 self._warn_once(("foreign fast path", type(module)),
                                 f"{type(module).__name__}, a module outside the attached model, runs in eval on "
                                 "torch's fast path inside a measured pass: its attention is not recorded as a layer "

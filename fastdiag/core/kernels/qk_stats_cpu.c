@@ -88,6 +88,17 @@ static inline v8f select8(v8i m, v8f a, v8f b) { return as_f((as_i(a) & m) | (as
 static inline v4d lo4(v8f v) { return __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), v4d); }
 static inline v4d hi4(v8f v) { return __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), v4d); }
 
+/* The running largest |x|, lane by lane (abs_max8) or of one value (abs_max1): NaN once any x is NaN. */
+static inline v8f abs_max8(v8f x, v8f m) {
+    const v8f ax = as_f(as_i(x) & 0x7fffffff);
+    return select8((ax > m) | (ax != ax), ax, m);
+}
+
+static inline float abs_max1(float x, float m) {
+    const float ax = fabsf(x);
+    return ax > m || ax != ax ? ax : m;
+}
+
 /* The largest of m and v's lanes, NaN when any of them is NaN: a tree of three selects (a loop over the
  * lanes was a chain of eight compare-and-branch steps for every query row and head). */
 static inline float max_lanes(v8f v, float m) {
@@ -263,13 +274,9 @@ static void transpose_keys(const Args *a, float *kt_all, float *kmax_all, int64_
             float *panel = kt + (j / KB) * D * KB + j % KB;
             const float *kr = k + j * a->k_st;
             for (int64_t d = 0; d < d8; d += LANES) {
-                const v8f v = load8(kr + d), av = as_f(as_i(v) & 0x7fffffff);
-                mx8 = select8((av > mx8) | (av != av), av, mx8);
+                mx8 = abs_max8(load8(kr + d), mx8);
             }
-            for (int64_t d = d8; d < D; d++) {
-                const float av = fabsf(kr[d]);
-                kmax = av > kmax || av != av ? av : kmax;
-            }
+            for (int64_t d = d8; d < D; d++) kmax = abs_max1(kr[d], kmax);
             for (int64_t d = 0; d < D; d++) panel[d * KB] = kr[d];
         }
         kmax = max_lanes(mx8, kmax);
@@ -318,14 +325,13 @@ static void *run(void *arg) {
                     for (int64_t d = 0; d < d8; d += LANES) {
                         const v8f v = load8(qr + d) * cf;
                         store8(qd + d, v);
-                        const v8f av = as_f(as_i(v) & 0x7fffffff);
-                        mx8 = select8((av > mx8) | (av != av), av, mx8);
+                        mx8 = abs_max8(v, mx8);
                     }
                     mx = max_lanes(mx8, mx);
                     for (int64_t d = d8; d < D; d++) {
-                        const float v = qr[d] * cf, av = fabsf(v);
+                        const float v = qr[d] * cf;
                         qd[d] = v;
-                        mx = av > mx || av != av ? av : mx;
+                        mx = abs_max1(v, mx);
                     }
                 } else {
                     for (int64_t d = 0; d < D; d++) qs[r * D + d] = 0.0f;
