@@ -547,3 +547,85 @@ def test_a_global_multihead_attention_called_by_a_compiled_loss_head_is_named(mo
     assert_stats_close(monitor.latest_stats()["block"], reference_stats(*model.block.last), 1e-4)
     assert any("attention in MultiheadAttention, part of MultiheadAttention: a module outside the attached model "
                "called by 'head' (LossHead)" in w for w in warned), warned
+
+
+# ---- modules built inside a compiled forward (graph breaks: dynamo cannot build parameters) ----------
+
+class BuildsInForward(torch.nn.Module):
+    """An attention block, and a module built inside ``forward``: a frozen one-layer teacher built on
+    every call by the root or by the block, or a layer built lazily on the first call and kept."""
+
+    def __init__(self, what):
+        super().__init__()
+        from tests.helpers import SDPALayer
+        self.block, self.what, self.proj = SDPALayer(), what, None
+        if what == "teacher in block":
+            self.block.forward = self._block_forward
+
+    def _teacher_hint(self, x):
+        from tests.helpers import SDPALayer
+        with torch.no_grad():
+            return 0 * SDPALayer().requires_grad_(False)(x)
+
+    def _block_forward(self, x, attn_mask=None):
+        from tests.helpers import SDPALayer
+        return SDPALayer.forward(self.block, x + self._teacher_hint(x))
+
+    def forward(self, x):
+        if self.what == "teacher in root":
+            x = x + self._teacher_hint(x)
+        elif self.what == "lazy layer":
+            if self.proj is None:
+                self.proj = torch.nn.Linear(x.shape[-1], x.shape[-1])
+            x = self.proj(x)
+        return self.block(x)
+
+
+@pytest.mark.parametrize("what", ["teacher in root", "teacher in block", "lazy layer"])
+def test_a_module_built_inside_a_compiled_forward_keeps_the_users_step_running(what):
+    """dynamo cannot build an ``nn.Linear`` in a graph: it breaks the graph and builds it in Python,
+    with attach's function mode still traced around it. The mode's own check of whether it is being
+    traced made ``Tensor.dim()`` come back None there, and the user's step raised TypeError in
+    ``nn.init`` (torch 2.13) where it runs without attach. Now the step runs, bit-identical, and the
+    block is exact, or named where its one call runs its own attention and the teacher's."""
+    from tests.helpers import reference_stats
+    torch.manual_seed(0)
+    model, x = BuildsInForward(what), torch.randn(2, 6, 16)
+
+    def step(attached):
+        torch._dynamo.reset()
+        torch.manual_seed(1)    # the modules built in forward draw their weights from it
+        compiled = torch.compile(model, backend="eager")
+        monitor = fastdiag.attach(model, every=1) if attached else None
+        try:
+            out = compiled(x)
+            out.square().mean().backward()
+        finally:
+            if monitor is not None:
+                monitor.detach()
+        grads = [p.grad.clone() for p in model.block.parameters()]
+        model.zero_grad()
+        return out, grads, monitor
+
+    want, want_grads = step(False)[:2]
+    if what == "lazy layer":
+        model.proj = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, got_grads, monitor = step(True)
+    warned = [str(w.message) for w in caught if "fastdiag" in str(w.message)]
+    assert torch.equal(got, want) and all(torch.equal(g, w) for g, w in zip(got_grads, want_grads))
+    if what == "teacher in block":     # its one call ran two attention ops: named, nothing recorded
+        assert not monitor.latest_stats()
+        assert "2 attention ops" in monitor.coverage()["missing"]["block"]
+        assert any("'block'" in w and "2 attention ops" in w for w in warned), warned
+        return
+    assert set(monitor.latest_stats()) == {"block"}
+    assert_stats_close(monitor.latest_stats()["block"], reference_stats(*model.block.last), 1e-4)
+    if what == "lazy layer":
+        assert monitor.coverage()["missing"] == {} and warned == []
+        return
+    # the teacher's op, traced in a frame of its own after the break, is the root's own code to the
+    # compiled pass: the root is named as such and nothing of the teacher is recorded
+    assert "cannot be told from another model's attention" in monitor.coverage()["missing"]["<root>"]
+    assert any("'<root>'" in w and "cannot be told" in w for w in warned), warned

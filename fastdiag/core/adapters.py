@@ -190,7 +190,7 @@ def _in_compiled_graph() -> bool:
     produced runs (checked on torch 2.13: a function mode entered around a compiled function sees the
     graph's ``torch.softmax`` at run time with both False). The graph's code is FX-generated, and FX
     names the file of generated code ``<eval_with_key>.N``."""
-    if torch.compiler.is_compiling():
+    if tracing():
         return False
     frame = sys._getframe(2)
     for _ in range(3):  # the graph's code, or F.softmax and handle_torch_function called by it
@@ -202,6 +202,16 @@ def _in_compiled_graph() -> bool:
     return False
 
 
+@torch.compiler.assume_constant_result
+def tracing() -> bool:
+    """`torch.compiler.is_compiling()`, read by dynamo once per trace as a constant. Called plainly in
+    `AttentionMode.__torch_function__` while dynamo traced it, it made ``Tensor.dim()`` come back None
+    in a graph that builds an ``nn.Linear`` (a teacher or a lazily made layer created in a compiled
+    forward: the user's step raised TypeError; torch 2.13, `tests/test_attach_compile.py`). A marked
+    ``functools.partial`` of it, one Python call fewer, still raised there."""
+    return torch.compiler.is_compiling()
+
+
 _OWN = threading.local()  # depth of fastdiag's own statistics computations running in this thread
 
 
@@ -209,7 +219,7 @@ def own_statistics(fn, *args, **kwargs):
     """``fn(*args, **kwargs)``: fastdiag's own statistics computation, whose softmaxes no
     `AttentionMode` (another monitor's, nested) takes for the model's attention. Under torch.compile
     each graph has one mode traced into it, so there is nothing to mark."""
-    if torch.compiler.is_compiling():
+    if tracing():
         with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
             return fn(*args, **kwargs)
     _OWN.depth = getattr(_OWN, "depth", 0) + 1
@@ -259,7 +269,7 @@ def sdpa_reissued_with_stats(query, key, value, attn_mask=None, dropout_p=0.0, i
 
 
 def _computing_own_statistics() -> bool:
-    return not torch.compiler.is_compiling() and getattr(_OWN, "depth", 0) > 0
+    return not tracing() and getattr(_OWN, "depth", 0) > 0
 
 
 # products and where their two operands are: positions, then keyword names
@@ -357,7 +367,7 @@ class Provenance:
     def propagate(self, func, args: tuple, kwargs: dict, out) -> dict:
         """Hands labels, products and softmax candidates on to ``out``; returns the candidates this
         call confirms as attention, each with its layout (`_layout`)."""
-        if torch.compiler.is_compiling():
+        if tracing():
             return {}
         inputs = list(_tensors(args, kwargs))
         labels = frozenset().union(*(self.labels.get(t, ()) for t in inputs))
@@ -463,7 +473,7 @@ class Provenance:
     def same_input(self, call: int, query: torch.Tensor, key: torch.Tensor) -> bool | None:
         """Whether query and key derive from the same arguments of module call ``call`` (True: self-
         attention), from different ones (False), or None when it is not known."""
-        if torch.compiler.is_compiling():
+        if tracing():
             return None
         q, k = self._of(self.labels.get(query, ()), call), self._of(self.labels.get(key, ()), call)
         if not q or not k:
@@ -473,7 +483,7 @@ class Provenance:
     def scores_of_same_input(self, call: int, scores: torch.Tensor) -> bool | None:
         """`same_input` for scores: True when one of the products they are made of multiplies queries
         and keys from the same arguments of ``call``."""
-        if torch.compiler.is_compiling():
+        if tracing():
             return None
         verdicts = set()
         for q, k in self.products.get(scores, ()):
@@ -496,7 +506,7 @@ class AttentionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not torch.compiler.is_compiling() and self.lean and (
+        if not tracing() and self.lean and (
                 self.busy or (func is not _SDPA and func not in _SOFTMAXES) or _computing_own_statistics()):
             return func(*args, **kwargs)
         # fastdiag's statistics never call SDPA: an SDPA call inside them is the model's own, re-issued
@@ -504,7 +514,7 @@ class AttentionMode(TorchFunctionMode):
         if self.busy or (func is not _SDPA and (func not in _HANDED_OVER or _computing_own_statistics())) \
                 or _in_compiled_graph():
             out = func(*args, **kwargs)
-            if not self.busy and not torch.compiler.is_compiling() and not _computing_own_statistics():
+            if not self.busy and not tracing() and not _computing_own_statistics():
                 confirmed = self.calls.provenance.propagate(func, args, kwargs, out)
                 if confirmed:
                     self.calls.confirm(confirmed)
