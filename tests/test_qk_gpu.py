@@ -9,6 +9,8 @@ from torch.nn.attention import SDPBackend
 from fastdiag.qk import _attention_with_lse, qk_head_stats, sdpa_with_stats
 from fastdiag.testing import TOLERANCE, rel_err
 
+DEVICE = "cuda"   # where the kernels run (the tests' logic was checked on "cpu" under TRITON_INTERPRET=1)
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -111,3 +113,32 @@ def test_fp32_is_exact_under_a_tf32_matmul_setting(precision):
     assert rel_err(got.gram, ref.gram) <= TOLERANCE[torch.float32]
     assert rel_err(got.entropy_sum, ref.entropy_sum) <= TOLERANCE[torch.float32]
     assert got.invalid.item() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rows_whose_products_cancel_are_named_or_exact_on_tensor_cores(dtype, d):
+    """The in-kernel bound for 16-bit rows whose products cancel (`row_entropy_triton.CANCEL_ROUNDING`,
+    c = 4) was set from float64 emulation of float32 accumulation; tensor cores align each step's terms to
+    the largest and truncate, which emulation cannot show. On the device: every such row is named
+    (``invalid`` > 0) or its heads' entropies, σ_l and s_l are within the 16-bit target of float64. A
+    failure here means c is too small for this GPU's accumulation (benchmarks/cancelling_rows_triton.py)."""
+    from fastdiag.core.kernels.qk_stats_ref import qk_stats_ref
+    from fastdiag.core.stats import HeadStats
+    from fastdiag.testing import cancelling_qk
+    target = TOLERANCE[torch.float16]
+    for size in (10.0, 30.0, 100.0, 300.0):
+        for seed in (0, 1):
+            q, k, scale = cancelling_qk(seed, size, d=d, dtype=dtype)
+            mask = torch.ones(q.shape[0], 1, 1, k.shape[2], dtype=torch.bool)
+            mask[1:, ..., -3:] = False
+            want = HeadStats(*qk_stats_ref(q.double(), k.double(), mask, False, scale))
+            got = qk_head_stats(q.to(DEVICE), k.to(DEVICE), mask.to(DEVICE), False, scale, backend="triton")
+            if got.invalid.item() > 0:
+                continue
+            got = HeadStats(got.gram.cpu(), got.entropy_sum.cpu(), got.rows.cpu(), got.invalid.cpu())
+            rel = ((got.entropy_sum - want.entropy_sum).abs() / want.entropy_sum.abs()).max().item()
+            sigma = want.entropy_spread().item()
+            assert rel <= target, (size, seed, rel)
+            assert abs(got.entropy_spread().item() - sigma) <= target * max(sigma, 1e-6), (size, seed)
+            assert abs(got.sync().item() - want.sync().item()) <= target * abs(want.sync().item()), (size, seed)

@@ -59,6 +59,8 @@ _HALF_TARGET = tl.constexpr(HALF_TARGET)
 # error reached 2.3 units (γ ≈ 1.7·2⁻²⁴); c = 4 keeps 1.7× of margin (benchmarks/RESULTS.md, "Cancelling
 # products"). Not measured on tensor cores (no GPU lent): their 16-column steps align to the largest term
 # and truncate, at most one such rounding per step, 2·ln2·2·D/16 ≈ 11 units at D = 64 in the worst case.
+# The device tests check it on the next GPU lent (`tests/test_qk_gpu.py::
+# test_rows_whose_products_cancel_are_named_or_exact_on_tensor_cores`: named or within 1e-3, D 64 and 128).
 # With c = 4 a row is named once ‖q_i‖·max‖k_j‖·|scale| passes ~2900 nats (16-bit target 1e-3): no
 # ordinary layer comes near (a randomly initialised GPT-2-small: 4.6 at most). Float32 inputs never run pass 2 in Triton
 # on a GPU (`qk_stats_triton.pass2_configs`), so they keep the |s| estimate alone.
