@@ -460,3 +460,65 @@ def test_a_product_with_values_whose_layout_cannot_be_read_is_named():
     monitor, warned = attached_unchanged(model, lambda m: m(_x()))
     assert any("'mixer'" in w and "does not say which axes" in w for w in warned), warned
     assert monitor.latest() is None and "mixer" in monitor.coverage()["missing"]
+
+
+# ---- TorchScript: its ops run where no hook or function mode sees them ---------------------------
+
+class ScriptableAttention(nn.Module):
+    """Hand-written attention TorchScript can compile (a softmax over [B, H, Tq, Tk])."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(d, 3 * d), heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        p = torch.softmax(q @ k.transpose(-1, -2) / 2.0, -1)
+        return (p @ v).transpose(1, 2).reshape(b, t, d)
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_a_torchscript_model_is_refused_naming_the_argument(how):
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16)
+    model = torch.jit.script(ScriptableAttention()) if how == "script" else torch.jit.trace(ScriptableAttention(), x)
+    with pytest.raises(TypeError, match=r"model: expected an eager torch.nn.Module, got a TorchScript module"):
+        fastdiag.attach(model)
+
+
+class WithScripted(nn.Module):
+    """An SDPA block, then a TorchScript part: attention (a scripted `ScriptableAttention` or a scripted
+    encoder layer) or none (a scripted linear layer)."""
+
+    def __init__(self, part):
+        super().__init__()
+        self.block = SDPALayer()
+        self.scripted = torch.jit.script({"attention": ScriptableAttention,
+                                          "encoder": lambda: nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True),
+                                          "linear": lambda: nn.Linear(16, 16)}[part]())
+
+    def forward(self, x):
+        return self.scripted(self.block(x))
+
+
+@pytest.mark.parametrize("part", ["attention", "encoder", "linear"])
+def test_a_torchscript_submodule_is_left_out_and_named_when_it_does_attention(part):
+    """attach used to raise RuntimeError from torch (``register_forward_pre_hook is not supported on
+    ScriptModules``). Now the eager parts are measured exactly, outputs and gradients unchanged, and a
+    scripted part whose graph takes a softmax or runs attention is named (its ops are not seen); one that
+    does no attention is left out silently. strict=True refuses it at attach."""
+    torch.manual_seed(0)
+    model, x = WithScripted(part), torch.randn(2, 6, 16)
+    monitor, warned = attached_unchanged(model, lambda m: m(x))
+    assert_stats_close(monitor.latest_stats()["block"], reference_stats(*model.block.last), 1e-4)
+    if part == "linear":
+        assert monitor.coverage()["missing"] == {} and warned == []
+        return
+    assert "TorchScript" in monitor.coverage()["missing"]["scripted"]
+    assert any("'scripted'" in w and "TorchScript" in w for w in warned), warned
+    with pytest.raises(ValueError, match="'scripted' is not measured: a TorchScript module"):
+        fastdiag.attach(model, strict=True)
+    with fastdiag.attach(model, every=1) as again:   # nothing was left hooked by the refused attach
+        model(x)
+        assert set(again.latest_stats()) == {"block"}

@@ -577,6 +577,30 @@ def is_torch_builtin(module) -> bool:
     return type(module).__module__.startswith("torch.nn.modules")
 
 
+_SCRIPTED_ATTENTION_OPS = ("softmax", "_softmax", "log_softmax", "_log_softmax", "scaled_dot_product_attention",
+                           "_native_multi_head_attention")
+
+
+def is_scripted(module) -> bool:
+    """A TorchScript module (``torch.jit.script`` / ``trace``): its ops run where no hook or function mode sees them."""
+    return isinstance(module, torch.jit.ScriptModule)
+
+
+def scripted_attention(module) -> bool:
+    """Whether a TorchScript module's forward (submodules inlined, every branch) takes a softmax or runs an
+    attention op."""
+    def ops(block):
+        for node in block.nodes():
+            yield node.kind()
+            for inner in node.blocks():
+                yield from ops(inner)
+    try:
+        graph = module.inlined_graph
+    except (AttributeError, RuntimeError):   # no forward compiled: nothing it runs is known
+        return True
+    return any(kind.startswith("aten::") and kind[6:] in _SCRIPTED_ATTENTION_OPS for kind in ops(graph))
+
+
 def module_heads(module) -> int | None:
     """The head count a module states about itself (``num_heads``, ``num_attention_heads``,
     ``n_heads``, ``n_head``), or None."""

@@ -166,6 +166,10 @@ class Monitor:
                  strict: bool = False, keep_records: bool = True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if adapters.is_scripted(model):
+            raise TypeError(f"model: expected an eager torch.nn.Module, got a TorchScript module "
+                            f"({type(model).__name__}): its ops run where no hook or function mode sees them; "
+                            "attach the module before torch.jit.script or torch.jit.trace")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every: expected a positive integer, got {every!r}")
         if backend not in BACKENDS:
@@ -214,8 +218,12 @@ class Monitor:
         self._zoo: list[torch.nn.Module] = []       # fastdiag-model attention whose attributes are set
         self._id = next(_IDS)
 
-        # the root is named ROOT everywhere (records, coverage, warnings), its children by their own names
+        # the root is named ROOT everywhere (records, coverage, warnings), its children by their own names;
+        # a TorchScript submodule (and all inside it) runs unseen: left out, and named if it does attention
         modules = {name or ROOT: m for name, m in model.named_modules()}
+        scripted = [n for n, m in modules.items() if adapters.is_scripted(m)
+                    and not any(n.startswith(o + ".") for o in modules if o != n and adapters.is_scripted(modules[o]))]
+        modules = {n: m for n, m in modules.items() if not any(n == o or n.startswith(o + ".") for o in scripted)}
         self._modules = modules
         self._selected = self._select(layers, modules)
         self._kind = {name: "zoo" if adapters.is_zoo(m) else "mha"
@@ -254,6 +262,15 @@ class Monitor:
             raise ValueError(f"attach: found no attention in {type(model).__name__}: {_LOOKED_FOR}; "
                              "it is made of torch.nn modules only, none of them attention")
 
+        for name in scripted:
+            if adapters.scripted_attention(model.get_submodule(name)):
+                reason = ("a TorchScript module: its softmax or attention op runs inside TorchScript, where attach "
+                          "cannot see it; attach the model before scripting that part")
+                message = f"fastdiag.attach: attention module {name!r} is not measured: {reason}"
+                if strict:
+                    raise ValueError(message)
+                self._missing[name] = reason
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
         _MONITORS[self._id] = self
         _ATTACHED[model] = self
         try:
