@@ -629,3 +629,44 @@ def test_a_module_built_inside_a_compiled_forward_keeps_the_users_step_running(w
     # compiled pass: the root is named as such and nothing of the teacher is recorded
     assert "cannot be told from another model's attention" in monitor.coverage()["missing"]["<root>"]
     assert any("'<root>'" in w and "cannot be told" in w for w in warned), warned
+
+
+class BreaksBeforeSoftmax(torch.nn.Module):
+    """Hand-written attention (heads stated) with a graph break between its scores and its softmax: the
+    softmax is traced in a resumed frame that no longer holds the module (``self`` is not live there)."""
+
+    def __init__(self, d=16, num_heads=4):
+        super().__init__()
+        self.qkv, self.num_heads, self.last = torch.nn.Linear(d, 3 * d), num_heads, None
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        self.last = (q.detach(), k.detach())
+        scores = q @ k.transpose(-1, -2) / 2.0
+        torch._dynamo.graph_break()
+        return (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(b, t, d)
+
+
+def test_a_softmax_after_a_graph_break_is_exact_and_said_to_be_unchecked():
+    """The resumed frame's module stack holds none of the model's modules, so whose attention the softmax
+    is cannot be checked there: recorded as the layer's own (the hooks' call says so), exact, and the one
+    warning names the layer and the graph break, never claiming the stack itself was unreadable."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(BreaksBeforeSoftmax()), torch.randn(2, 6, 16)
+    want = model(x)
+    compiled = torch.compile(model, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fastdiag.attach(model, every=1) as monitor:
+            got = compiled(x)
+            stats = monitor.latest_stats()
+    assert torch.equal(got, want)
+    q, k = model[0].last
+    want_stats = fastdiag.head_stats(torch.softmax((q.double() @ k.double().transpose(-1, -2)) / 2.0, -1),
+                                     backend="reference")
+    assert set(stats) == {"0"}
+    assert_stats_close(stats["0"], want_stats, 1e-4)
+    warned = [str(w.message) for w in caught if "fastdiag" in str(w.message)]
+    assert len(warned) == 1 and "layers '0'" in warned[0] and "after a graph break" in warned[0], warned

@@ -238,8 +238,10 @@ class AttentionCalls:
         unverified = [n for n in self.state.how if n in self.state.unread and n not in self.state.refused]
         if unverified:      # recorded, but whose attention it was could not be read: said, never silent
             shown = ", ".join(repr(n) for n in unverified[:4]) + (f" and {len(unverified) - 4} more" if len(unverified) > 4 else "")
-            self._warn_once(("unverified owner",), f"layers {shown}: under torch.compile this torch's traced module "
-                            "stack could not be read, so their attention ops are recorded as their own without the "
+            self._warn_once(("unverified owner",), f"layers {shown}: under torch.compile the traced module stack "
+                            "could not be read (another torch) or held none of this model's modules (the op traced in "
+                            "a frame of its own after a graph break), so their attention ops are recorded as their own "
+                            "without the "
                             "check that tells another model's attention run by them (a teacher outside the module "
                             "tree, reached through a global or a closure; one held in an attribute is told anyway); "
                             "an eager pass checks them")
