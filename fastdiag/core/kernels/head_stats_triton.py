@@ -114,7 +114,7 @@ def _head_stats_kernel(
     stride_mn, stride_mb, stride_mq,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_K: tl.constexpr, GRAM_DOT: tl.constexpr,
     ON_GPU: tl.constexpr, QUARTERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    GRAM_FLUSH_STEPS: tl.constexpr,
+    GRAM_FLUSH_STEPS: tl.constexpr, ENTROPY: tl.constexpr = True,
 ):
     # Persistent: program p of a problem takes its row tiles p, p + P, p + 2P, ... and keeps its sums
     # in registers across them; one store per program at the end.
@@ -219,15 +219,16 @@ def _head_stats_kernel(
                     # fp32 chains of at most GRAM_FLUSH_KEYS keys: 64 steps of 64 keys lost 1.0e-5 (fp32)
                     # and 1.4e-5 (bf16) relative at T = 4096 on an H200, 16 steps 3.7e-6 / 4.9e-6
                     gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
-                x0, x1, x2, x3 = _quarters(xf)
-                ok0, ok1, ok2, ok3 = _quarters(ok)
-                e0, m0 = _accumulate(e0, m0, x0, ok0, n_f, log2_n, inv_n, keyed == 1, ON_GPU)
-                if QUARTERS > 1:
-                    e1, m1 = _accumulate(e1, m1, x1, ok1, n_f, log2_n, inv_n, keyed == 1, ON_GPU)
-                if QUARTERS > 2:
-                    e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, inv_n, keyed == 1, ON_GPU)
-                if QUARTERS > 3:
-                    e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, inv_n, keyed == 1, ON_GPU)
+                if ENTROPY:   # the Gram alone (Q/K pass 2 through materialised P): no elementwise work
+                    x0, x1, x2, x3 = _quarters(xf)
+                    ok0, ok1, ok2, ok3 = _quarters(ok)
+                    e0, m0 = _accumulate(e0, m0, x0, ok0, n_f, log2_n, inv_n, keyed == 1, ON_GPU)
+                    if QUARTERS > 1:
+                        e1, m1 = _accumulate(e1, m1, x1, ok1, n_f, log2_n, inv_n, keyed == 1, ON_GPU)
+                    if QUARTERS > 2:
+                        e2, m2 = _accumulate(e2, m2, x2, ok2, n_f, log2_n, inv_n, keyed == 1, ON_GPU)
+                    if QUARTERS > 3:
+                        e3, m3 = _accumulate(e3, m3, x3, ok3, n_f, log2_n, inv_n, keyed == 1, ON_GPU)
         gram64, gram = gram64 + gram.to(tl.float64), tl.zeros_like(gram)
         # Each tile's entropy sums go to float64 per-head sums: terms of rows far from uniform over
         # their n keys (masked keys without the causal hint) are not small, and fp32 sums over all
@@ -357,9 +358,11 @@ def _resident_programs(device: torch.device, args: tuple, constexprs: dict, warp
     return _RESIDENT[key]
 
 
-def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = None, causal: bool = False):
-    """Launch the fused kernel. ``probs [N, B, H, Tq, Tk]``, ``query_mask`` bool ``[N or 1, B, Tq]``.
-    ``causal``: keys after the causal diagonal are zero and are not read."""
+def _launch(probs: torch.Tensor, query_mask: torch.Tensor | None, causal: bool, causal_offset: int, entropy: bool):
+    """One launch of `_head_stats_kernel` over ``probs [N, B, H, Tq, Tk]``: its per-program partial sums
+    (gram float64, entropy float64, worst fp32), the valid rows ``[N, B, Tq]`` and the rows' float64
+    entropy references (`row_references`). ``causal``: row q sees keys ``≤ q + causal_offset``, later
+    keys are not read; ``entropy`` False: the Gram alone (the entropy sums come back zero)."""
     n, b, h, tq, tk = probs.shape
     rows = b * tq
     block_h, block_r, block_k, warps = _tiles(h, rows, tk, probs.element_size(), causal)
@@ -369,29 +372,46 @@ def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = Non
         HAS_MASK=query_mask is not None, CAUSAL=causal, EVEN_K=tk % block_k == 0,
         GRAM_DOT=_gram_dot(probs.dtype), ON_GPU=not INTERPRETING,
         QUARTERS=triton.cdiv(h, block_h // 4), BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_K=block_k,
-        GRAM_FLUSH_STEPS=max(1, GRAM_FLUSH_KEYS // block_k))
+        GRAM_FLUSH_STEPS=max(1, GRAM_FLUSH_KEYS // block_k), ENTROPY=entropy)
     if query_mask is not None:
         valid = query_mask.expand(n, b, tq)
         mask, mask_strides = valid.view(torch.uint8), valid.stride()
     else:
         valid = torch.ones(1, 1, 1, dtype=torch.bool, device=device).expand(n, b, tq)
         mask, mask_strides = probs, (0, 0, 0)   # never read
-    row_table, row_reference = row_references(tq, tk, causal, device)
-    inputs = (probs, mask, row_table, h, tq, tk, rows, tiles, causal_keys(tq, tk), *probs.stride(), *mask_strides)
-    f32 = dict(dtype=torch.float32, device=device)
+    row_table, row_reference = row_references(tq, tk, causal, device) if entropy else (probs, None)   # unread
+    inputs = (probs, mask, row_table, h, tq, tk, rows, tiles, causal_offset, *probs.stride(), *mask_strides)
     outputs = [torch.empty(0, dtype=dtype, device=device) for dtype in (torch.float64, torch.float64, torch.float32)]
     programs = min(tiles, max(1, _resident_programs(device, (*outputs, *inputs), constexprs, warps) // n))
     gram_part = torch.empty(n, programs, h, h, dtype=torch.float64, device=device)
     entropy_part = torch.empty(n, programs, h, dtype=torch.float64, device=device)
-    worst_part = torch.empty(n, programs, **f32)         # per program: > 1 when it saw a bad entry
+    worst_part = torch.empty(n, programs, dtype=torch.float32, device=device)   # per program: > 1 when it saw a bad entry
     _head_stats_kernel[(programs, n)](gram_part, entropy_part, worst_part, *inputs, num_warps=warps, num_stages=NUM_STAGES,
-                                            maxnreg=MAX_REGISTERS, **constexprs)
+                                      maxnreg=MAX_REGISTERS, **constexprs)
+    return gram_part, entropy_part, worst_part, valid, row_reference
+
+
+def head_stats_triton(probs: torch.Tensor, query_mask: torch.Tensor | None = None, causal: bool = False):
+    """Launch the fused kernel. ``probs [N, B, H, Tq, Tk]``, ``query_mask`` bool ``[N or 1, B, Tq]``.
+    ``causal``: keys after the causal diagonal are zero and are not read."""
+    tq, tk = probs.shape[3:]
+    gram_part, entropy_part, worst_part, valid, row_reference = _launch(probs, query_mask, causal,
+                                                                        causal_keys(tq, tk), True)
     gram = gram_part.sum(1).float()
     reference = (valid.to(torch.float64) * row_reference).sum(dim=(1, 2))
     entropy_sum = (entropy_part.sum(1, dtype=torch.float64) + reference[:, None]) * math.log(2)
     invalid = (worst_part > 1).sum(1).to(torch.float32)    # programs that saw a bad entry
     valid_rows = valid.sum(dim=(1, 2)).to(torch.float32)
     return gram, entropy_sum, valid_rows, invalid
+
+
+def gram_triton(probs: torch.Tensor, causal_offset: int | None = None) -> torch.Tensor:
+    """The heads' Gram alone, float64 ``[N, H, H]``, of ``probs [N, B, H, Tq, Tk]`` (16-bit: the tensor
+    cores' products are exact, fp32 chains of at most `GRAM_FLUSH_KEYS` keys, float64 beyond); no entropy
+    and no range check: Q/K pass 2 through materialised P (`qk_probs_triton`) takes those from the scores.
+    ``causal_offset``: row q holds keys ``≤ q + causal_offset`` only, later ones are not read (None: all)."""
+    causal = causal_offset is not None
+    return _launch(probs, None, causal, causal_offset if causal else 0, False)[0].sum(1)
 
 
 # ---- torch.library op: compiled graphs and CUDA graphs hold it as one opaque node ----------------
