@@ -42,6 +42,7 @@ import triton.language as tl
 
 from .constants import LN2, LOG2E, MASKED_SCORE
 from .qk_heads_triton import _qk_heads_kernel
+from .qk_probs_triton import PROBS_BUFFER_BYTES, probs_pass2
 from .row_entropy_triton import _cancel_bound, _key_norms2, _row_results, _row_sums_start, _row_sums_step
 from .qk_stats_ref import qk_stats_ref
 from .qk_stats_torch import CHUNK_BYTES, qk_stats_torch
@@ -784,6 +785,15 @@ def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=Non
     if pair_heads:
         gram = torch.take(gram, _pair_gram_index(h, pair_heads, q4.device))
     return _head_stats_sums(gram, entropy_part.sum(0, dtype=torch.float64), invalid_part, b * tq, rows_ok)
+
+
+def _probs_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, budget: int = PROBS_BUFFER_BYTES):
+    """Pass 2 through materialised 16-bit P in row chunks of at most ``budget`` bytes (`qk_probs_triton`)."""
+    b, h, tq, _ = q4.shape
+    mask, mask_strides, mask_kind, threshold = _mask_args(mask4, (b, h, tq, k4.shape[2]))
+    gram, entropy, invalid_part = probs_pass2(q4, k4, mask, mask_strides, mask_kind, threshold, is_causal, scale,
+                                              rows_ok, lse, budget)
+    return _head_stats_sums(gram, entropy, invalid_part, b * tq, rows_ok)
 
 
 def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, lse=None, tiles=None):

@@ -1,0 +1,164 @@
+"""Q/K pass 2 through materialised 16-bit probabilities, in row chunks: every generation, any head count.
+
+Pass 2 (the row LSE given) needs, per head, the rows' entropies and, across heads, the Gram
+``Σ p_h p_gᵀ``. The per-head and batched kernels (`qk_heads_triton`, `qk_stats_triton`) keep P on chip,
+so one program must hold every head of its rows: at 32 heads × head dim 128 nothing fits 99 KB of shared
+memory and 227 KB only in tiles that cost ≥ 0.86 ms at [1, 32, 4096, 128] (benchmarks/RESULTS.md). Here the
+two halves part:
+
+1. `_qk_probs_kernel`, a flash forward without V, one head and ``BLOCK_M`` rows a program (a plain 2-D
+   loop, no state across heads): each score tile is `qk_heads_triton._head_tile` — the 16-bit dot, the
+   masks, the rows' running sums of `row_entropy_triton` in float32 — and its probabilities, rounded to
+   float16 exactly as the on-chip kernels round them for their Gram dot, are stored into a
+   ``[B, H, rows, keys]`` buffer. The rows' entropies, masses and checks come from the running sums, never
+   from the rounded P.
+2. `head_stats_triton.gram_triton`: the Gram of that buffer (bandwidth-bound; causal: the keys past each
+   row's diagonal are neither written nor read), float64 across chunks.
+
+The buffer holds a chunk of rows (`probs_chunks`): at most `PROBS_BUFFER_BYTES` (one row tile more where a
+single tile of every batch entry and head is larger). The chunks are fixed by the shapes, so a layer's
+launches (write, Gram, per chunk) read nothing back to the host and capture in a CUDA graph.
+The cost is a device copy of P (written once, read once) beside the score and exp issue of a
+flash forward; no head is scored twice. float32 inputs keep their own pass 2 (fp16 P would lose their
+digits).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .constants import LOG2E
+from .head_stats_triton import gram_triton
+from .qk_heads_triton import _head_tile
+from .row_entropy_triton import _cancel_bound, _row_results, _row_sums_start
+
+_LOG2E = tl.constexpr(LOG2E)
+# The probabilities buffer's bound: 256 MB, a chunk of 1,024 rows at [1, 32, 4096, 128] (4 chunks) and the
+# whole of GPT-2-small's [8, 12, 1024, 64] (192 MB) — ≤ 1 % of a 24 GB card, and large enough that a chunk's
+# launches (a few µs each) stay well under its traffic (0.13 ms of copy on an H200 per 256 MB written + read).
+PROBS_BUFFER_BYTES = 256 * 2 ** 20
+# The write kernel's tiles: the row sums' launch of the per-head kernel (64 rows, 64 keys, 4 warps)
+PROBS_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4)
+
+
+@triton.jit
+def _qk_probs_kernel(
+    probs_ptr, entropy_part_ptr, invalid_part_ptr,   # outputs: P [B, H, rows, keys] fp16; [B, tiles, H] fp32 each
+    q_ptr, k_ptr, mask_ptr, lse_ptr, row_ok_ptr,
+    row_start, chunk_rows, chunk_keys, chunk_tiles, Tq, Tk, D, qk_scale, mask_threshold,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_lb, stride_lh, stride_lm,
+    stride_rb, stride_rm,
+    stride_pb, stride_ph, stride_pm, stride_pn,
+    stride_eb, stride_et,
+    GROUP: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_ROW_OK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    batch = pid // chunk_tiles
+    tile = pid % chunk_tiles
+    local = tile * BLOCK_M + tl.arange(0, BLOCK_M)        # the row in the chunk
+    row = row_start + local
+    in_chunk = local < chunk_rows
+    d = tl.arange(0, BLOCK_D)
+    # the head's bases; `_head_tile` then takes it as head 0 of 1
+    q_base = q_ptr + batch * stride_qb + head * stride_qh
+    k_base = k_ptr + batch * stride_kb + (head // GROUP) * stride_kh
+    mask_base = mask_ptr + batch * stride_mb + head * stride_mh
+    lse_base = lse_ptr + batch * stride_lb + head * stride_lh
+    p_base = probs_ptr + batch * stride_pb + head * stride_ph + local[:, None] * stride_pm
+    q_offsets = row[:, None] * stride_qm + d[None, :] * stride_qd
+    q_in = in_chunk[:, None] & (d[None, :] < D)
+    ok = in_chunk
+    if HAS_ROW_OK:
+        ok = ok & (tl.load(row_ok_ptr + batch * stride_rb + row * stride_rm, mask=in_chunk, other=0) != 0)
+    lse_offsets = row * stride_lm
+    m, rest, total = _row_sums_start((BLOCK_M,))
+    k_norm2 = tl.zeros((1, 1), dtype=tl.float32)           # max ‖k_j‖² so far (the rows' cancellation bound)
+    key_end = Tk
+    if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
+        key_end = tl.minimum(Tk, row_start + (tile + 1) * BLOCK_M)
+    for key0 in range(0, key_end, BLOCK_N):
+        key = key0 + tl.arange(0, BLOCK_N)
+        k_offsets = d[:, None] * stride_kd + key.to(tl.int64)[None, :] * stride_kn
+        k_in = (d[:, None] < D) & (key[None, :] < Tk)
+        visible = (key[None, :] < Tk) & (row[:, None] >= 0)
+        if IS_CAUSAL:
+            visible = visible & (key[None, :] <= row[:, None])
+        mask_offsets = row[:, None] * stride_mm + key[None, :] * stride_mn
+        mask_in = in_chunk[:, None] & (key[None, :] < Tk)
+        p, m, rest, total, k_norm2 = _head_tile(
+            0, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in, mask_offsets, mask_in,
+            visible, ok, lse_offsets, qk_scale, mask_threshold, m, rest, total, k_norm2, 0, 0, 0, 0,
+            1, 1, MASK_KIND, False, True, BLOCK_M, BLOCK_N)
+        # keys past the chunk's last row (causal) are not in the buffer: the row would run into the next
+        tl.store(p_base + key.to(tl.int64)[None, :] * stride_pn, p,
+                 mask=in_chunk[:, None] & (key[None, :] < chunk_keys))
+    lse2 = tl.load(lse_base + lse_offsets, mask=ok, other=0.0) * _LOG2E
+    # ‖q_i‖², re-read once here (not held across the key loop)
+    q_f = tl.load(q_base + q_offsets, mask=q_in, other=0.0).to(tl.float32)
+    bound = _cancel_bound(tl.sum(q_f * q_f, 1), tl.max(tl.max(k_norm2, 1), 0), qk_scale)
+    entropy, off = _row_results(m, rest, total, lse2, ok, bound, False)
+    part = batch * stride_eb + tile * stride_et + head
+    tl.store(entropy_part_ptr + part, tl.sum(entropy, 0))
+    tl.store(invalid_part_ptr + part, tl.sum(off.to(tl.float32), 0))
+
+
+def probs_chunks(b: int, h: int, tq: int, tk: int, causal: bool, block_m: int = PROBS_TILES["BLOCK_M"],
+                 budget: int = PROBS_BUFFER_BYTES) -> list[tuple[int, int, int, int]]:
+    """``[(batch0, batches, row0, rows)]``: the chunks whose float16 probabilities ``[batches, H, rows, keys]``
+    (keys: ``min(Tk, row0 + rows)`` causal, else Tk) fit ``budget`` bytes — whole row tiles of ``block_m``,
+    every batch entry at once where one tile of each fits, at least one tile of one entry."""
+    row_bytes = h * tk * 2
+    batches = max(1, min(b, budget // (row_bytes * block_m)))
+    rows = max(block_m, budget // (batches * row_bytes) // block_m * block_m)
+    return [(b0, min(batches, b - b0), r0, min(rows, tq - r0)) for b0 in range(0, b, batches)
+            for r0 in range(0, tq, rows)]
+
+
+def chunk_keys(tk: int, causal: bool, row0: int, rows: int) -> int:
+    """Keys a chunk's buffer holds: causal rows see no key past the chunk's last row."""
+    return min(tk, row0 + rows) if causal else tk
+
+
+def probs_pass2(q4, k4, mask, mask_strides, mask_kind: int, threshold: float, is_causal: bool, scale: float,
+                rows_ok, lse, budget: int = PROBS_BUFFER_BYTES):
+    """``(gram [H, H] float64, entropy [H] float64, invalid partials)`` of pass 2 through materialised P.
+    ``q4 [B, H, Tq, D]``, ``k4 [B, Hk, Tk, D]`` 16-bit, ``mask`` expanded to ``[B, H, Tq, Tk]`` with its
+    strides and kind (`qk_stats_triton._mask_args`), ``lse [B, H, Tq]`` natural log, ``rows_ok`` bool
+    ``[B, Tq]`` or None."""
+    if q4.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"q4: expected float16 or bfloat16 for materialised P, got {q4.dtype}")
+    b, h, tq, d = q4.shape
+    hk, tk = k4.shape[1], k4.shape[2]
+    block_m = PROBS_TILES["BLOCK_M"]
+    tiles = triton.cdiv(tq, block_m)
+    device = q4.device
+    chunks = probs_chunks(b, h, tq, tk, is_causal, block_m, budget)
+    largest = max(n * h * rows * chunk_keys(tk, is_causal, r0, rows) for _, n, r0, rows in chunks)
+    buffer = torch.empty(largest, dtype=torch.float16, device=device)
+    entropy_part = torch.empty(b, tiles, h, dtype=torch.float32, device=device)
+    invalid_part = torch.empty(b, tiles, h, dtype=torch.float32, device=device)
+    gram = torch.zeros(h, h, dtype=torch.float64, device=device)
+    mask_t = q4 if mask is None else mask                       # a missing mask is never read
+    row_ok = q4 if rows_ok is None else rows_ok.view(torch.uint8)
+    row_strides = (0, 0) if rows_ok is None else rows_ok.stride()
+    flags = dict(GROUP=h // hk, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_ROW_OK=rows_ok is not None,
+                 BLOCK_D=max(16, triton.next_power_of_2(d)), **PROBS_TILES)
+    for b0, n, r0, rows in chunks:
+        keys = chunk_keys(tk, is_causal, r0, rows)
+        probs = buffer[:n * h * rows * keys].view(n, h, rows, keys)
+        chunk_tiles = triton.cdiv(rows, block_m)
+        entropy = entropy_part[b0:b0 + n, r0 // block_m:]
+        _qk_probs_kernel[(n * chunk_tiles, h)](
+            probs, entropy, invalid_part[b0:b0 + n, r0 // block_m:], q4[b0:b0 + n], k4[b0:b0 + n],
+            mask_t[b0:b0 + n], lse[b0:b0 + n], row_ok[b0:b0 + n],
+            r0, rows, keys, chunk_tiles, tq, tk, d, scale * LOG2E, threshold,
+            *q4.stride(), *k4.stride(), *mask_strides, *lse.stride(), *row_strides, *probs.stride(),
+            entropy.stride(0), entropy.stride(1), **flags)
+        gram += gram_triton(probs.unsqueeze(0), r0 if is_causal else None)[0]
+    return gram, entropy_part.sum((0, 1), dtype=torch.float64), invalid_part
