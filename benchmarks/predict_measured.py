@@ -21,7 +21,7 @@ import triton
 
 from fastdiag import kernel_report as report
 from fastdiag.core.kernels import head_stats_triton, qk_stats_triton
-from fastdiag.kernel_report.cases import scores_per_iteration
+from fastdiag.kernel_report.cases import probs_cases, scores_per_iteration
 from fastdiag.kernel_report.compiled import _captured_launches
 from fastdiag.kernel_report.predict import predict
 
@@ -86,6 +86,38 @@ def head_stats_rows(module, arch: int = 90) -> list[dict]:
     return out
 
 
+def probs_row(module, shape: str, dims, reference_ms: float, arch: int = 90, forced: bool = True) -> dict:
+    """Pass 2 through materialised P (`qk_probs_triton`: the write kernel, then the Gram of each chunk) of
+    ``module`` at ``dims`` (bf16 causal, the LSE given), predicted: the two launches' times summed over the
+    layer's chunks; ``qk_miss`` (sm_90) applies the Q/K launches' measured miss to the write kernel alone
+    (the Gram is head_stats' kernel, whose model reproduced its measured rows). ``forced``: the plan run
+    where the launcher would choose another."""
+    b, h, t, d = dims
+    q = torch.empty(b, h, t, d, dtype=torch.bfloat16)
+    lse = torch.empty(b, h, t)
+
+    def launch():
+        if forced:
+            module._probs_stats(q, q, None, True, d ** -0.5, None, lse)
+        else:
+            module.qk_stats_triton(q, q, None, True, d ** -0.5, lse=lse)
+
+    rows = [report.report_case(case, report.GPUS[arch]) for case in probs_cases(shape, torch.bfloat16, launch, b, h, h,
+                                                                                   t, t, d, True)]
+    write, gram = rows
+    parts = [f"{r.kernel} {r.predicted_ms:.3f} ms ({r.predicted_bound}, {r.num_warps}w, "
+             f"{(r.tile_instructions_per_element or r.instructions_per_element):.1f} instr/"
+             f"{'score' if r is write else 'elem'}, {r.wavefronts_per_element:.3f} wavefr, {r.conflict_factor:.1f}x conflicts, "
+             f"{r.registers} regs, {r.spill_bytes} B spilled, {r.shared_bytes // 1024}/{r.shared_limit // 1024} KB)"
+             for r in rows]
+    total = write.predicted_ms + gram.predicted_ms
+    return dict(kernel="qk pass 2", plan="materialised P" + (" (forced)" if forced else ""), shape=shape,
+                dims=list(dims), arch=arch, reference_ms=reference_ms, predicted_ms=total,
+                ratio=total / reference_ms, write_ms=write.predicted_ms, gram_ms=gram.predicted_ms,
+                with_qk_miss_ms=write.predicted_ms * QK_MISS + gram.predicted_ms, parts=parts,
+                spill_bytes=max(r.spill_bytes for r in rows), shared_over=any(r.shared_bytes > r.shared_limit for r in rows))
+
+
 def _qk_launches(module, dims, lse_given: bool, arch: int = 90):
     """Pass 1 (unless ``lse_given``) and pass 2's launches of ``module`` at ``dims``, bf16 causal."""
     b, h, t, d = dims
@@ -100,9 +132,9 @@ def _qk_launches(module, dims, lse_given: bool, arch: int = 90):
     launches = [] if lse_given else [("qk_lse", pass1, 0)]
     cfg = module.pass2_configs(h, h, d, torch.bfloat16, report.GPU["shared_bytes"])[0] \
         if "explicit_mask" in module.pass2_configs.__code__.co_varnames else None
-    launches.append(("qk_stats", pass2, 0))
     captured = _captured_launches(report.ReportCase("qk_stats", "", "bfloat16", 2, pass2, scores_per_iteration),
                                   report.GPUS[arch])
+    launches.append(("qk_probs" if captured[0][0].fn.__name__ == "_qk_probs_kernel" else "qk_stats", pass2, 0))
     if captured[0][0].fn.__name__ == "_qk_heads_kernel" and len(captured) > 1:
         launches.append(("qk_stats row sums", pass2, 1))     # the per-head kernel's two-launch plan
     elif cfg is not None and cfg["BLOCK_HK"] * cfg["BLOCK_G"] < h:
@@ -128,7 +160,16 @@ def qk_rows(module, shapes, lse_given: bool = False, arch: int = 90) -> list[dic
                             parts=["no Triton pass 2 fits: qk_stats_torch (not predicted)"], spill_bytes=None,
                             shared_over=None))
             continue
+        probs_plan = None
         for kernel, launch, index in launches:
+            if kernel == "qk_probs":     # the launcher chose pass 2 through materialised P: its own sizes
+                probs = probs_row(module, shape, dims, reference_ms, arch, forced=False)
+                total += probs["predicted_ms"] / 1e3
+                parts += probs["parts"]
+                spilled.append(probs["spill_bytes"])
+                over.append(probs["shared_over"])
+                probs_plan = probs
+                continue
             case = report.ReportCase(kernel, shape, "bfloat16", 2, launch, scores_per_iteration, launch_index=index)
             row = report.report_case(case, report.GPUS[arch])
             c = row.constexprs
@@ -159,9 +200,13 @@ def qk_rows(module, shapes, lse_given: bool = False, arch: int = 90) -> list[dic
                          f"{row.wavefronts_per_element:.3f} wavefr/score, {row.conflict_factor:.1f}x conflicts, "
                          f"{row.registers} regs, {row.spill_bytes} B spilled, {row.shared_bytes // 1024}/"
                          f"{row.shared_limit // 1024} KB)")
-        out.append(dict(kernel="qk pass 1 + 2" if not lse_given else "qk pass 2", shape=shape, dims=list(dims),
-                        arch=arch, reference_ms=reference_ms, predicted_ms=1e3 * total, ratio=1e3 * total / reference_ms,
-                        parts=parts, spill_bytes=max(spilled), shared_over=any(over)))
+        row = dict(kernel="qk pass 1 + 2" if not lse_given else "qk pass 2", shape=shape, dims=list(dims),
+                   arch=arch, reference_ms=reference_ms, predicted_ms=1e3 * total, ratio=1e3 * total / reference_ms,
+                   parts=parts, spill_bytes=max(spilled), shared_over=any(over))
+        if probs_plan is not None:
+            row.update(plan="materialised P", with_qk_miss_ms=(1e3 * total - probs_plan["predicted_ms"]
+                                                               + probs_plan["write_ms"]) * QK_MISS + probs_plan["gram_ms"])
+        out.append(row)
     return out
 
 
@@ -172,27 +217,34 @@ def qk_matrix(archs: list[int], as_json: bool = False) -> None:
     Q/K miss (measured / predicted of the launch the H200 ran, commit 0c79385 at GPT-2-small, this
     triton's compile) is printed beside sm_90's predictions: the latency the model leaves out."""
     miss = QK_MISS
-    rows = [r for arch in archs for r in qk_rows(qk_stats_triton, QK_TARGETS, lse_given=True, arch=arch)]
+    rows = []
+    for arch in archs:
+        chosen = qk_rows(qk_stats_triton, QK_TARGETS, lse_given=True, arch=arch)
+        rows += chosen
+        # pass 2 through materialised P beside the choice, where the launcher chose another plan
+        rows += [probs_row(qk_stats_triton, shape, dims, ms, arch) for (shape, dims, ms), r in zip(QK_TARGETS, chosen)
+                 if r.get("plan") != "materialised P"]
     if as_json:
         for r in rows:
             print(json.dumps(dict(r, triton=triton.__version__, qk_miss=miss)))
         return
     print(f"triton {triton.__version__}: PREDICTED Q/K pass 2 (LSE given, bf16 causal); x Q/K miss: sm_90's "
           f"prediction x {miss:.2f} (the H200's measured Q/K launch against triton 3.6's compile of it)")
-    print("| target | shape | Triton, 0 B spilled, fits | predicted ms | x Q/K miss | target ms (H200) | "
+    print("| target | shape | plan | Triton, 0 B spilled, fits | predicted ms | x Q/K miss | target ms (H200) | "
           "≤ target (sm_90) | launches |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["predicted_ms"] is None:
-            print(f"| sm_{r['arch']} | {r['shape']} | no (no Triton tile) | - | - | {r['reference_ms']} | - | "
+            print(f"| sm_{r['arch']} | {r['shape']} | torch | no (no Triton tile) | - | - | {r['reference_ms']} | - | "
                   f"{r['parts'][0]} |")
             continue
         clean = r["spill_bytes"] == 0 and not r["shared_over"]
         on_h200 = r["arch"] == 90
         met = ("yes" if r["predicted_ms"] <= r["reference_ms"] else "no") if on_h200 else "-"
-        scaled = f"{r['predicted_ms'] * miss:.3f}" if on_h200 else "-"
-        print(f"| sm_{r['arch']} | {r['shape']} | {'yes' if clean else 'no'} | {r['predicted_ms']:.3f} | {scaled} | "
-              f"{r['reference_ms']} | {met} | {'; '.join(r['parts'])} |")
+        # the miss applies to Q/K launches: materialised P's Gram is head_stats' kernel (`probs_row`)
+        scaled = f"{r.get('with_qk_miss_ms', r['predicted_ms'] * miss):.3f}" if on_h200 else "-"
+        print(f"| sm_{r['arch']} | {r['shape']} | {r.get('plan', 'chosen')} | {'yes' if clean else 'no'} | "
+              f"{r['predicted_ms']:.3f} | {scaled} | {r['reference_ms']} | {met} | {'; '.join(r['parts'])} |")
 
 
 def main() -> None:

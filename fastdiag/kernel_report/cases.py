@@ -10,6 +10,7 @@ import triton
 
 from fastdiag.core.kernels.device import DEFAULT_ARCH, GPUS
 from fastdiag.core.kernels.head_stats_triton import head_stats_triton
+from fastdiag.core.kernels.qk_probs_triton import PROBS_TILES, chunk_keys, probs_chunks
 from fastdiag.core.kernels.qk_stats_triton import (pass1_fits, pass2_configs, qk_stats_triton,
                                                     row_lse_triton)
 
@@ -77,8 +78,10 @@ _BENCH_HEAD_DIM = {"gpt2-small": 64, "long-context": 128}
 
 
 def scores_per_iteration(constexprs: dict) -> int:
-    """Scores of real heads (the per-head kernel scores no padded head; its row-sum launch one head a
-    program) and of the batched kernels' blocks."""
+    """Scores of real heads (the per-head kernel scores no padded head; its row-sum launch and the
+    materialised-P write one head a program) and of the batched kernels' blocks."""
+    if "BLOCK_H" not in constexprs and "BLOCK_HK" not in constexprs:      # `qk_probs_triton._qk_probs_kernel`
+        return constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
     if "HEADS" in constexprs:
         return min(constexprs["HEADS"], constexprs["BLOCK_H"]) * constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
     return constexprs["BLOCK_HK"] * constexprs["BLOCK_G"] * constexprs["BLOCK_M"] * constexprs["BLOCK_N"]
@@ -122,6 +125,40 @@ def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dty
     if not rows and pass1_fits(dtype, shared_limit):
         cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, scores_per_iteration, **size))
     return cases
+
+
+def probs_sizes(b: int, h: int, tq: int, tk: int, causal: bool) -> dict:
+    """What pass 2 through materialised P (`qk_probs_triton`) moves, counted as its kernels do: ``scores``
+    the write kernel computes (whole key tiles up to each row tile's causal bound), ``written`` P elements
+    (keys inside each chunk's buffer), ``gram`` P elements the Gram launches read (causal: up to each row's
+    diagonal), and ``chunks``."""
+    m, n = PROBS_TILES["BLOCK_M"], PROBS_TILES["BLOCK_N"]
+    scores = written = gram = 0
+    chunks = probs_chunks(b, h, tq, tk, causal, m)
+    for _b0, batches, r0, rows in chunks:
+        keys = chunk_keys(tk, causal, r0, rows)
+        for first in range(r0, r0 + rows, m):
+            key_end = min(tk, first + m) if causal else tk
+            loop_keys = triton.cdiv(key_end, n) * n
+            scores += batches * h * m * loop_keys
+            written += batches * h * min(m, r0 + rows - first) * min(keys, loop_keys)
+        seen = sum(min(tk, r + 1) for r in range(r0, r0 + rows)) if causal else rows * tk
+        gram += batches * h * seen
+    return dict(scores=scores, written=written, gram=gram, chunks=len(chunks))
+
+
+def probs_cases(label: str, dtype: torch.dtype, launch, b: int, h: int, hk: int, tq: int, tk: int, d: int,
+                causal: bool) -> list[ReportCase]:
+    """The two launches of pass 2 through materialised P that ``launch`` makes first (a chunk's write
+    and its Gram; every chunk compiles the same two), sized for the whole layer: the write kernel per
+    score (Q and K read, P written at the copy's rate), the Gram per P element read."""
+    sizes = probs_sizes(b, h, tq, tk, causal)
+    name = str(dtype).replace("torch.", "")
+    qk_bytes = (b * h * tq * d + b * hk * tk * d) * dtype.itemsize
+    return [ReportCase("qk_probs", label, name, dtype.itemsize, launch, scores_per_iteration,
+                       elements=sizes["scores"], read_bytes=qk_bytes, write_bytes=2 * sizes["written"]),
+            ReportCase("qk_probs gram", label, "float16", 2, launch, lambda c, h=h: h * c["BLOCK_R"] * c["BLOCK_K"],
+                       launch_index=1, elements=sizes["gram"], read_bytes=2 * sizes["gram"])]
 
 
 def torch_path_cases(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,),

@@ -22,7 +22,7 @@ from .wavefronts import loop_wavefronts
 GPU = GPUS[DEFAULT_ARCH]          # the default target (the GPU lent to this project)
 # The launcher modules a capture patches (their device probes, interpreter flags)
 KERNEL_MODULES = ("fastdiag.core.kernels.head_stats_triton", "fastdiag.core.kernels.qk_stats_triton",
-                  "fastdiag.core.kernels.qk_heads_triton")
+                  "fastdiag.core.kernels.qk_heads_triton", "fastdiag.core.kernels.qk_probs_triton")
 
 @dataclass(frozen=True)
 class ReportCase:
@@ -44,6 +44,7 @@ class ReportCase:
     # for the predicted time (0: per element only)
     elements: float = 0.0
     read_bytes: float = 0.0
+    write_bytes: float = 0.0       # bytes written to memory (materialised P), in the predicted time only
 
 
 def tool(name: str, arch: int = 90) -> str | None:
@@ -408,7 +409,7 @@ def report_case(case: ReportCase, gpu: dict = GPU) -> KernelReport:
     predicted_ms = None
     if case.elements:
         predicted_ms = 1e3 * predict(gpu, case.elements, wavefronts, (per_element_with_tile or per_element) / 32,
-                                     case.read_bytes, in_flight_per_sm=in_flight).seconds
+                                     case.read_bytes, in_flight_per_sm=in_flight, write_bytes=case.write_bytes).seconds
     return KernelReport(case.kernel, case.shape, case.dtype, fn.fn.__name__, options["num_warps"],
                         {k: v for k, v in constexprs.items() if k.isupper()},
                         registers, spills, shared, loop, elements, per_element, ceiling,

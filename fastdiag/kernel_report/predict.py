@@ -47,12 +47,15 @@ class Prediction:
 
 
 def predict(gpu: dict, elements: float, wavefronts_per_element: float, warp_instructions_per_element: float,
-            dram_bytes: float, copy_bytes: float | None = None, in_flight_per_sm: float = 0.0) -> Prediction:
+            dram_bytes: float, copy_bytes: float | None = None, in_flight_per_sm: float = 0.0,
+            write_bytes: float = 0.0) -> Prediction:
     """Time of a launch over ``elements`` (loaded elements or scores) on ``gpu`` (`device.GPUS`);
     ``copy_bytes``: the tensor a "% of copy" compares with (default: the bytes read);
-    ``in_flight_per_sm``: bytes the launch keeps requested per SM (0: no latency bound)."""
+    ``in_flight_per_sm``: bytes the launch keeps requested per SM (0: no latency bound);
+    ``write_bytes``: bytes it writes to memory (Q/K pass 2's materialised P), at the copy's rate (a copy
+    moves read + write bytes at ``copy_bandwidth``: written P and P read back cost one copy of P)."""
     clocks = gpu["sms"] * gpu["clock_hz"] * EFFICIENCY
-    dram = dram_bytes / gpu["read_bandwidth"]
+    dram = dram_bytes / gpu["read_bandwidth"] + write_bytes / gpu["copy_bandwidth"]
     shared = elements * wavefronts_per_element / clocks
     issue = elements * warp_instructions_per_element / (gpu["warp_instructions_per_clock"] * clocks)
     latency = dram_bytes * LATENCY_S / (gpu["sms"] * in_flight_per_sm) if in_flight_per_sm else 0.0

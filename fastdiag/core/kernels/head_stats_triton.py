@@ -286,8 +286,8 @@ _MAX_BLOCK_K = 64
 NUM_STAGES = 1
 
 
-def _tiles(h: int, rows: int, tk: int, element_bytes: int, causal: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_R, BLOCK_K, warps) of a launch."""
+def _tiles(h: int, rows: int, tk: int, element_bytes: int, causal: bool, entropy: bool = True) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_R, BLOCK_K, warps) of a launch; ``entropy`` False: the Gram alone (`gram_triton`)."""
     block_h = max(16, triton.next_power_of_2(h))               # tl.dot needs >= 16
     warps = min(_MAX_WARPS, max(1, int((block_h // 16) * (block_h // 8) / _GRAM_TILES_PER_WARP)))
     slab = _SLAB_PER_WARP * warps // block_h
@@ -295,7 +295,12 @@ def _tiles(h: int, rows: int, tk: int, element_bytes: int, causal: bool) -> tupl
         slab //= 2   # fp32: the TF32 split's stacked [hi; lo] operand doubles the dot's registers
         if block_h >= 64:
             slab //= 2   # 40-64 heads in one stage: 32-40 B spilled on sm_80/86/89 under triton 3.6 at 64 keys
-    if causal and element_bytes < 4:
+    if not entropy:
+        # no elementwise registers: 4x the causal slab, ~48 KB in flight per SM at 32 heads (sm_90: 110
+        # registers and latency-bound at 1 row x 64 keys, 0.174 ms at [1, 32, 4096]; 167 and DRAM-bound
+        # at 4 rows, 0.153 ms: benchmarks/RESULTS.md)
+        slab *= 2
+    elif causal and element_bytes < 4:
         # 16-bit: the key-bounded loop beside the plain one spilled 8-72 B at the full slab (triton 3.6,
         # sm_80-120, one stage). fp32 (its slab already halved) does not, and at half that slab it kept
         # too few bytes in flight: 76 % of copy predicted on sm_100 under 3.6, 127 % at this one
@@ -365,7 +370,7 @@ def _launch(probs: torch.Tensor, query_mask: torch.Tensor | None, causal: bool, 
     keys are not read; ``entropy`` False: the Gram alone (the entropy sums come back zero)."""
     n, b, h, tq, tk = probs.shape
     rows = b * tq
-    block_h, block_r, block_k, warps = _tiles(h, rows, tk, probs.element_size(), causal)
+    block_h, block_r, block_k, warps = _tiles(h, rows, tk, probs.element_size(), causal, entropy)
     tiles = triton.cdiv(rows, block_r)
     device = probs.device
     constexprs = dict(

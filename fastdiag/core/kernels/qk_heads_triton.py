@@ -38,12 +38,12 @@ def _head_tile(h: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, 
                mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m, rest, total,
                k_norm2, stride_qh, stride_kh, stride_mh, stride_lh,
                HEADS: tl.constexpr, GROUP: tl.constexpr, MASK_KIND: tl.constexpr, FP32_DOT: tl.constexpr,
-               ROW_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               ROW_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_NORMS: tl.constexpr = True):
     """Head ``h``'s probabilities on one ``[BLOCK_M, BLOCK_N]`` tile (in the Gram dot's input type) and,
     with ROW_SUMS, its rows' running sums ``(m, rest, total)`` (`row_entropy_triton`) with this tile in
     and, for 16-bit inputs, ``k_norm2`` (``[1, 1]``: the largest ‖k_j‖² of every head's keys so far, for the
-    rows' cancellation bound) raised by this tile's; zeros and the sums unchanged for a padded head
-    (``h >= HEADS``).
+    rows' cancellation bound) raised by this tile's (KEY_NORMS False: left as it is, the caller has them);
+    zeros and the sums unchanged for a padded head (``h >= HEADS``).
 
     A head's pointers are the batch entry's base plus one scalar per head plus offset tiles that every
     head shares (``*_offsets``, in bounds where ``*_in``): per-head pointer tiles, hoisted out of the
@@ -72,7 +72,7 @@ def _head_tile(h: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, 
         if ROW_SUMS:
             # p = exp2(s − m) · exp2(m − lse₂): one exp2 per score serves the Gram and the row sums
             e, m, rest, total = _row_sums_step(s, m, rest, total, 1)
-            if not FP32_DOT:
+            if not FP32_DOT and KEY_NORMS:
                 # one running max over the program's heads: one register, an upper bound for each head
                 k_norm2 = tl.maximum(k_norm2, tl.max(_key_norms2(kt, 0), 1, keep_dims=True))
             p = tl.where(ok[:, None], e * tl.exp2(m - lse2)[:, None], 0.0)   # NaN in a row that does not count: 0

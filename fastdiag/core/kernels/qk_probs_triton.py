@@ -38,14 +38,17 @@ _LOG2E = tl.constexpr(LOG2E)
 # whole of GPT-2-small's [8, 12, 1024, 64] (192 MB) — ≤ 1 % of a 24 GB card, and large enough that a chunk's
 # launches (a few µs each) stay well under its traffic (0.13 ms of copy on an H200 per 256 MB written + read).
 PROBS_BUFFER_BYTES = 256 * 2 ** 20
-# The write kernel's tiles: the row sums' launch of the per-head kernel (64 rows, 64 keys, 4 warps)
-PROBS_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4)
+# The write kernel's tiles: the row sums' launch of the per-head kernel (64 rows, 64 keys, 4 warps), 2 stages:
+# 72 KB on sm_90 (3, Triton's default: 104 KB, over the 99 KB of sm_86/89/120). sm_90, [1, 32, 4096, 128],
+# triton 3.9: 0.236 ms predicted; 128 keys 0.223 (104 KB, spills 40 B on sm_86), 128 x 128 in 8 warps 0.219
+# (160 KB, 72 B spilled on sm_86): benchmarks/RESULTS.md
+PROBS_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 @triton.jit
 def _qk_probs_kernel(
     probs_ptr, entropy_part_ptr, invalid_part_ptr,   # outputs: P [B, H, rows, keys] fp16; [B, tiles, H] fp32 each
-    q_ptr, k_ptr, mask_ptr, lse_ptr, row_ok_ptr,
+    q_ptr, k_ptr, mask_ptr, lse_ptr, row_ok_ptr, k_norm_ptr,    # k_norm: [B, Hk, Tk] fp32 (`key_norms_max`)
     row_start, chunk_rows, chunk_keys, chunk_tiles, Tq, Tk, D, qk_scale, mask_threshold,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -53,7 +56,7 @@ def _qk_probs_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_rb, stride_rm,
     stride_pb, stride_ph, stride_pm, stride_pn,
-    stride_eb, stride_et,
+    stride_eb, stride_et, stride_nb, stride_nh,
     GROUP: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_ROW_OK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -78,34 +81,57 @@ def _qk_probs_kernel(
         ok = ok & (tl.load(row_ok_ptr + batch * stride_rb + row * stride_rm, mask=in_chunk, other=0) != 0)
     lse_offsets = row * stride_lm
     m, rest, total = _row_sums_start((BLOCK_M,))
-    k_norm2 = tl.zeros((1, 1), dtype=tl.float32)           # max ‖k_j‖² so far (the rows' cancellation bound)
     key_end = Tk
+    key_full = Tk // BLOCK_N * BLOCK_N            # keys every row of the tile sees, in whole tiles
     if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
         key_end = tl.minimum(Tk, row_start + (tile + 1) * BLOCK_M)
-    for key0 in range(0, key_end, BLOCK_N):
-        key = key0 + tl.arange(0, BLOCK_N)
-        k_offsets = d[:, None] * stride_kd + key.to(tl.int64)[None, :] * stride_kn
-        k_in = (d[:, None] < D) & (key[None, :] < Tk)
-        visible = (key[None, :] < Tk) & (row[:, None] >= 0)
-        if IS_CAUSAL:
-            visible = visible & (key[None, :] <= row[:, None])
-        mask_offsets = row[:, None] * stride_mm + key[None, :] * stride_mn
-        mask_in = in_chunk[:, None] & (key[None, :] < Tk)
-        p, m, rest, total, k_norm2 = _head_tile(
-            0, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in, mask_offsets, mask_in,
-            visible, ok, lse_offsets, qk_scale, mask_threshold, m, rest, total, k_norm2, 0, 0, 0, 0,
-            1, 1, MASK_KIND, False, True, BLOCK_M, BLOCK_N)
-        # keys past the chunk's last row (causal) are not in the buffer: the row would run into the next
-        tl.store(p_base + key.to(tl.int64)[None, :] * stride_pn, p,
-                 mask=in_chunk[:, None] & (key[None, :] < chunk_keys))
+        key_full = tl.minimum(Tk, row_start + tile * BLOCK_M) // BLOCK_N * BLOCK_N
+    # two key ranges, one loop body each: [0, key_full) without the causal and length bounds (a flash
+    # forward's loop; 64 of 1,290 instructions a step were those compares), then the diagonal or last tile
+    for bounded in tl.static_range(2):
+        if bounded == 0:
+            start, stop = 0, key_full
+        else:
+            start, stop = key_full, key_end
+        for key0 in range(start, stop, BLOCK_N):
+            key = key0 + tl.arange(0, BLOCK_N)
+            k_offsets = d[:, None] * stride_kd + key.to(tl.int64)[None, :] * stride_kn
+            if bounded == 0:
+                k_in = (d[:, None] < D) & (key[None, :] >= 0)
+                visible = tl.full((BLOCK_M, BLOCK_N), 1, tl.int1)
+            else:
+                k_in = (d[:, None] < D) & (key[None, :] < Tk)
+                visible = (key[None, :] < Tk) & (row[:, None] >= 0)
+                if IS_CAUSAL:
+                    visible = visible & (key[None, :] <= row[:, None])
+            mask_offsets = row[:, None] * stride_mm + key[None, :] * stride_mn
+            mask_in = in_chunk[:, None] & (key[None, :] < Tk)
+            p, m, rest, total, _unused = _head_tile(
+                0, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in, mask_offsets, mask_in,
+                visible, ok, lse_offsets, qk_scale, mask_threshold, m, rest, total, m, 0, 0, 0, 0,
+                1, 1, MASK_KIND, False, True, BLOCK_M, BLOCK_N, False)
+            # keys past the chunk's last row (causal) are not in the buffer: the row would run into the next
+            tl.store(p_base + key.to(tl.int64)[None, :] * stride_pn, p,
+                     mask=in_chunk[:, None] & (key[None, :] < chunk_keys))
     lse2 = tl.load(lse_base + lse_offsets, mask=ok, other=0.0) * _LOG2E
-    # ‖q_i‖², re-read once here (not held across the key loop)
+    # ‖q_i‖², re-read once here (not held across the key loop); max ‖k_j‖² over the key tiles the loop
+    # read, from the keys' running maximum (`key_norms_max`): what the on-chip kernels' loop carries
     q_f = tl.load(q_base + q_offsets, mask=q_in, other=0.0).to(tl.float32)
-    bound = _cancel_bound(tl.sum(q_f * q_f, 1), tl.max(tl.max(k_norm2, 1), 0), qk_scale)
+    last_key = tl.minimum(Tk, (key_end + BLOCK_N - 1) // BLOCK_N * BLOCK_N) - 1
+    k_max2 = tl.load(k_norm_ptr + batch * stride_nb + (head // GROUP) * stride_nh + tl.maximum(last_key, 0))
+    bound = _cancel_bound(tl.sum(q_f * q_f, 1), k_max2, qk_scale)
     entropy, off = _row_results(m, rest, total, lse2, ok, bound, False)
     part = batch * stride_eb + tile * stride_et + head
     tl.store(entropy_part_ptr + part, tl.sum(entropy, 0))
     tl.store(invalid_part_ptr + part, tl.sum(off.to(tl.float32), 0))
+
+
+def key_norms_max(k4: torch.Tensor) -> torch.Tensor:
+    """``[B, Hk, Tk]`` float32: ``max_{j' ≤ j} ‖k_j'‖²``, the running maximum of the keys' squared norms. The
+    write kernel reads the entry of the last key its loop read, the bound the on-chip kernels carry through
+    their key loops (`row_entropy_triton._cancel_bound`), without ‖k_j‖² in every program's loop (a sixth of
+    its instructions: each head's keys are read by every row tile)."""
+    return torch.linalg.vector_norm(k4, dim=-1, dtype=torch.float32).square_().cummax(-1).values
 
 
 def probs_chunks(b: int, h: int, tq: int, tk: int, causal: bool, block_m: int = PROBS_TILES["BLOCK_M"],
@@ -144,6 +170,7 @@ def probs_pass2(q4, k4, mask, mask_strides, mask_kind: int, threshold: float, is
     entropy_part = torch.empty(b, tiles, h, dtype=torch.float32, device=device)
     invalid_part = torch.empty(b, tiles, h, dtype=torch.float32, device=device)
     gram = torch.zeros(h, h, dtype=torch.float64, device=device)
+    k_norms = key_norms_max(k4)
     mask_t = q4 if mask is None else mask                       # a missing mask is never read
     row_ok = q4 if rows_ok is None else rows_ok.view(torch.uint8)
     row_strides = (0, 0) if rows_ok is None else rows_ok.stride()
@@ -156,9 +183,9 @@ def probs_pass2(q4, k4, mask, mask_strides, mask_kind: int, threshold: float, is
         entropy = entropy_part[b0:b0 + n, r0 // block_m:]
         _qk_probs_kernel[(n * chunk_tiles, h)](
             probs, entropy, invalid_part[b0:b0 + n, r0 // block_m:], q4[b0:b0 + n], k4[b0:b0 + n],
-            mask_t[b0:b0 + n], lse[b0:b0 + n], row_ok[b0:b0 + n],
+            mask_t[b0:b0 + n], lse[b0:b0 + n], row_ok[b0:b0 + n], k_norms[b0:b0 + n],
             r0, rows, keys, chunk_tiles, tq, tk, d, scale * LOG2E, threshold,
             *q4.stride(), *k4.stride(), *mask_strides, *lse.stride(), *row_strides, *probs.stride(),
-            entropy.stride(0), entropy.stride(1), **flags)
+            entropy.stride(0), entropy.stride(1), k_norms.stride(0), k_norms.stride(1), **flags)
         gram += gram_triton(probs.unsqueeze(0), r0 if is_causal else None)[0]
     return gram, entropy_part.sum((0, 1), dtype=torch.float64), invalid_part
