@@ -105,11 +105,13 @@ def test_every_generation_compiles_with_its_own_limits():
     assert estimates[0] > 99 * 1024 >= min(estimates)       # the preferred tiles do not fit 99 KB, smaller ones do
     assert configs[0] == qk.tile_config(12, 12, 64, 2048, 16, shared_limit=99 * 1024)    # the first that fits
     assert all(qk._shared_bytes(c, c["num_stages"], 2, 1) <= 99 * 1024 for c in configs)
-    # float32 (TF32×3 operands) and Llama-7B's 16-bit tiles fit no 99-KB device: pass 2 runs on torch there
+    # float32 (TF32×3 operands) and Llama-7B's 16-bit batched tiles fit no 99-KB device: float32 pass 2 runs on
+    # torch there, 16-bit pass 2 through materialised P (`qk_probs_triton`)
     assert qk.pass2_configs(12, 12, 64, torch.float32, 227 * 1024) == []
     assert qk.pass2_configs(32, 32, 128, torch.bfloat16, 99 * 1024) == []
     assert qk.pass2_configs(32, 32, 128, torch.bfloat16, 227 * 1024)
-    assert "sm_86 llama-7b bfloat16 pass 2" in cases.torch_path_cases(archs=(86,))
+    assert "sm_86 llama-7b bfloat16 pass 2" not in cases.torch_path_cases(archs=(86,))
+    assert "sm_90 llama-7b float32 pass 2" in cases.torch_path_cases(archs=(90,))
     assert "sm_86 gpt2-small float32 passes 1 + 2" in cases.torch_path_cases(archs=(86,))
     assert not qk.pass1_fits(torch.float32, 99 * 1024) and qk.pass1_fits(torch.float32, 227 * 1024)
     assert qk.pass1_fits(torch.bfloat16, 99 * 1024) and qk.pass1_fits(torch.float32, None)
@@ -163,23 +165,35 @@ _HEAD_BLOCKS = r"""
 import json, torch
 from fastdiag.kernel_report import cases as qk
 from fastdiag import kernel_report as report
+from fastdiag.core.kernels import qk_stats_triton as kernels
 h, hk, d, t = qk.REPORT_SHAPES["llama-7b"]
-cases = [c for c in qk._cases("llama-7b", 1, h, hk, t, d, torch.bfloat16, "additive-mask") if c.kernel == "qk_stats"]
+q, mask = torch.empty(1, h, t, d, dtype=torch.bfloat16), torch.empty(1, 1, t, t, dtype=torch.bfloat16)
+tiles = kernels.pass2_configs(h, hk, d, torch.bfloat16, report.GPU["shared_bytes"], True)[0]
+def batched():      # forced: the launcher itself takes materialised P here (`qk_stats_triton`)
+    kernels.qk_stats_triton(q, q, mask, False, d ** -0.5, lse=torch.empty(1, h, t), tiles=tiles)
+cases = [report.ReportCase("qk_stats", f"llama-7b additive-mask{side}", "bfloat16", 2, batched,
+                           qk.scores_per_iteration, launch_index=i) for i, side in enumerate(("", " off-diagonal"))]
 rows = [report.report_case(c) for c in cases]
-print(json.dumps([[r.shape, r.spill_bytes, r.shared_bytes, r.constexprs["BLOCK_DC"]] for r in rows]))
+out = [[r.shape, r.spill_bytes, r.shared_bytes, r.constexprs["BLOCK_DC"]] for r in rows]
+chosen = [c for c in qk._cases("llama-7b", 1, h, hk, t, d, torch.bfloat16, "additive-mask") if c.kernel == "qk_stats"]
+probs = qk.probs_cases("llama-7b additive-mask", torch.bfloat16, chosen[0].launch, 1, h, hk, t, t, d, False)
+out += [[r.triton_kernel, r.spill_bytes, r.shared_bytes, None] for r in (report.report_case(c) for c in probs)]
+print(json.dumps(out))
 """
 
 
 def test_head_blocks_under_an_additive_mask_do_not_spill():
     """Llama-7B (32 heads of 128) under an additive mask splits pass 2 into two head blocks: diagonal
     programs staged for one block, off-diagonal ones holding two, whose dot width the launcher lowers
-    until the compile spills nothing (one stage: the loads pass through registers). Both launches are
-    in the report, compiled for sm_90 as a launch would choose them: 88 and 80 B spilled before."""
+    until the compile spills nothing (one stage: the loads pass through registers): 88 and 80 B spilled
+    before. The launcher now takes materialised P there (its write kernel and the Gram, in the report's
+    `probs_cases`): neither spills nor exceeds sm_90's shared memory either."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _HEAD_BLOCKS], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    assert [shape for shape, *_ in rows] == ["llama-7b additive-mask", "llama-7b additive-mask off-diagonal"]
+    assert [shape for shape, *_ in rows] == ["llama-7b additive-mask", "llama-7b additive-mask off-diagonal",
+                                             "_qk_probs_kernel", "_head_stats_kernel"]    # and what the launcher takes
     for shape, spilled, shared, _width in rows:
         assert spilled == 0 and shared <= report.GPU["shared_bytes"], rows
 

@@ -32,11 +32,13 @@ def _padding(b, t):
 
 def _runs(q, k, mask, causal, scale, lse):
     """Every Triton pass 2 on these inputs: the per-head kernel's plans 0 (one launch) and 1 (the row sums
-    apart), and the batched kernel."""
+    apart), the batched kernel, and materialised P (16-bit inputs)."""
     h, hk, d = q.shape[1], k.shape[1], q.shape[3]
     runs = {f"heads plan {plan}": kernels._heads_stats(q, k, mask, causal, scale, None, lse, None, plan)
             for plan in (0, 1)}
     runs["batched"] = kernels._stats(q, k, mask, causal, scale, None, lse, kernels.tile_config(h, hk, d))
+    if q.dtype != torch.float32:
+        runs["materialised P"] = kernels._probs_stats(q, k, mask, causal, scale, None, lse)
     return {path: HeadStats(*sums) for path, sums in runs.items()}
 
 

@@ -353,8 +353,11 @@ def test_sm90_compile_has_no_spills_and_fits_shared_memory(shape):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    # pass 2 may be two launches (the per-head kernel's Gram, then its row sums): every launch is checked
-    assert {r["kernel"] for r in rows} == {"qk_lse", "qk_stats"} and len(rows) <= 3
+    # pass 2 may be two launches (the per-head kernel's Gram, then its row sums; materialised P's write, then
+    # its Gram): every launch is checked
+    kernels = {r["kernel"] for r in rows}
+    assert "qk_lse" in kernels and kernels - {"qk_lse"} in ({"qk_stats"}, {"qk_probs", "qk_probs gram"}), kernels
+    assert len(rows) <= 3
     for r in rows:
         assert r["spill_bytes"] == 0, r
         assert r["shared_bytes"] <= SM90_SHARED_LIMIT, r

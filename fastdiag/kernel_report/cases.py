@@ -11,7 +11,7 @@ import triton
 from fastdiag.core.kernels.device import DEFAULT_ARCH, GPUS
 from fastdiag.core.kernels.head_stats_triton import head_stats_triton
 from fastdiag.core.kernels.qk_probs_triton import PROBS_TILES, chunk_keys, probs_chunks
-from fastdiag.core.kernels.qk_stats_triton import (pass1_fits, pass2_configs, qk_stats_triton,
+from fastdiag.core.kernels.qk_stats_triton import (pass1_fits, qk_stats_triton,
                                                     row_lse_triton)
 
 from .compiled import KernelReport, ReportCase, report_case
@@ -92,8 +92,9 @@ def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dty
     """Pass 1 and pass 2 (diagonal head blocks) of one variant. An "element" is one score (one query
     row, key and head), so the ceiling reads: how fast these kernels cover the probabilities
     compared with the probabilities kernel streaming a materialised P at copy bandwidth. A variant
-    that changes only pass 2 (query rows) reports pass 2 alone; pass 2 is left out where no tile fits
-    ``shared_limit`` (it runs on `qk_stats_torch` there: `torch_pass2_cases`)."""
+    that changes only pass 2 (query rows) reports pass 2 alone; float32 pass 2 is left out (it runs on
+    `qk_stats_torch`: `torch_path_cases`). Where the launcher takes materialised P, `qk_report` reports
+    its two launches (`probs_cases`)."""
     causal, rows, mask_kind = REPORT_VARIANTS[variant]
     q = torch.empty(b, h, t, d, dtype=dtype)
     k = torch.empty(b, hk, t, d, dtype=dtype)
@@ -114,14 +115,8 @@ def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dty
     size = dict(elements=b * h * (t * (t + 1) // 2 if causal else t * t),
                 read_bytes=(b * h * t * d + b * hk * t * d) * dtype.itemsize)
     cases = []
-    configs = pass2_configs(h, hk, d, dtype, shared_limit, mask_kind is not None)
-    if configs:
+    if dtype != torch.float32:    # 16-bit pass 2 is Triton on every target (per-head kernel or materialised P)
         cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, scores_per_iteration, **size))
-    if configs and configs[0]["BLOCK_HK"] < hk:
-        # heads in blocks: the off-diagonal programs are a second launch, of two blocks' scores each
-        # (per score of one block, as the diagonal's)
-        cases.append(ReportCase("qk_stats", f"{label} off-diagonal", name, dtype.itemsize, pass2,
-                                scores_per_iteration, launch_index=1, **size))
     if not rows and pass1_fits(dtype, shared_limit):
         cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, scores_per_iteration, **size))
     return cases
@@ -173,7 +168,7 @@ def torch_path_cases(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,
                 name = f"sm_{arch} {shape} {str(dtype).replace('torch.', '')}"
                 if not pass1_fits(dtype, limit):
                     out.append(f"{name} passes 1 + 2")
-                elif not pass2_configs(h, hk, d, dtype, limit):
+                elif dtype == torch.float32:     # 16-bit: the per-head kernel or materialised P everywhere
                     out.append(f"{name} pass 2")
     return out
 
@@ -204,6 +199,11 @@ def qk_report(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,), vari
                     for case in _cases(shape, 1, h, hk, t, d, dtype, variant, GPUS[arch]["shared_bytes"]):
                         progress(f"sm_{arch} {case.kernel} {case.shape} {case.dtype}")
                         rows.append(report_case(case, GPUS[arch]))
+                        if rows[-1].triton_kernel == "_qk_probs_kernel":
+                            # materialised P: the write and the Gram, each sized for the whole layer
+                            rows[-1:] = [report_case(c, GPUS[arch]) for c in probs_cases(
+                                case.shape, dtype, case.launch, 1, h, hk, t, t, d, REPORT_VARIANTS[variant][0])]
+                            continue
                         if rows[-1].constexprs.get("GRAM") and not rows[-1].constexprs.get("ROW_SUMS"):
                             # the per-head kernel's two-launch plan: the row sums are its second launch
                             row_sums = dataclasses.replace(case, shape=f"{case.shape} row sums", launch_index=1)

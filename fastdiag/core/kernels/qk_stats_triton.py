@@ -25,7 +25,10 @@ staged for the blocks it holds and takes the widest score dot that compiles with
 device (`_launch_without_spills`). Every program writes partial sums; torch adds them in float64
 (deterministic, no atomics). Where every head fits one program's shared memory (H ≤ 16, D ≤ 64) and it
 compiles without spilling on the device, pass 2 runs on `qk_heads_triton._qk_heads_kernel` instead: a
-2-D score dot per head, no padded head scored, no 3-D operand buffers (`_heads_stats`).
+2-D score dot per head, no padded head scored, no 3-D operand buffers (`_heads_stats`). Elsewhere 16-bit
+pass 2 materialises P in row chunks (`qk_probs_triton`: one head a program writes float16 P and takes the
+rows' entropies, head_stats' kernel takes the Gram), which fits every generation at any head count; the
+batched kernel then runs only where its tiles are forced (tests, gpu_check).
 
 Layout: kernels -> launcher (`qk_stats_triton`) -> `torch.library` op (`fastdiag::qk_head_stats`,
 CUDA kernel registered, fake for tracing) so `torch.compile(fullgraph=True)` holds it as one node.
@@ -787,6 +790,13 @@ def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=Non
     return _head_stats_sums(gram, entropy_part.sum(0, dtype=torch.float64), invalid_part, b * tq, rows_ok)
 
 
+# Targets where 16-bit pass 2 through materialised P is predicted faster than the per-head kernel too
+# (GPT-2-small, bf16 causal, triton 3.9 / 3.6: sm_80 0.149 / 0.148 ms against 0.266 / 0.283, sm_86 0.49 / 0.49
+# against 0.54 / 0.57, sm_90 0.073 / 0.072 against 0.106 / 0.105, sm_100 0.052 / 0.054 against 0.111 / 0.120;
+# not on sm_89, 0.29 against 0.21 / 0.22, nor sm_120, 0.165 against 0.100 / 0.106: benchmarks/RESULTS.md)
+PROBS_FIRST_ARCHS = (80, 86, 90, 100)
+
+
 def _probs_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, budget: int = PROBS_BUFFER_BYTES):
     """Pass 2 through materialised 16-bit P in row chunks of at most ``budget`` bytes (`qk_probs_triton`)."""
     b, h, tq, _ = q4.shape
@@ -817,9 +827,17 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
             return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, None, CHUNK_BYTES, check_lse=False)
     if tiles is not None:
         return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles, limits)
+    half = q4.dtype in (torch.float16, torch.bfloat16)
+    if half and limits is not None and limits["arch"] in PROBS_FIRST_ARCHS:
+        return _probs_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse)
     by_head = _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits)
     if by_head is not None:
         return by_head
+    if half:
+        # 16-bit where the per-head kernel does not run: materialised P, one head a program, fits every
+        # generation; predicted 0.39 ms at [1, 32, 4096, 128] on sm_90 where the batched kernel takes
+        # 3.8 (triton 3.9) / 0.86 (3.6), and the only Triton pass 2 on sm_80/86/89/120 there (benchmarks/RESULTS.md)
+        return _probs_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse)
     key = (q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared, mask4 is not None)
     configs = _PASS2_CONFIGS.get(key)
     if configs is None:
