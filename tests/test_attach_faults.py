@@ -266,3 +266,57 @@ def test_the_same_model_run_by_another_thread_during_a_measured_pass_is_not_reco
     assert_stats_close(stats["layers.1"], reference_stats(*main_pass[1]))
     model.layers[0](x)                                 # layer 0's q and k of x again (the thread overwrote them)
     assert_stats_close(stats["layers.0"], reference_stats(*model.layers[0].last))
+
+
+class _TwoBlocks(torch.nn.Module):
+    def __init__(self, checkpointed=None):
+        super().__init__()
+        from tests.helpers import SDPALayer
+        self.block, self.block2, self.checkpointed = SDPALayer(), SDPALayer(), checkpointed
+
+    def forward(self, x):
+        if self.checkpointed is None:
+            return self.block2(self.block(x))
+        from torch.utils.checkpoint import checkpoint
+        x = checkpoint(self.block, x, use_reentrant=self.checkpointed == "reentrant")
+        return checkpoint(self.block2, x, use_reentrant=self.checkpointed == "reentrant")
+
+
+def test_forward_called_directly_is_said_not_silently_unmeasured():
+    """``model.forward(x)`` skips the root's hooks, which count and measure steps: the attention modules
+    inside run with no pass around them and nothing is measured. It used to be silent (latest() None,
+    no warning); now one warning names the module, in training (and on eval passes with measure_eval),
+    never on a plain no-grad evaluation."""
+    torch.manual_seed(0)
+    model, x = _TwoBlocks(), torch.randn(2, 6, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fastdiag.attach(model, every=1) as monitor:
+            model.eval()
+            with torch.no_grad():
+                model.forward(x)
+            quiet = [str(w.message) for w in caught if "fastdiag" in str(w.message)]
+            model.train()
+            for _ in range(2):
+                model.forward(x).sum().backward()
+            assert monitor.latest() is None and monitor.step == 0
+    warned = [str(w.message) for w in caught if "fastdiag" in str(w.message)]
+    assert quiet == []
+    assert len(warned) == 1 and "'block' (SDPALayer) ran outside any forward pass" in warned[0], warned
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
+def test_activation_checkpointing_recomputes_quietly_and_stays_exact(how):
+    """Checkpointed blocks run their forward again inside the backward pass, after the model's pass has
+    ended: not a forward called outside a pass, so nothing is said, and the statistics are the forward's."""
+    from tests.helpers import assert_stats_close, reference_stats
+    torch.manual_seed(0)
+    model, x = _TwoBlocks(how), torch.randn(2, 6, 16, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fastdiag.attach(model, every=1) as monitor:
+            model(x).sum().backward()
+            stats = monitor.latest_stats()
+    assert [str(w.message) for w in caught if "fastdiag" in str(w.message)] == []
+    assert set(stats) == {"block", "block2"}
+    assert_stats_close(stats["block2"], reference_stats(*model.block2.last), 1e-4)

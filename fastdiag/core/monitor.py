@@ -358,6 +358,8 @@ class Monitor:
 
         def pre(mod, args, kwargs):
             if not self._measuring or self._other_thread():
+                if self._pass_thread is None and not root and self._auto and not adapters.tracing():
+                    self._outside_pass(name, mod)
                 return
             state = self.calls.state
             if torch.compiler.is_compiling():
@@ -428,6 +430,18 @@ class Monitor:
             self._handles.append(module.register_forward_pre_hook(_EagerHook(begin), with_kwargs=True,
                                                                   prepend=True))
             self._handles.append(module.register_forward_hook(_EagerHook(end), always_call=True))
+
+    def _outside_pass(self, name: str, module: torch.nn.Module) -> None:
+        """A hooked module ran with no forward pass of the attached model around it (``model.forward(x)``
+        called directly skips the root's hooks, which count and measure steps; or a part called on its
+        own): where that would have been measured, said once, never a silent nothing."""
+        if torch._C._current_graph_task_id() != -1:
+            return      # run inside a backward pass: activation checkpointing recomputing it
+        if (module.training and torch.is_grad_enabled()) or self.measure_eval:
+            self._warn_once("outside a pass", f"{name!r} ({type(module).__name__}) ran outside any forward pass "
+                            f"of the attached {type(self.model).__name__} (model.forward(...) called directly "
+                            "skips the hooks that count and measure steps; or a part called on its own): "
+                            "nothing there is measured; call the model itself, or attach the part you call")
 
     # ---- lean passes (fastdiag.core.plan) ----------------------------------------------------------
 
