@@ -405,7 +405,7 @@ def _qk_pass2_launches(q, k, lse, d):
     """(name, launch) of every Q/K pass 2 a device may run at q's shape, the LSE given: the per-head
     kernel (`qk_heads_triton`, where it applies and compiles without spilling) and each of its plans
     that fits the device forced, the batched one with the launcher's first tiles, commit 0c79385's
-    launcher (measured on the H200), and what the launcher picks by itself."""
+    launcher (measured on the H200), materialised P (two chunk sizes), and what the launcher picks by itself."""
     from fastdiag.core.kernels import qk_stats_triton as qk
 
     scale = d ** -0.5
@@ -428,6 +428,12 @@ def _qk_pass2_launches(q, k, lse, d):
                              lambda plan=plan: qk._heads_stats(q, k, None, True, scale, None, lse, limits, plan)))
     if tiles:
         launches.append(("batched", lambda: qk.qk_stats_triton(q, k, None, True, scale, lse=lse, tiles=tiles[0])))
+    # pass 2 through materialised 16-bit P (`qk_probs_triton`; a dry run's float32 inputs as float16): its
+    # 256 MB chunks, and 32 MB ones (within an H200's 50 MB L2: P may be read back before it reaches DRAM)
+    q16, k16 = (x if x.dtype != torch.float32 else x.half() for x in (q, k))
+    launches += [(f"materialised P{label}", lambda budget=budget: qk._probs_stats(q16, k16, None, True, scale, None,
+                                                                                  lse, budget))
+                 for label, budget in (("", qk.PROBS_BUFFER_BYTES), (" 32 MB chunks", 32 << 20))]
     return launches
 
 
@@ -509,7 +515,7 @@ def stage_ncu(dev: torch.device, dry: bool) -> None:
     lse = row_lse_triton(q, k, None, True, d ** -0.5)
     launched = ["_head_stats_kernel (now)", "_head_stats_kernel (0c79385)", "_qk_lse_kernel"]
     for name, run in _qk_pass2_launches(q, k, lse, d):
-        if name not in ("chosen", "per-head"):   # each pass 2 kernel once: per-head plans, batched, 0c79385's
+        if name not in ("chosen", "per-head") and "chunks" not in name:   # each pass 2 kernel once
             run()
             launched.append(f"pass 2 {name}")
     emit("ncu", dry, launched=launched)

@@ -72,6 +72,8 @@ def test_gpu_check_dry_run_of_the_extra_and_experiments_stages(dry_run):
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
     assert {"tune", "probe", "ncu", "experiments"} <= {x["stage"] for x in lines}
     assert all("error" not in x and "failed" not in x for x in lines), lines
+    tuned = {x.get("launcher") for x in lines if x["stage"] == "tune"}
+    assert {"chosen", "materialised P", "materialised P 32 MB chunks"} <= tuned, tuned
     got = [x for x in lines if x["stage"] == "experiments"]
     assert [x["what"] for x in got] == ["canonical_step"] + ["ensemble"] * 4 + ["mamba_step"], got
     assert all(x["eager_ms"] > 0 and x["graphed_ms"] > 0 and x["bare_loop_ms"] > 0 for x in got[:1])

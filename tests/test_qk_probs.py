@@ -2,8 +2,6 @@
 
 Interpreted (TRITON_INTERPRET=1) on fresh random inputs inside +inf padding (an out-of-bounds read turns
 into inf/NaN), the LSE from pass 1; a small buffer bound forces several chunks (and batch chunks)."""
-import zlib
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ from fastdiag.core.stats import HeadStats
 from fastdiag.qk import qk_head_stats, valid_rows
 from fastdiag.testing import TOLERANCE, rel_err
 
-from tests.test_qk_stats import _assert_close, _check_backend, _mask, _qk
+from tests.test_qk_stats import _assert_close, _case, _check_backend, _qk
 
 # (mask kind, (H, Hk), (B, Tq, Tk, D), buffer bytes): GQA / MQA, odd T (not a multiple of the 64-row tile),
 # head dims 72 / 80 / 128 read as 128 columns, every mask kind; buffers of one, several and per-batch chunks
@@ -40,11 +38,8 @@ def test_materialised_p_matches_float64_reference(kind, heads, shape, budget):
     _check_backend("triton")
     from fastdiag.core.kernels import qk_stats_triton as kernels
 
-    (h, hk), (b, tq, tk, d) = heads, shape
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, heads, shape)).encode()) % 10_000)
-    q, k = _qk(b, h, hk, tq, tk, d, torch.float16, gen)
-    mask, causal = _mask(kind, b, h, tq, tk, gen)
-    scale = 0.8 / d ** 0.5
+    q, k, mask, causal = _case(kind, heads, shape, torch.float16)
+    scale = 0.8 / shape[3] ** 0.5
     ref = qk_head_stats(q, k, mask, causal, scale, backend="reference")
     lse = kernels.row_lse_triton(q, k, mask, causal, scale)
     _assert_close(_stats(q, k, mask, causal, scale, lse, budget), ref, TOLERANCE[torch.float16])

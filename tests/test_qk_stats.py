@@ -75,6 +75,16 @@ def _qk(b, h, hk, tq, tk, d, dtype, gen):
     return in_inf_padding(q), in_inf_padding(k)
 
 
+def _case(kind, heads, shape, dtype):
+    """Fresh q, k (inside +inf padding), the mask and the causal flag of one case, seeded by the case (a
+    stable seed: Python's hash() of strings changes with every process, PYTHONHASHSEED)."""
+    (h, hk), (b, tq, tk, d) = heads, shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, heads, shape)).encode()) % 10_000)
+    q, k = _qk(b, h, hk, tq, tk, d, dtype, gen)
+    mask, causal = _mask(kind, b, h, tq, tk, gen)
+    return q, k, mask, causal
+
+
 def _assert_close(got, ref, tol):
     assert rel_err(got.gram, ref.gram) <= tol
     # rows that see a single key have entropy exactly 0: relative to at least 1e-9 nats a row there
@@ -93,12 +103,8 @@ def _assert_close(got, ref, tol):
                          ids=[f"{m}-H{h}Hk{hk}-B{b}Tq{tq}Tk{tk}D{d}" for m, (h, hk), (b, tq, tk, d) in CASES])
 def test_matches_float64_reference(backend, kind, heads, shape):
     backend = _check_backend(backend)
-    (h, hk), (b, tq, tk, d) = heads, shape
-    # a stable seed per case: Python's hash() of strings changes with every process (PYTHONHASHSEED)
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, heads, shape)).encode()) % 10_000)
-    q, k = _qk(b, h, hk, tq, tk, d, torch.float32, gen)
-    mask, causal = _mask(kind, b, h, tq, tk, gen)
-    scale = 0.7 / d ** 0.5
+    q, k, mask, causal = _case(kind, heads, shape, torch.float32)
+    scale = 0.7 / shape[3] ** 0.5
     ref = qk_head_stats(q, k, mask, causal, scale, backend="reference")
     got = qk_head_stats(q, k, mask, causal, scale, backend=backend)
     _assert_close(got, ref, TOLERANCE[torch.float32])
@@ -504,9 +510,7 @@ def _check_per_head_plan(kind, heads, shape, dtype, plan):
     from fastdiag.core.kernels import qk_stats_triton as kernels
 
     (h, hk), (b, tq, tk, d) = heads, shape
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, heads, shape)).encode()) % 10_000)
-    q, k = _qk(b, h, hk, tq, tk, d, dtype, gen)
-    mask, causal = _mask(kind, b, h, tq, tk, gen)
+    q, k, mask, causal = _case(kind, heads, shape, dtype)
     scale = 0.8 / d ** 0.5
     ref = qk_head_stats(q, k, mask, causal, scale, backend="reference")
     rows_ok = None if mask is None else valid_rows(mask, causal, (b, h, tq, tk), None)
