@@ -255,14 +255,16 @@ def _head_stats_kernel(
     worst = tl.where(total - total == 0, worst, 2.0)
     part = problem * programs + program.to(tl.int64)
     quarter_h = tl.arange(0, Q)
-    tl.store(entropy_part_ptr + part * H + quarter_h, s0, mask=quarter_h < H)
-    tl.store(entropy_part_ptr + part * H + Q + quarter_h, s1, mask=Q + quarter_h < H)
-    tl.store(entropy_part_ptr + part * H + 2 * Q + quarter_h, s2, mask=2 * Q + quarter_h < H)
-    tl.store(entropy_part_ptr + part * H + 3 * Q + quarter_h, s3, mask=3 * Q + quarter_h < H)
+    if ENTROPY:   # the Gram alone: no entropy or range outputs (their pointers are placeholders)
+        tl.store(entropy_part_ptr + part * H + quarter_h, s0, mask=quarter_h < H)
+        tl.store(entropy_part_ptr + part * H + Q + quarter_h, s1, mask=Q + quarter_h < H)
+        tl.store(entropy_part_ptr + part * H + 2 * Q + quarter_h, s2, mask=2 * Q + quarter_h < H)
+        tl.store(entropy_part_ptr + part * H + 3 * Q + quarter_h, s3, mask=3 * Q + quarter_h < H)
     out_h = tl.arange(0, BLOCK_H)
     gram_ptrs = gram_part_ptr + part * H * H + out_h[:, None] * H + out_h[None, :]
     tl.store(gram_ptrs, gram64, mask=(out_h[:, None] < H) & (out_h[None, :] < H))
-    tl.store(worst_part_ptr + part, worst)
+    if ENTROPY:
+        tl.store(worst_part_ptr + part, worst)
 
 
 # Warps: at most two of the Gram's 16x8 tensor-core tiles each (H <= 16: one warp, H <= 32: four,
@@ -341,15 +343,16 @@ _RESIDENT: dict = {}       # (device, warps, constexprs) -> programs the GPU hol
 _BLOCKS_PER_SM = {80: 32, 86: 16, 87: 16, 89: 24, 90: 32, 100: 32, 103: 32, 120: 32}
 
 
-def _resident_programs(device: torch.device, args: tuple, constexprs: dict, warps: int) -> int:
+def _resident_programs(device: torch.device, make_args, constexprs: dict, warps: int) -> int:
     """SMs × programs per SM (registers, shared memory and threads of the compiled kernel), as in the
-    Triton softmax tutorial: a grid that is resident all at once, no tail wave."""
+    Triton softmax tutorial: a grid that is resident all at once, no tail wave. ``make_args()``: the
+    kernel's arguments, built only the first time (a launch's host work is its tensor ops)."""
     if device.type != "cuda":
         return _INTERPRETER_PROGRAMS
     key = (device.index, warps, tuple(sorted(constexprs.items())))
     if key not in _RESIDENT:
         props = torch.cuda.get_device_properties(device)
-        kernel = _head_stats_kernel.warmup(*args, grid=(1, 1), num_warps=warps, num_stages=NUM_STAGES,
+        kernel = _head_stats_kernel.warmup(*make_args(), grid=(1, 1), num_warps=warps, num_stages=NUM_STAGES,
                                            maxnreg=MAX_REGISTERS, **constexprs)
         kernel._init_handles()
         threads = 32 * warps
@@ -367,7 +370,8 @@ def _launch(probs: torch.Tensor, query_mask: torch.Tensor | None, causal: bool, 
     """One launch of `_head_stats_kernel` over ``probs [N, B, H, Tq, Tk]``: its per-program partial sums
     (gram float64, entropy float64, worst fp32), the valid rows ``[N, B, Tq]`` and the rows' float64
     entropy references (`row_references`). ``causal``: row q sees keys ``≤ q + causal_offset``, later
-    keys are not read; ``entropy`` False: the Gram alone (the entropy sums come back zero)."""
+    keys are not read; ``entropy`` False: the Gram alone (the other outputs are not made: no tensor op
+    beyond the Gram's partial sums)."""
     n, b, h, tq, tk = probs.shape
     rows = b * tq
     block_h, block_r, block_k, warps = _tiles(h, rows, tk, probs.element_size(), causal, entropy)
@@ -382,15 +386,19 @@ def _launch(probs: torch.Tensor, query_mask: torch.Tensor | None, causal: bool, 
         valid = query_mask.expand(n, b, tq)
         mask, mask_strides = valid.view(torch.uint8), valid.stride()
     else:
-        valid = torch.ones(1, 1, 1, dtype=torch.bool, device=device).expand(n, b, tq)
+        valid = None if not entropy else torch.ones(1, 1, 1, dtype=torch.bool, device=device).expand(n, b, tq)
         mask, mask_strides = probs, (0, 0, 0)   # never read
     row_table, row_reference = row_references(tq, tk, causal, device) if entropy else (probs, None)   # unread
     inputs = (probs, mask, row_table, h, tq, tk, rows, tiles, causal_offset, *probs.stride(), *mask_strides)
-    outputs = [torch.empty(0, dtype=dtype, device=device) for dtype in (torch.float64, torch.float64, torch.float32)]
-    programs = min(tiles, max(1, _resident_programs(device, (*outputs, *inputs), constexprs, warps) // n))
+    programs = min(tiles, max(1, _resident_programs(device, lambda: (
+        *(torch.empty(0, dtype=dtype, device=device) for dtype in (torch.float64, torch.float64, torch.float32)),
+        *inputs), constexprs, warps) // n))
     gram_part = torch.empty(n, programs, h, h, dtype=torch.float64, device=device)
-    entropy_part = torch.empty(n, programs, h, dtype=torch.float64, device=device)
-    worst_part = torch.empty(n, programs, dtype=torch.float32, device=device)   # per program: > 1 when it saw a bad entry
+    if entropy:
+        entropy_part = torch.empty(n, programs, h, dtype=torch.float64, device=device)
+        worst_part = torch.empty(n, programs, dtype=torch.float32, device=device)   # per program: > 1 when it saw a bad entry
+    else:
+        entropy_part = worst_part = gram_part          # not written (ENTROPY=False)
     _head_stats_kernel[(programs, n)](gram_part, entropy_part, worst_part, *inputs, num_warps=warps, num_stages=NUM_STAGES,
                                       maxnreg=MAX_REGISTERS, **constexprs)
     return gram_part, entropy_part, worst_part, valid, row_reference

@@ -49,7 +49,7 @@ PROBS_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 def _qk_probs_kernel(
     probs_ptr, entropy_part_ptr, invalid_part_ptr,   # outputs: P [B, H, rows, keys] fp16; [B, tiles, H] fp32 each
     q_ptr, k_ptr, mask_ptr, lse_ptr, row_ok_ptr, k_norm_ptr,    # k_norm: [B, Hk, Tk] fp32 (`key_norms_max`)
-    row_start, chunk_rows, chunk_keys, chunk_tiles, Tq, Tk, D, qk_scale, mask_threshold,
+    batch0, row_start, chunk_rows, chunk_keys, chunk_tiles, Tq, Tk, D, qk_scale, mask_threshold,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_mb, stride_mh, stride_mm, stride_mn,
@@ -62,7 +62,8 @@ def _qk_probs_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    batch = pid // chunk_tiles
+    local_batch = pid // chunk_tiles                      # the batch entry in the chunk's buffer
+    batch = batch0 + local_batch
     tile = pid % chunk_tiles
     local = tile * BLOCK_M + tl.arange(0, BLOCK_M)        # the row in the chunk
     row = row_start + local
@@ -73,7 +74,7 @@ def _qk_probs_kernel(
     k_base = k_ptr + batch * stride_kb + (head // GROUP) * stride_kh
     mask_base = mask_ptr + batch * stride_mb + head * stride_mh
     lse_base = lse_ptr + batch * stride_lb + head * stride_lh
-    p_base = probs_ptr + batch * stride_pb + head * stride_ph + local[:, None] * stride_pm
+    p_base = probs_ptr + local_batch * stride_pb + head * stride_ph + local[:, None] * stride_pm
     q_offsets = row[:, None] * stride_qm + d[None, :] * stride_qd
     q_in = in_chunk[:, None] & (d[None, :] < D)
     ok = in_chunk
@@ -121,7 +122,7 @@ def _qk_probs_kernel(
     k_max2 = tl.load(k_norm_ptr + batch * stride_nb + (head // GROUP) * stride_nh + tl.maximum(last_key, 0))
     bound = _cancel_bound(tl.sum(q_f * q_f, 1), k_max2, qk_scale)
     entropy, off = _row_results(m, rest, total, lse2, ok, bound, False)
-    part = batch * stride_eb + tile * stride_et + head
+    part = batch * stride_eb + (row_start // BLOCK_M + tile) * stride_et + head   # chunks start at whole tiles
     tl.store(entropy_part_ptr + part, tl.sum(entropy, 0))
     tl.store(invalid_part_ptr + part, tl.sum(off.to(tl.float32), 0))
 
@@ -169,23 +170,25 @@ def probs_pass2(q4, k4, mask, mask_strides, mask_kind: int, threshold: float, is
     buffer = torch.empty(largest, dtype=torch.float16, device=device)
     entropy_part = torch.empty(b, tiles, h, dtype=torch.float32, device=device)
     invalid_part = torch.empty(b, tiles, h, dtype=torch.float32, device=device)
-    gram = torch.zeros(h, h, dtype=torch.float64, device=device)
     k_norms = key_norms_max(k4)
     mask_t = q4 if mask is None else mask                       # a missing mask is never read
     row_ok = q4 if rows_ok is None else rows_ok.view(torch.uint8)
     row_strides = (0, 0) if rows_ok is None else rows_ok.stride()
     flags = dict(GROUP=h // hk, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_ROW_OK=rows_ok is not None,
                  BLOCK_D=max(16, triton.next_power_of_2(d)), **PROBS_TILES)
+    # every tensor whole, the chunk's batch entries and rows by index (no view per chunk: a layer's host
+    # work is its few tensor ops)
+    args = (q4, k4, mask_t, lse, row_ok, k_norms)
+    strides = (*q4.stride(), *k4.stride(), *mask_strides, *lse.stride(), *row_strides)
+    gram = None
     for b0, n, r0, rows in chunks:
         keys = chunk_keys(tk, is_causal, r0, rows)
-        probs = buffer[:n * h * rows * keys].view(n, h, rows, keys)
+        probs = buffer.as_strided((1, n, h, rows, keys), (0, h * rows * keys, rows * keys, keys, 1))
         chunk_tiles = triton.cdiv(rows, block_m)
-        entropy = entropy_part[b0:b0 + n, r0 // block_m:]
         _qk_probs_kernel[(n * chunk_tiles, h)](
-            probs, entropy, invalid_part[b0:b0 + n, r0 // block_m:], q4[b0:b0 + n], k4[b0:b0 + n],
-            mask_t[b0:b0 + n], lse[b0:b0 + n], row_ok[b0:b0 + n], k_norms[b0:b0 + n],
-            r0, rows, keys, chunk_tiles, tq, tk, d, scale * LOG2E, threshold,
-            *q4.stride(), *k4.stride(), *mask_strides, *lse.stride(), *row_strides, *probs.stride(),
-            entropy.stride(0), entropy.stride(1), k_norms.stride(0), k_norms.stride(1), **flags)
-        gram += gram_triton(probs.unsqueeze(0), r0 if is_causal else None)[0]
-    return gram, entropy_part.sum((0, 1), dtype=torch.float64), invalid_part
+            probs, entropy_part, invalid_part, *args, b0, r0, rows, keys, chunk_tiles, tq, tk, d, scale * LOG2E,
+            threshold, *strides, *probs.stride()[1:], entropy_part.stride(0), entropy_part.stride(1),
+            k_norms.stride(0), k_norms.stride(1), **flags)
+        chunk_gram = gram_triton(probs, r0 if is_causal else None)
+        gram = chunk_gram if gram is None else gram + chunk_gram
+    return gram[0], entropy_part.sum((0, 1), dtype=torch.float64), invalid_part
