@@ -670,3 +670,27 @@ def test_a_softmax_after_a_graph_break_is_exact_and_said_to_be_unchecked():
     assert_stats_close(stats["0"], want_stats, 1e-4)
     warned = [str(w.message) for w in caught if "fastdiag" in str(w.message)]
     assert len(warned) == 1 and "layers '0'" in warned[0] and "after a graph break" in warned[0], warned
+
+
+def test_torch_export_of_an_attached_model_is_the_models_own():
+    """Exporting a model while it is attached (say, at the end of training; torch.export's default,
+    non-strict) used to raise: it ran a measured pass whose statistics' out= products met autograd
+    tracing. Tracing for export is no step: nothing runs, the exported program holds no fastdiag op and
+    computes the model's output, the counter does not move, and the next real step is measured.
+    (strict=True still refuses the monitor's step hooks, kept out of compiled graphs: detach first.)"""
+    strict = False
+    from tests.helpers import SDPALayer
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(SDPALayer()), torch.randn(2, 6, 16)
+    want = model(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fastdiag.attach(model, every=1) as monitor:
+            exported = torch.export.export(model, (x,), strict=strict)
+            assert monitor.step == 0 and monitor.latest() is None
+            model(x).sum().backward()
+            assert set(monitor.latest_stats()) == {"0"} and monitor.step == 1
+    assert not any("fastdiag" in str(node.target) for node in exported.graph.nodes)
+    assert torch.equal(exported.module()(x), want)
+    assert [str(w.message) for w in caught if "fastdiag" in str(w.message)] == []

@@ -271,6 +271,7 @@ class Monitor:
                     raise ValueError(message)
                 self._missing[name] = reason
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
+        adapters.mark_tracing()
         _MONITORS[self._id] = self
         _ATTACHED[model] = self
         try:
@@ -417,12 +418,14 @@ class Monitor:
             # Outermost: a pass begins before the stack hooks above and ends after them. These two
             # run eagerly even when the model is compiled (torch.compile(model) and model.compile()
             # call the root's hooks outside the traced frame), so the step counter is never traced.
+            # torch.export (non-strict: it runs these hooks) traces the model, it is no step: the exported
+            # program stays the model's own (no statistics in it), the counter does not move
             def begin(mod, args, kwargs):
-                if self._pass_thread is None:
+                if self._pass_thread is None and not torch.compiler.is_exporting():
                     self._begin(mod.training)
 
             def end(mod, args, output):
-                if self._other_thread():
+                if self._other_thread() or torch.compiler.is_exporting():
                     return
                 # always_call: also runs when the forward raised (output None, inside torch's except)
                 self._end(mod.training, raised=output is None and sys.exc_info()[0] is not None)
@@ -435,8 +438,8 @@ class Monitor:
         """A hooked module ran with no forward pass of the attached model around it (``model.forward(x)``
         called directly skips the root's hooks, which count and measure steps; or a part called on its
         own): where that would have been measured, said once, never a silent nothing."""
-        if torch._C._current_graph_task_id() != -1:
-            return      # run inside a backward pass: activation checkpointing recomputing it
+        if torch._C._current_graph_task_id() != -1 or torch.compiler.is_exporting():
+            return      # run inside a backward pass (activation checkpointing recomputing it), or traced by torch.export
         if (module.training and torch.is_grad_enabled()) or self.measure_eval:
             self._warn_once("outside a pass", f"{name!r} ({type(module).__name__}) ran outside any forward pass "
                             f"of the attached {type(self.model).__name__} (model.forward(...) called directly "
