@@ -756,7 +756,7 @@ _HEADS_PLANS: dict = {}
 def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=None):
     """Pass 2 on `_qk_heads_kernel`, or None where it does not apply: no plan for these heads
     (`heads_config`), float32 (`pass2_configs`: its pass 2 is the torch path), or on this device every plan
-    (`heads_plans`) exceeds shared memory or spills registers (the batched kernel then runs).
+    (`heads_plans`) exceeds shared memory or spills registers (16-bit pass 2 then materialises P).
     ``plan`` (an index into `heads_plans`) replaces the choice (tests run each plan)."""
     b, h, tq, d = q4.shape
     shape_key = (h, k4.shape[1], d, q4.dtype.itemsize)
