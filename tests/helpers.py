@@ -37,6 +37,13 @@ def assert_stats_close(got, want, tol=TOL):
     assert abs(got.entropy_spread().item() - want.entropy_spread().item()) <= tol * scale
 
 
+def assert_named(monitor, warned, name, why):
+    """Module ``name`` is listed in ``coverage()["missing"]`` with ``why`` in its reason, and a warning
+    names it with the same words."""
+    assert why in monitor.coverage()["missing"][name], monitor.coverage()["missing"]
+    assert any(f"{name!r}" in w and why in w for w in warned), warned
+
+
 def eager_probs(q, k, attn_mask=None, is_causal=False, scale=None):
     """Eager attention probabilities [B, H, Tq, Tk] in float64 and the rows that see some key."""
     h, hk = q.shape[-3], k.shape[-3]

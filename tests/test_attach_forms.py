@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fastdiag
 
-from tests.helpers import SDPALayer, TwoLayers, assert_stats_close, reference_stats
+from tests.helpers import SDPALayer, TwoLayers, assert_named, assert_stats_close, reference_stats
 from tests.hf_matrix import attached_unchanged
 
 EXACT = 1e-4
@@ -515,8 +515,7 @@ def test_a_torchscript_submodule_is_left_out_and_named_when_it_does_attention(pa
     if part == "linear":
         assert monitor.coverage()["missing"] == {} and warned == []
         return
-    assert "TorchScript" in monitor.coverage()["missing"]["scripted"]
-    assert any("'scripted'" in w and "TorchScript" in w for w in warned), warned
+    assert_named(monitor, warned, "scripted", "a TorchScript module")
     with pytest.raises(ValueError, match="'scripted' is not measured: a TorchScript module"):
         fastdiag.attach(model, strict=True)
     with fastdiag.attach(model, every=1) as again:   # nothing was left hooked by the refused attach
