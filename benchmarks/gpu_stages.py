@@ -429,11 +429,13 @@ def _qk_pass2_launches(q, k, lse, d):
     if tiles:
         launches.append(("batched", lambda: qk.qk_stats_triton(q, k, None, True, scale, lse=lse, tiles=tiles[0])))
     # pass 2 through materialised 16-bit P (`qk_probs_triton`; a dry run's float32 inputs as float16): its
-    # 256 MB chunks, and 32 MB ones (within an H200's 50 MB L2: P may be read back before it reaches DRAM)
+    # 64 MiB chunks (the default), 256 MB ones (fewer launches) and 32 MB ones (within an H200's 50 MB L2: P
+    # may be read back before it reaches DRAM)
     q16, k16 = (x if x.dtype != torch.float32 else x.half() for x in (q, k))
     launches += [(f"materialised P{label}", lambda budget=budget: qk._probs_stats(q16, k16, None, True, scale, None,
                                                                                   lse, budget))
-                 for label, budget in (("", qk.PROBS_BUFFER_BYTES), (" 32 MB chunks", 32 << 20))]
+                 for label, budget in (("", qk.PROBS_BUFFER_BYTES), (" 256 MB chunks", 256 << 20),
+                                       (" 32 MB chunks", 32 << 20))]
     return launches
 
 

@@ -60,7 +60,7 @@ def test_chunks_cover_every_row_once_within_the_buffer():
             assert n * h * rows * chunk_keys(t, causal, r0, rows) * 2 <= budget
             seen[b0:b0 + n, r0:r0 + rows] += 1
         assert torch.equal(seen, torch.ones_like(seen))
-    assert len(probs_chunks(1, 32, 4096, 4096, True)) == 4        # [1, 32, 4096, 128]: 1,024 rows a chunk
+    assert len(probs_chunks(1, 32, 4096, 4096, True)) == 16       # [1, 32, 4096, 128]: 256 rows a chunk (64 MiB)
 
 
 def test_gram_from_16_bit_p_is_as_exact_as_the_on_chip_kernels():

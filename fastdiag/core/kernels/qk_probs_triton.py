@@ -31,13 +31,17 @@ import triton.language as tl
 from .constants import LOG2E
 from .head_stats_triton import gram_triton
 from .qk_heads_triton import _head_tile
+from .qk_stats_torch import CHUNK_BYTES
 from .row_entropy_triton import _cancel_bound, _row_results, _row_sums_start
 
 _LOG2E = tl.constexpr(LOG2E)
-# The probabilities buffer's bound: 256 MB, a chunk of 1,024 rows at [1, 32, 4096, 128] (4 chunks) and the
-# whole of GPT-2-small's [8, 12, 1024, 64] (192 MB) — ≤ 1 % of a 24 GB card, and large enough that a chunk's
-# launches (a few µs each) stay well under its traffic (0.13 ms of copy on an H200 per 256 MB written + read).
-PROBS_BUFFER_BYTES = 256 * 2 ** 20
+# The probabilities buffer's bound: the Q/K statistics' one memory bound (`CHUNK_BYTES`, 64 MiB, what the
+# torch path's score chunks take; docs/attach.md, "Memory"), so that measuring a layer never holds more
+# than that at once: a chunk of 256 rows at [1, 32, 4096, 128] (16 chunks; causal ones hold only the keys
+# up to their last row), 4 at GPT-2-small's [8, 12, 1024, 64]. A chunk's two launches (a few µs each) stay
+# under its traffic (~0.03 ms of copy on an H200 per 64 MiB written and read), and 64 MiB is near an
+# H200's 50 MB L2, where P may be read back before it reaches DRAM (gpu_check's tune stage times 32 MB).
+PROBS_BUFFER_BYTES = CHUNK_BYTES
 # The write kernel's tiles: the row sums' launch of the per-head kernel (64 rows, 64 keys, 4 warps), 2 stages:
 # 72 KB on sm_90 (3, Triton's default: 104 KB, over the 99 KB of sm_86/89/120). sm_90, [1, 32, 4096, 128],
 # triton 3.9: 0.236 ms predicted; 128 keys 0.223 (104 KB, spills 40 B on sm_86), 128 x 128 in 8 warps 0.219
