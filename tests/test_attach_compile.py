@@ -9,7 +9,7 @@ import fastdiag
 from fastdiag.core import calls
 from fastdiag.testing import NanoGPT
 
-from tests.helpers import assert_named, assert_stats_close
+from tests.helpers import TwoLayers, assert_named, assert_stats_close, reference_stats
 
 
 def _counting(backend):
@@ -692,3 +692,25 @@ def test_torch_export_of_an_attached_model_is_the_models_own():
     assert not any("fastdiag" in str(node.target) for node in exported.graph.nodes)
     assert torch.equal(exported.module()(x), want)
     assert [str(w.message) for w in caught if "fastdiag" in str(w.message)] == []
+
+
+def test_a_first_measured_pass_compiled_with_dynamic_shapes_takes_the_native_cpu_kernel(monkeypatch):
+    """A fresh process whose first measured pass is compiled with dynamic shapes (dynamic=True, or the
+    automatic dynamic of a second batch size): the native CPU kernel is made ready at the pass's begin
+    (eager), so the trace takes its op. Before, only an eager pass built it: the trace took the torch path,
+    whose chunk arithmetic on a symbolic size breaks the graph (fullgraph=True raised in the step)."""
+    from fastdiag.core.kernels import qk_stats_cpu as native
+
+    if native.library() is None:
+        pytest.skip(f"no native CPU kernel here: {native.unavailable_reason()}")
+    monkeypatch.setattr(native, "_library", None)      # as in a fresh process: never built yet
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TwoLayers()
+    xs = [torch.randn(b, 6, 16) for b in (2, 3)]
+    compiled = torch.compile(model, backend="eager", fullgraph=True, dynamic=True)
+    with fastdiag.attach(model, every=1) as monitor:
+        for x in xs:
+            compiled(x).square().mean().backward()
+            for i, layer in enumerate(model.layers):
+                assert_stats_close(monitor.latest_stats()[f"layers.{i}"], reference_stats(*layer.last), 1e-4)

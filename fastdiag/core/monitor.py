@@ -42,6 +42,7 @@ import torch
 from fastdiag.core import adapters, calls, passes, zoo_handoff
 from fastdiag.core.calls import ROOT
 from fastdiag.core.diagnostics import BACKENDS, triton_available
+from fastdiag.core.kernels import qk_stats_cpu
 from fastdiag.core.qk import CHUNK_BYTES
 from fastdiag.core.plan import Plan, PlanRecorder
 from fastdiag.core.records import Records
@@ -157,6 +158,21 @@ def _unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+
+def _cpu_kernel_ready(model: torch.nn.Module) -> bool:
+    """At a measured pass's begin (eager, also when the model runs compiled): a model on the CPU gets the
+    native CPU kernel built now, so that a compiled pass traces its op (`qk_stats_cpu.usable` builds
+    nothing while tracing). Without it a first measured pass that is compiled took the torch path, whose
+    chunk sizes are Python arithmetic on the shapes: a graph break with dynamic shapes (fullgraph=True
+    raised in the step). Whether that is settled (built, not buildable here, or the model not on the CPU
+    yet: False, asked again at the next measured pass)."""
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    if first is None or first.device.type != "cpu":
+        return False
+    qk_stats_cpu.unavailable_reason()      # builds it (where not switched off)
+    return True
+
+
 class Monitor:
     """Measures an attached model's attention heads; see `attach` for the arguments."""
 
@@ -193,6 +209,7 @@ class Monitor:
         if model in _ATTACHED:
             raise ValueError("model: already attached; detach the other monitor first")
         self.model, self.every, self.backend = model, every, backend
+        self._cpu_kernel_ready = False   # `_cpu_kernel_ready`: the native CPU kernel built (or not buildable)
         self.measure_eval, self.all_reduce, self.group = measure_eval, all_reduce, group
         self.flush_every, self.chunk_bytes, self.strict = flush_every, chunk_bytes, strict
         self._records = Records(log, flush_every, all_reduce, group, keep_records)
@@ -542,6 +559,8 @@ class Monitor:
             return
         if not self.calls.read_stack:
             self.calls.read_stack = calls.stack_reader_ready()
+        if not self._cpu_kernel_ready:
+            self._cpu_kernel_ready = _cpu_kernel_ready(self.model)
         if self._held_rescan != "no":  # a model held since attach (a teacher set later) is hooked too
             self._watch_held_models()
         # fresh every pass: a compiled graph sees the same state on every pass
