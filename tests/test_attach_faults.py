@@ -108,6 +108,37 @@ def test_a_forward_that_raises_midway_leaves_no_partial_record():
     monitor.detach()
 
 
+
+class InterruptedInSecondLayer(FailsInSecondLayer):
+    def forward(self, x):
+        x = x + self.body.layers[0](x)
+        if self.fail:
+            raise KeyboardInterrupt      # Ctrl-C in a notebook cell: no Exception, torch runs no always_call hook
+        return x + self.body.layers[1](x)
+
+
+def test_a_forward_interrupted_by_ctrl_c_leaves_no_mode_behind_and_the_next_pass_is_exact():
+    """A KeyboardInterrupt (a BaseException) inside a measured pass skips the root's end hook (torch runs
+    always_call hooks for an Exception only): before, the monitor's mode stayed on torch's stack and its
+    global hooks stayed registered, the next pass was taken for a nested call of the interrupted one, and
+    record held the interrupted pass's layer as well ('body.layers.0#1', averaged into s̄). The next pass finds the interrupted one gone and ends it first."""
+    torch.manual_seed(0)
+    model = InterruptedInSecondLayer()
+    x = torch.randn(2, 6, 16)
+    monitor = fastdiag.attach(model, every=1)
+    model.fail = True
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    model.fail = False
+    model(x)
+    assert torch.overrides._get_current_function_mode_stack() == []
+    assert not torch.nn.modules.module._global_forward_hooks
+    assert monitor.num_records == 1 and monitor.step == 1
+    assert list(monitor.latest_stats()) == ["body.layers.0", "body.layers.1"]   # no 'body.layers.0#1'
+    for i, layer in enumerate(model.body.layers):
+        assert_stats_close(monitor.latest_stats()[f"body.layers.{i}"], reference_stats(*layer.last))
+    monitor.detach()
+
 # ---- copies and pickles ----------------------------------------------------------------------
 
 def test_a_deepcopy_of_an_attached_model_is_clean():

@@ -159,6 +159,13 @@ def _unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
 
 
 
+def _calling_frame():
+    """The frame of the module call whose hook runs this (``Module._call_impl``), or None."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not torch.nn.Module._call_impl.__code__:
+        frame = frame.f_back
+    return frame
+
 def _cpu_kernel_ready(model: torch.nn.Module) -> bool:
     """At a measured pass's begin (eager, also when the model runs compiled): a model on the CPU gets the
     native CPU kernel built now, so that a compiled pass traces its op (`qk_stats_cpu.usable` builds
@@ -209,6 +216,7 @@ class Monitor:
         if model in _ATTACHED:
             raise ValueError("model: already attached; detach the other monitor first")
         self.model, self.every, self.backend = model, every, backend
+        self._pass_frame = None          # the root's call running the pass in progress (`_pass_abandoned`)
         self._cpu_kernel_ready = False   # `_cpu_kernel_ready`: the native CPU kernel built (or not buildable)
         self.measure_eval, self.all_reduce, self.group = measure_eval, all_reduce, group
         self.flush_every, self.chunk_bytes, self.strict = flush_every, chunk_bytes, strict
@@ -438,8 +446,11 @@ class Monitor:
             # torch.export (non-strict: it runs these hooks) traces the model, it is no step: the exported
             # program stays the model's own (no statistics in it), the counter does not move
             def begin(mod, args, kwargs):
+                if self._pass_thread is not None and self._pass_abandoned():
+                    self._end(self._training, raised=True)
                 if self._pass_thread is None and not torch.compiler.is_exporting():
                     self._begin(mod.training)
+                    self._pass_frame = _calling_frame()
 
             def end(mod, args, output):
                 if self._other_thread() or torch.compiler.is_exporting():
@@ -580,8 +591,22 @@ class Monitor:
             self._mode.__enter__()
             self._mode_entered = True
 
+    def _pass_abandoned(self) -> bool:
+        """Whether the pass in progress was left by a BaseException (a KeyboardInterrupt: torch runs the
+        root's always_call end hook for an Exception only), so the root's call that began it is no longer
+        running in this thread: its mode, global hooks and layers would otherwise be taken into the next
+        pass (a layer ``#1`` averaged into s̄). A root called inside its own forward is no such pass."""
+        if self._pass_thread != threading.get_ident() or self._pass_frame is None:
+            return False
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame is self._pass_frame:
+                return False
+            frame = frame.f_back
+        return True
+
     def _end(self, training: bool, raised: bool = False) -> None:
-        self._pass_thread = None
+        self._pass_thread = self._pass_frame = None
         if self._mode_entered:
             self._mode_entered = False
             if not self._suspended:  # a suspended mode is off the stack already
