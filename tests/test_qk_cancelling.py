@@ -109,18 +109,21 @@ def test_ordinary_rows_are_not_named(kind, dtype):
 
 
 def test_float32_rows_whose_products_cancel_are_exact_on_the_triton_backend():
-    """float32 inputs run pass 2 on the torch path on every device, the interpreter included (on a GPU no
-    float32 tile fits): rows whose products cancel are scored again in float64 there, and are exact. The
-    batched Triton kernel, forced onto them, has no bound for float32 rows and is silently off — why it
-    is not used (before, the interpreter ran it: σ_l 2e-4 off, nothing counted)."""
+    """float32 inputs are scored in float64 by the Triton kernels (issue 37): their products are exact there and
+    float64 sums keep rows whose products cancel (Σ|q_d k_d| ~ 1e4·|s|) exact — pass 1's float64 LSE, the
+    per-head kernel's float32 plans, and the batched kernel when forced onto them. Before, the batched kernel
+    scored them in TF32×3 (σ_l 2e-4 off, nothing counted) and float32 pass 2 ran on the torch path."""
     q, k, scale = cancelling_qk(seed=0, size=30.0, dtype=torch.float32)
     want = HeadStats(*qk_stats_ref(q.double(), k.double(), None, False, scale))
     h, hk, d = q.shape[1], k.shape[1], q.shape[3]
-    forced = HeadStats(*kernels._stats(q, k, None, False, scale, None, kernels.row_lse_triton(q, k, None, False, scale),
-                                       kernels.tile_config(h, hk, d)))
+    lse = kernels.row_lse_triton(q, k, None, False, scale)
+    runs = _runs(q, k, None, False, scale, lse)
+    assert runs["heads plan 0"] is not None
+    runs["public"] = qk_head_stats(q, k, scale=scale, backend="triton")
     sigma = want.entropy_spread().item()
-    assert forced.invalid.item() == 0 and abs(forced.entropy_spread().item() - sigma) > 1e-5 * sigma
-    assert_stats_close(qk_head_stats(q, k, scale=scale, backend="triton"), want)
+    for path, got in runs.items():
+        assert_stats_close(got, want)
+        assert abs(got.entropy_spread().item() - sigma) <= 1e-5 * sigma, path
     model = FixedQK(q, k, scale)
     with fastdiag.attach(model, every=1, backend="triton") as monitor:
         model(torch.zeros(q.shape[0], h, q.shape[2], d))

@@ -462,10 +462,11 @@ def test_torch_path_takes_q_and_k_as_views_of_a_fused_projection(dtype):
 
 @pytest.mark.parametrize("gap", [30.0, 300.0, 1e3, 3e3, 1e4])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("backend", ["torch", "torch-pure"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sharp_rows_keep_sigma_within_1e5_of_float64(gap, is_causal, backend):
     """Logit gaps up to 1e4 (float32 softmax underflows at 104): the re-derived σ_l and s_l stay within
-    1e-5 of float64 of the same Q and K, with our own pass 1 and with the SDPA op's LSE (issue 39, 7)."""
+    1e-5 of float64 of the same Q and K, with our own pass 1 and with the SDPA op's LSE (issue 39, 7). The
+    Triton kernels score float32 inputs in float64, as the torch path does (issue 37)."""
     backend = _check_backend(backend)
     gen = torch.Generator().manual_seed(int(gap) + is_causal)
     q, k = torch.randn(2, 4, 16, 8, generator=gen), torch.randn(2, 4, 16, 8, generator=gen)
@@ -604,3 +605,46 @@ def test_triton_sharp_rows_exact_or_named(gap, offset, dtype):
     for (source, path), entropy in exact.items():   # H is of pass 2's own scores, whatever LSE came in
         if (source, path) != ("pass 1", path) and ("pass 1", path) in exact:
             assert rel_err(entropy, exact["pass 1", path]) <= 1e-6
+
+
+# ---- float32 Q/K on the Triton backend: float64 scores, the per-head kernel's float32 plans (issue 37) ----
+
+# (mask kind, (H, Hk), (B, Tq, Tk, D)): rows not a multiple of any tile (64, 32, 16), GQA and MQA, head dims
+# 72 and 80 (read as 128 columns), padded heads (12 and 6 in 16), every mask kind
+FP32_CASES = [
+    ("causal", (12, 12), (1, 70, 70, 64)),
+    ("additive-causal", (8, 2), (1, 37, 41, 72)),
+    ("bool-padding", (4, 1), (2, 17, 33, 80)),
+    ("bool-per-head", (6, 6), (1, 20, 19, 16)),
+    ("additive-finfo-min", (3, 3), (2, 20, 21, 8)),
+]
+
+
+@pytest.mark.parametrize("kind,heads,shape", FP32_CASES,
+                         ids=[f"{m}-H{h}Hk{hk}-B{b}Tq{tq}Tk{tk}D{d}" for m, (h, hk), (b, tq, tk, d) in FP32_CASES])
+def test_float32_triton_passes_match_float64(kind, heads, shape):
+    """float32 Q/K through the Triton backend (pass 1's float64 LSE, then the per-head kernel's float32 plans:
+    the first and the smallest tiles) against float64 on fresh random inputs inside +inf padding, within the
+    float32 target; the attention op's float32 LSE given: exact (only checked), and a wrong one counted."""
+    _check_backend("triton")
+    from fastdiag.core.kernels import qk_stats_triton as kernels
+
+    (h, hk), (b, tq, tk, d) = heads, shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("fp32", kind, heads, shape)).encode()) % 10_000)
+    q, k = _qk(b, h, hk, tq, tk, d, torch.float32, gen)
+    mask, causal = _mask(kind, b, h, tq, tk, gen)
+    scale = 0.8 / d ** 0.5
+    ref = qk_head_stats(q, k, mask, causal, scale, backend="reference")
+    target = TOLERANCE[torch.float32]
+    _assert_close(qk_head_stats(q, k, mask, causal, scale, backend="triton"), ref, target)
+    rows_ok = None if mask is None else valid_rows(mask, causal, (b, h, tq, tk), None)
+    lse = kernels.row_lse_triton(q, k, mask, causal, scale)
+    assert lse.dtype == torch.float64
+    plans = kernels.heads_plans(kernels.heads_config(h, hk, d, 4))
+    assert all(launches[0]["HEAD_LOOP"] for launches in plans)
+    for plan in (0, len(plans) - 1):
+        _assert_close(HeadStats(*kernels._heads_stats(q, k, mask, causal, scale, rows_ok, lse, None, plan)), ref, target)
+    given = lse.float()       # as the attention op gives it: float32
+    _assert_close(qk_head_stats(q, k, mask, causal, scale, backend="triton", lse=given), ref, target)
+    wrong = qk_head_stats(q, k, mask, causal, scale, backend="triton", lse=given + 0.01)
+    assert wrong.invalid.item() > 0 and wrong.sync().isnan()

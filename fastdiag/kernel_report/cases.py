@@ -11,7 +11,7 @@ import triton
 from fastdiag.core.kernels.device import DEFAULT_ARCH, GPUS
 from fastdiag.core.kernels.head_stats_triton import head_stats_triton
 from fastdiag.core.kernels.qk_probs_triton import PROBS_TILES, chunk_keys, probs_chunks
-from fastdiag.core.kernels.qk_stats_triton import (pass1_fits, qk_stats_triton,
+from fastdiag.core.kernels.qk_stats_triton import (heads_config, pass1_fits, qk_stats_triton,
                                                     row_lse_triton)
 
 from .compiled import KernelReport, ReportCase, report_case
@@ -88,12 +88,13 @@ def scores_per_iteration(constexprs: dict) -> int:
 
 
 def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dtype = torch.bfloat16,
-           variant: str = "causal", shared_limit: int = GPUS[DEFAULT_ARCH]["shared_bytes"]) -> list[ReportCase]:
+           variant: str = "causal", shared_limit: int = GPUS[DEFAULT_ARCH]["shared_bytes"],
+           arch: int = DEFAULT_ARCH) -> list[ReportCase]:
     """Pass 1 and pass 2 (diagonal head blocks) of one variant. An "element" is one score (one query
     row, key and head), so the ceiling reads: how fast these kernels cover the probabilities
     compared with the probabilities kernel streaming a materialised P at copy bandwidth. A variant
-    that changes only pass 2 (query rows) reports pass 2 alone; float32 pass 2 is left out (it runs on
-    `qk_stats_torch`: `torch_path_cases`). Where the launcher takes materialised P, `qk_report` reports
+    that changes only pass 2 (query rows) reports pass 2 alone; float32 pass 2 is left out where it runs on
+    `qk_stats_torch` (`torch_path_cases`). Where the launcher takes materialised P, `qk_report` reports
     its two launches (`probs_cases`)."""
     causal, rows, mask_kind = REPORT_VARIANTS[variant]
     q = torch.empty(b, h, t, d, dtype=dtype)
@@ -117,7 +118,11 @@ def _cases(shape: str, b: int, h: int, hk: int, t: int, d: int, dtype: torch.dty
     cases = []
     if dtype != torch.float32:    # 16-bit pass 2 is Triton on every target (per-head kernel or materialised P)
         cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, scores_per_iteration, **size))
-    if not rows and pass1_fits(dtype, shared_limit):
+    elif _float32_pass2(h, hk, d, shared_limit, arch):
+        # float32: pass 1 launches first even with a given LSE (its float64 LSE is pass 2's; the given one checked)
+        cases.append(ReportCase("qk_stats", label, name, dtype.itemsize, pass2, scores_per_iteration,
+                                launch_index=1, **size))
+    if not rows and pass1_fits(dtype, shared_limit, arch):
         cases.insert(0, ReportCase("qk_lse", label, name, dtype.itemsize, pass1, scores_per_iteration, **size))
     return cases
 
@@ -156,6 +161,12 @@ def probs_cases(label: str, dtype: torch.dtype, launch, b: int, h: int, hk: int,
                        launch_index=1, elements=sizes["gram"], read_bytes=2 * sizes["gram"])]
 
 
+def _float32_pass2(h: int, hk: int, d: int, shared_limit: int, arch: int) -> bool:
+    """Whether float32 pass 2 runs in Triton there: the per-head kernel's float32 plan (`heads_config`), where
+    pass 1 runs too (`pass1_fits`: float64 dots compile to MMA); elsewhere the torch path."""
+    return pass1_fits(torch.float32, shared_limit, arch) and heads_config(h, hk, d, 4) is not None
+
+
 def torch_path_cases(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,),
                      dtypes=REPORT_DTYPES) -> list[str]:
     """``"sm_86 llama-7b bfloat16 pass 2"`` for each target, shape, dtype and pass that no Triton tile
@@ -166,9 +177,9 @@ def torch_path_cases(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,
         for shape, (h, hk, d, _t) in shapes.items():
             for dtype in dtypes:
                 name = f"sm_{arch} {shape} {str(dtype).replace('torch.', '')}"
-                if not pass1_fits(dtype, limit):
+                if not pass1_fits(dtype, limit, arch):
                     out.append(f"{name} passes 1 + 2")
-                elif dtype == torch.float32:     # 16-bit: the per-head kernel or materialised P everywhere
+                elif dtype == torch.float32 and not _float32_pass2(h, hk, d, limit, arch):
                     out.append(f"{name} pass 2")
     return out
 
@@ -196,7 +207,7 @@ def qk_report(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,), vari
         for shape, (h, hk, d, t) in shapes.items():
             for variant in variants:
                 for dtype in dtypes:
-                    for case in _cases(shape, 1, h, hk, t, d, dtype, variant, GPUS[arch]["shared_bytes"]):
+                    for case in _cases(shape, 1, h, hk, t, d, dtype, variant, GPUS[arch]["shared_bytes"], arch):
                         progress(f"sm_{arch} {case.kernel} {case.shape} {case.dtype}")
                         rows.append(report_case(case, GPUS[arch]))
                         if rows[-1].triton_kernel == "_qk_probs_kernel":
@@ -206,7 +217,8 @@ def qk_report(shapes: dict = REPORT_SHAPES, archs: tuple[int, ...] = (90,), vari
                             continue
                         if rows[-1].constexprs.get("GRAM") and not rows[-1].constexprs.get("ROW_SUMS"):
                             # the per-head kernel's two-launch plan: the row sums are its second launch
-                            row_sums = dataclasses.replace(case, shape=f"{case.shape} row sums", launch_index=1)
+                            row_sums = dataclasses.replace(case, shape=f"{case.shape} row sums",
+                                                               launch_index=case.launch_index + 1)
                             rows.append(report_case(row_sums, GPUS[arch]))
     return rows
 

@@ -34,6 +34,33 @@ _MASKED = tl.constexpr(MASKED_SCORE)
 
 
 @triton.jit
+def _head_scores(h, q_base, k_base, mask_base, q_offsets, q_in, k_offsets, k_in, mask_offsets, mask_in, visible,
+                 qk_scale, mask_threshold, stride_qh, stride_kh, stride_mh,
+                 GROUP: tl.constexpr, MASK_KIND: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Head ``h``'s masked scores in log2 units on one ``[BLOCK_M, BLOCK_N]`` tile (masked keys at MASKED;
+    float64 for float32 inputs) and its K tile. ``h`` may be a loop variable (`_gram_by_head`)."""
+    q = tl.load(q_base + h * stride_qh + q_offsets, mask=q_in, other=0.0)
+    kt = tl.load(k_base + (h // GROUP) * stride_kh + k_offsets, mask=k_in, other=0.0)
+    if FP32_DOT:
+        # fp32 products are exact in float64, and float64 sums keep a sharp row's gaps (1e4 nats)
+        s = tl.dot(q.to(tl.float64), kt.to(tl.float64))
+    else:
+        s = tl.dot(q, kt)                               # 16-bit products are exact in fp32
+    s = s * qk_scale
+    seen = visible
+    if MASK_KIND != 0:
+        m_tile = tl.load(mask_base + h * stride_mh + mask_offsets, mask=mask_in, other=0)
+        if MASK_KIND == 1:
+            seen = seen & (m_tile != 0)
+        else:
+            # finite, NaN-propagating (see `qk_stats_triton._scores`)
+            mf = tl.maximum(m_tile.to(tl.float32), _MASKED, propagate_nan=tl.PropagateNan.ALL)
+            seen = seen & ((mf > mask_threshold) | (mf != mf))
+            s = s + mf.to(s.dtype) * _LOG2E
+    return tl.where(seen, s, _MASKED), kt
+
+
+@triton.jit
 def _head_tile(h: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in,
                mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m, rest, total,
                k_norm2, stride_qh, stride_kh, stride_mh, stride_lh,
@@ -49,35 +76,20 @@ def _head_tile(h: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, 
     head shares (``*_offsets``, in bounds where ``*_in``): per-head pointer tiles, hoisted out of the
     key loop by the compiler, took every register (255, and spilled)."""
     if h < HEADS:
-        q = tl.load(q_base + h * stride_qh + q_offsets, mask=q_in, other=0.0)
-        kt = tl.load(k_base + (h // GROUP) * stride_kh + k_offsets, mask=k_in, other=0.0)
-        if FP32_DOT:
-            s = tl.dot(q, kt, input_precision="tf32x3")     # fp32 inputs keep fp32 accuracy
-        else:
-            s = tl.dot(q, kt)                               # 16-bit products are exact in fp32
-        s = s * qk_scale
-        seen = visible
-        if MASK_KIND != 0:
-            m_tile = tl.load(mask_base + h * stride_mh + mask_offsets, mask=mask_in, other=0)
-            if MASK_KIND == 1:
-                seen = seen & (m_tile != 0)
-            else:
-                # finite, NaN-propagating (see `qk_stats_triton._scores`)
-                mf = tl.maximum(m_tile.to(tl.float32), _MASKED, propagate_nan=tl.PropagateNan.ALL)
-                seen = seen & ((mf > mask_threshold) | (mf != mf))
-                s = s + mf * _LOG2E
-        s = tl.where(seen, s, _MASKED)
+        s, kt = _head_scores(h, q_base, k_base, mask_base, q_offsets, q_in, k_offsets, k_in, mask_offsets, mask_in,
+                             visible, qk_scale, mask_threshold, stride_qh, stride_kh, stride_mh, GROUP, MASK_KIND,
+                             FP32_DOT)
         # a row that does not count may have LSE ±inf: 0 keeps its exponent finite, its p is 0 anyway
-        lse2 = tl.load(lse_base + h * stride_lh + lse_offsets, mask=ok, other=0.0) * _LOG2E
+        lse2 = tl.load(lse_base + h * stride_lh + lse_offsets, mask=ok, other=0.0) * _LOG2E   # float64: pass 1's, float32 inputs
         if ROW_SUMS:
             # p = exp2(s − m) · exp2(m − lse₂): one exp2 per score serves the Gram and the row sums
             e, m, rest, total = _row_sums_step(s, m, rest, total, 1)
-            if not FP32_DOT and KEY_NORMS:
+            if KEY_NORMS:
                 # one running max over the program's heads: one register, an upper bound for each head
                 k_norm2 = tl.maximum(k_norm2, tl.max(_key_norms2(kt, 0), 1, keep_dims=True))
-            p = tl.where(ok[:, None], e * tl.exp2(m - lse2)[:, None], 0.0)   # NaN in a row that does not count: 0
+            p = tl.where(ok[:, None], e * tl.exp2((m - lse2).to(tl.float32))[:, None], 0.0)   # NaN where a row does not count: 0
         else:
-            p = tl.exp2(tl.where(ok[:, None], s - lse2[:, None], _MASKED))
+            p = tl.exp2(tl.where(ok[:, None], s - lse2[:, None], _MASKED).to(tl.float32))
         if FP32_DOT:
             tile = p
         else:
@@ -150,6 +162,36 @@ def _gram_tile(gram, tiles, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
     return _gram_chunks(gram, slab, GRAM_CHUNKS, FP32_DOT)
 
 @triton.jit
+def _gram_by_head(gram, scratch, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in, mask_offsets,
+                  mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, stride_qh, stride_kh, stride_mh,
+                  stride_lh, HEADS: tl.constexpr, GROUP: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, GRAM_COLUMNS: tl.constexpr):
+    """``gram [1, BLOCK_H, BLOCK_H]`` plus one key step, float32 inputs (``HEAD_LOOP``): the heads scored in
+    float64 one at a time by a loop, each head's probabilities (float32, from pass 1's float64 LSE) stored to
+    its row of this program's ``scratch`` slab ``[BLOCK_H, BLOCK_M·BLOCK_N]`` (L2-resident, 16 KB), which the
+    Gram dot then reads whole, in TF32×3 (float32 accuracy: p keeps 1e-7 relative, the target is 1e-5).
+    Held in registers instead, as `_stack` holds 16-bit tiles, the heads' float64 scores and the stacked
+    float32 tiles took 255 registers and spilled 64–900 B at GPT-2-small (sm_80–sm_120, triton 3.6 and 3.9)."""
+    size: tl.constexpr = BLOCK_M * BLOCK_N
+    here = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    for h in range(HEADS):
+        s, _kt = _head_scores(h, q_base, k_base, mask_base, q_offsets, q_in, k_offsets, k_in, mask_offsets, mask_in,
+                              visible, qk_scale, mask_threshold, stride_qh, stride_kh, stride_mh, GROUP, MASK_KIND,
+                              True)
+        lse2 = tl.load(lse_base + h * stride_lh + lse_offsets, mask=ok, other=0.0) * _LOG2E
+        tl.store(scratch + h * size + here, tl.exp2(tl.where(ok[:, None], s - lse2[:, None], _MASKED).to(tl.float32)))
+    tl.debug_barrier()    # every head's tile stored before any is read
+    place = tl.arange(0, BLOCK_H)
+    for c in range(0, size, GRAM_COLUMNS):     # a loop: one chunk's operands live at a time
+        column = c + tl.arange(0, GRAM_COLUMNS)
+        slab = tl.load(scratch + place[:, None] * size + column[None, :], mask=place[:, None] < HEADS, other=0.0)
+        slab_t = tl.load(scratch + place[None, :] * size + column[:, None], mask=place[None, :] < HEADS, other=0.0)
+        gram += tl.dot(slab, slab_t, input_precision="tf32x3")[None, :, :]
+    tl.debug_barrier()    # read before the next key step stores
+    return gram
+
+
+@triton.jit
 def _full_stack(WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, VALUE: tl.constexpr):
     """``VALUE`` everywhere, shaped as `_stack`'s row sums: ``[BLOCK_M, 2, …, 2]``."""
     if WIDTH == 1:
@@ -171,7 +213,7 @@ def _bit_reversed(j, BITS: tl.constexpr):
 @triton.jit
 def _qk_heads_kernel(
     gram_part_ptr, entropy_part_ptr, invalid_part_ptr,  # outputs: [P, H, H] (pairs: [P, pairs, 2·PB, 2·PB]), [P, H], [P, head programs]
-    q_ptr, k_ptr, mask_ptr, lse_ptr, row_ok_ptr, pair_ptr,
+    q_ptr, k_ptr, mask_ptr, lse_ptr, row_ok_ptr, pair_ptr, scratch_ptr,   # scratch: HEAD_LOOP's, [P, BLOCK_H·BLOCK_M·BLOCK_N]
     Tq, Tk, D, row_tiles, qk_scale, mask_threshold,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -182,7 +224,8 @@ def _qk_heads_kernel(
     HAS_ROW_OK: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     GRAM_CHUNKS: tl.constexpr, GRAM: tl.constexpr, ROW_SUMS: tl.constexpr, OUT_H: tl.constexpr,
-    PAIR_HEADS: tl.constexpr = 0, Q_STREAM: tl.constexpr = False,
+    PAIR_HEADS: tl.constexpr = 0, Q_STREAM: tl.constexpr = False, HEAD_LOOP: tl.constexpr = False,
+    GRAM_COLUMNS: tl.constexpr = 64,
 ):
     pid = tl.program_id(0).to(tl.int64)
     batch = pid // row_tiles
@@ -192,6 +235,8 @@ def _qk_heads_kernel(
     # the rows' running sums (`row_entropy_triton`) stay in the stack's own shape and layout: reshaped to
     # [rows, heads] inside the loop they took a layout holding each value twice in every thread of a quad
     m = _full_stack(BLOCK_H, BLOCK_M, _MASKED)
+    if FP32_DOT:
+        m = m.to(tl.float64)   # the float64 scores' running maximum (only differences leave it, as float32)
     rest = _full_stack(BLOCK_H, BLOCK_M, 0.0)
     total = _full_stack(BLOCK_H, BLOCK_M, 0.0)
     k_norm2 = tl.zeros((1, 1), dtype=tl.float32)   # 16-bit row sums: max ‖k_j‖² so far, over the heads
@@ -240,7 +285,12 @@ def _qk_heads_kernel(
             visible = visible & (key[None, :] <= row[:, None])
         mask_offsets = row[:, None] * stride_mm + key[None, :] * stride_mn
         mask_in = (row[:, None] < Tq) & (key[None, :] < Tk)
-        if PAIR_HEADS > 0:
+        if HEAD_LOOP:
+            gram = _gram_by_head(gram, scratch_ptr + pid * (BLOCK_H * BLOCK_M * BLOCK_N), q_base, k_base, mask_base,
+                                 lse_base, q_offsets, q_step, k_offsets, k_in, mask_offsets, mask_in, visible, ok,
+                                 lse_offsets, qk_scale, mask_threshold, stride_qh, stride_kh, stride_mh, stride_lh,
+                                 HEADS, GROUP, MASK_KIND, BLOCK_M, BLOCK_N, BLOCK_H, GRAM_COLUMNS)
+        elif PAIR_HEADS > 0:
             # block I's heads then block J's: the top level of a `_stack` of 2·PB heads (the Gram alone:
             # a pair's launch takes no row sums, its running sums pass through unchanged)
             m_i, m_j = tl.split(m)
@@ -263,11 +313,14 @@ def _qk_heads_kernel(
                 mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, m, rest, total,
                 k_norm2, stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP, MASK_KIND, FP32_DOT, ROW_SUMS, BLOCK_M,
                 BLOCK_N)
-        if GRAM:
+        if GRAM and not HEAD_LOOP:
             gram = _gram_tile(gram, tiles, SPLIT, BLOCK_M, BLOCK_N, BLOCK_H, GRAM_CHUNKS, FP32_DOT)
 
     place = tl.arange(0, BLOCK_H)
-    head = _bit_reversed(place, HEAD_BITS)
+    if HEAD_LOOP:
+        head = place                              # `_gram_by_head` places heads in order
+    else:
+        head = _bit_reversed(place, HEAD_BITS)
     if PAIR_HEADS > 0:
         # the pair's whole [2·PB, 2·PB] block by place in the stack (I's heads, then J's): the host takes
         # the I-J quadrant from every pair and each diagonal block from one pair holding it
@@ -280,15 +333,13 @@ def _qk_heads_kernel(
     if ROW_SUMS:
         counted = ok[:, None] & (head0 + head[None, :] < HEADS)
         lse2 = tl.load(lse_base + head[None, :] * stride_lh + lse_offsets[:, None], mask=counted, other=0.0) * _LOG2E
-        bound = k_norm2   # unread for float32 inputs
-        if not FP32_DOT:
-            # ‖q_i‖² per row and head, re-read once here (not held across the key loop), at each head's place
-            q_norm2 = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-            for h in tl.static_range(BLOCK_H):
-                real_head = (tl.full((1, 1), h, tl.int64) + head0) < HEADS   # a tensor: head0 may be 0
-                q_h = tl.load(q_base + h * stride_qh + q_offsets, mask=q_in & real_head, other=0.0).to(tl.float32)
-                q_norm2 = tl.where(head[None, :] == h, tl.sum(q_h * q_h, 1)[:, None], q_norm2)
-            bound = _cancel_bound(q_norm2, k_norm2, qk_scale)
+        # ‖q_i‖² per row and head, re-read once here (not held across the key loop), at each head's place
+        q_norm2 = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+        for h in tl.static_range(BLOCK_H):
+            real_head = (tl.full((1, 1), h, tl.int64) + head0) < HEADS   # a tensor: head0 may be 0
+            q_h = tl.load(q_base + h * stride_qh + q_offsets, mask=q_in & real_head, other=0.0).to(tl.float32)
+            q_norm2 = tl.where(head[None, :] == h, tl.sum(q_h * q_h, 1)[:, None], q_norm2)
+        bound = _cancel_bound(q_norm2, k_norm2, qk_scale)
         entropy, off = _row_results(tl.reshape(m, (BLOCK_M, BLOCK_H)), tl.reshape(rest, (BLOCK_M, BLOCK_H)),
                                     tl.reshape(total, (BLOCK_M, BLOCK_H)), lse2, counted, bound, FP32_DOT)
         if BLOCK_H == 1:

@@ -30,6 +30,13 @@ pass 2 materialises P in row chunks (`qk_probs_triton`: one head a program write
 rows' entropies, head_stats' kernel takes the Gram), which fits every generation at any head count; the
 batched kernel then runs only where its tiles are forced (tests, gpu_check).
 
+float32 inputs are scored in float64 by both passes (their products are exact there, and a sharp row's
+entropy needs the gaps of scores as large as 1e4 to 1e-9 relative, which float32 cannot hold): pass 1
+writes a float64 LSE (a given one, another kernel's float32, is only checked against it), and pass 2 is
+the per-head kernel's float32 plan (`heads_config`: the heads scored one at a time, their probabilities
+through an L2-resident slab into the Gram dot). On targets that compile no float64 MMA, float32 runs on
+the torch path (`FLOAT32_ARCHS`).
+
 Layout: kernels -> launcher (`qk_stats_triton`) -> `torch.library` op (`fastdiag::qk_head_stats`,
 CUDA kernel registered, fake for tracing) so `torch.compile(fullgraph=True)` holds it as one node.
 `fastdiag.kernel_report` compiles both kernels for any target of `device.GPUS` without a GPU, as a launch would.
@@ -43,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .constants import LN2, LOG2E, MASKED_SCORE
+from .constants import LN2, LOG2E, MASKED_SCORE, MASS_TOLERANCE
 from .qk_heads_triton import _qk_heads_kernel
 from .qk_probs_triton import PROBS_BUFFER_BYTES, probs_pass2
 from .row_entropy_triton import _cancel_bound, _key_norms2, _row_results, _row_sums_start, _row_sums_step
@@ -57,7 +64,11 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(LN2)
 _MASKED = tl.constexpr(MASKED_SCORE)
-_ABOVE_MASKED = tl.constexpr(MASKED_SCORE / 10)   # pass 1's starting max: exp2(MASKED - it) is 0
+_ABOVE_MASKED = tl.constexpr(MASKED_SCORE / 10)
+_MASS_TOLERANCE = tl.constexpr(MASS_TOLERANCE)
+# A given float32 LSE's own error, relative: 16 units of float32 rounding (the op's float32 scores and sum);
+# at a score of 1e4 nats an exact op's LSE is ~1e-3 off, which MASS_TOLERANCE alone would name
+_GIVEN_ROUNDING = tl.constexpr(16 * 2.0 ** -24)   # pass 1's starting max: exp2(MASKED - it) is 0
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
 
 
@@ -88,8 +99,8 @@ def _load_q(q_ptr, batch, head, row, real, d0, D, stride_qb, stride_qh, stride_q
 def _qk_dot(q_ptr, k_ptr, q, batch, kv_head, head, row, real, key, d0, Hk, Tk, D,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             FP32_DOT: tl.constexpr, Q_IN_LOOP: tl.constexpr, WIDTH: tl.constexpr):
-    """Q·Kᵀ over head-dimension columns ``d0 .. d0 + WIDTH`` (Q re-read when not held), and the keys'
-    squared norms over those columns ``[BLOCK_HK, 1, BLOCK_N]`` (unused ones are dead code)."""
+    """Q·Kᵀ over head-dimension columns ``d0 .. d0 + WIDTH`` (Q re-read when not held; float64 for float32
+    inputs, float32 for 16-bit ones), and the keys' squared norms over those columns ``[BLOCK_HK, 1, BLOCK_N]``."""
     if Q_IN_LOOP:
         q = _load_q(q_ptr, batch, head, row, real, d0, D, stride_qb, stride_qh, stride_qm, stride_qd, WIDTH)
     d = d0 + tl.arange(0, WIDTH)
@@ -97,20 +108,20 @@ def _qk_dot(q_ptr, k_ptr, q, batch, kv_head, head, row, real, key, d0, Hk, Tk, D
                + key.to(tl.int64)[None, None, :] * stride_kn)   # 64-bit: Tk · stride_kn passes 2^31 (BTHD, T ≥ 512 K)
     kt = tl.load(kt_ptrs, mask=(kv_head[:, :, None] < Hk) & (d[None, :, None] < D) & (key[None, None, :] < Tk),
                  other=0.0)
+    if FP32_DOT:   # fp32 products are exact in float64, and float64 sums keep a sharp row's gaps
+        q, kt_dot = q.to(tl.float64), kt.to(tl.float64)
+    else:          # 16-bit products are exact in fp32
+        kt_dot = kt
+    # one return: the compiler rejects returns of two types even under a constexpr branch
     if q.shape[0] == 1:
         # One key head: a 2-D dot. Triton 3.6 lays a batched dot with a size-1 batch out as
         # warpsPerCTA [8, 1, 1], every warp computing the whole tile (8x the tensor-core and MUFU work,
         # 255 registers and spills); 3.9 splits it [1, 4, 2]. The 2-D dot is laid out well by both.
-        q2 = tl.reshape(q, (q.shape[1], q.shape[2]))
-        kt2 = tl.reshape(kt, (kt.shape[1], kt.shape[2]))
-        if FP32_DOT:
-            s2 = tl.dot(q2, kt2, input_precision="tf32x3")
-        else:
-            s2 = tl.dot(q2, kt2)
-        return tl.reshape(s2, (1, s2.shape[0], s2.shape[1])), _key_norms2(kt, 1)
-    if FP32_DOT:
-        return tl.dot(q, kt, input_precision="tf32x3"), _key_norms2(kt, 1)   # fp32 inputs keep fp32 accuracy
-    return tl.dot(q, kt), _key_norms2(kt, 1)                                  # 16-bit products are exact in fp32
+        s2 = tl.dot(tl.reshape(q, (q.shape[1], q.shape[2])), tl.reshape(kt_dot, (kt.shape[1], kt.shape[2])))
+        s = tl.reshape(s2, (1, s2.shape[0], s2.shape[1]))
+    else:
+        s = tl.dot(q, kt_dot)
+    return s, _key_norms2(kt, 1)
 
 
 @triton.jit
@@ -150,22 +161,23 @@ def _scores(q, q_ptr, k_ptr, mask_ptr, batch, kv_head, head, row, real, key0, Hk
             # NaN entry, which would then count as masked instead of showing up as NaN
             mf = tl.maximum(m.to(tl.float32), _MASKED, propagate_nan=tl.PropagateNan.ALL)
             visible = visible & ((mf > mask_threshold) | (mf != mf))   # NaN stays, to show up as NaN
-            s = s + mf * _LOG2E
+            s = s + mf.to(s.dtype) * _LOG2E
     return tl.where(visible, s, _MASKED), tl.max(k_norms2, 2, keep_dims=True)
 
 
 @triton.jit
 def _qk_lse_kernel(
-    lse_ptr,                                             # output: [B, H, Tq] fp32, natural log
+    lse_ptr,                                             # output: [B, H, Tq] natural log (fp64 for fp32 inputs)
     q_ptr, k_ptr, mask_ptr,
     G, Hk, Tq, Tk, D, row_tiles, qk_scale, mask_threshold,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_lb, stride_lh, stride_lm,
+    given_ptr, stride_gb, stride_gh, stride_gm,          # HAS_GIVEN: a natural-log LSE to check, [B, H, Tq]
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, FP32_DOT: tl.constexpr, Q_IN_LOOP: tl.constexpr,
     BLOCK_HK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DC: tl.constexpr, HAS_GIVEN: tl.constexpr = False,
 ):
     pid = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1).to(tl.int64)
@@ -176,7 +188,10 @@ def _qk_lse_kernel(
     if not Q_IN_LOOP:
         q = _load_q(q_ptr, batch, head, row, real, 0, D, stride_qb, stride_qh, stride_qm, stride_qd, BLOCK_D)
     # above MASKED: a row whose keys are all masked adds exp2(MASKED - m_i) = 0 and keeps sum 0
-    m_i = tl.full((BLOCK_HK, BLOCK_G * BLOCK_M), _ABOVE_MASKED, dtype=tl.float32)
+    if FP32_DOT:   # float64 scores: the maximum too (only differences from it go to float32)
+        m_i = tl.full((BLOCK_HK, BLOCK_G * BLOCK_M), _ABOVE_MASKED, dtype=tl.float64)
+    else:
+        m_i = tl.full((BLOCK_HK, BLOCK_G * BLOCK_M), _ABOVE_MASKED, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
     key_end = Tk
     if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
@@ -187,17 +202,25 @@ def _qk_lse_kernel(
                     stride_kd, stride_mb, stride_mh, stride_mm, stride_mn,
                     IS_CAUSAL, MASK_KIND, FP32_DOT, Q_IN_LOOP, BLOCK_N, BLOCK_D, BLOCK_DC)
         m_new = tl.maximum(m_i, tl.max(s, 2))
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, :, None]), 2)
+        l_i = l_i * tl.exp2((m_i - m_new).to(tl.float32)) + tl.sum(tl.exp2((s - m_new[:, :, None]).to(tl.float32)), 2)
         m_i = m_new
     seen = l_i > 0
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    if HAS_GIVEN:
+        # another kernel's LSE (the attention op's, float32) that disagrees with these scores: a row whose mass
+        # under it is off 1 by more than MASS_TOLERANCE, beyond the float32 rounding of an LSE of its size,
+        # stores NaN, which pass 2 counts invalid
+        given = tl.load(given_ptr + batch * stride_gb + head * stride_gh + row * stride_gm, mask=real, other=0.0)
+        agrees = tl.abs(lse - given) <= _MASS_TOLERANCE + _GIVEN_ROUNDING * tl.abs(lse)   # NaN disagrees
+        lse = tl.where(seen & (agrees == 0), float("nan"), lse)
     tl.store(lse_ptr + batch * stride_lb + head * stride_lh + row * stride_lm, lse, mask=real)
 
 
 @triton.jit
 def _log2_probs(s, lse2, ok):
-    """``x = log2 p = s − lse₂``; rows that do not count get x = MASKED, so p = exp2(x) = 0."""
-    return tl.where(ok[:, :, None], s - lse2[:, :, None], _MASKED)
+    """``x = log2 p = s − lse₂`` (float32, from float64 scores too); rows that do not count get x = MASKED,
+    so p = exp2(x) = 0."""
+    return tl.where(ok[:, :, None], s - lse2[:, :, None], _MASKED).to(tl.float32)
 
 
 @triton.jit
@@ -262,8 +285,8 @@ def _qk_stats_kernel(
             BLOCK_G, BLOCK_M, BLOCK_D)
 
     gram = tl.zeros((BLOCK_HK * BLOCK_G, BLOCK_HK * BLOCK_G), dtype=tl.float32)
-    m, rest, total = _row_sums_start((BLOCK_HK, BLOCK_G * BLOCK_M))   # the rows' running sums
-    k_norm2 = tl.zeros((BLOCK_HK, 1, 1), dtype=tl.float32)   # 16-bit: max ‖k_j‖² so far, per key head
+    m, rest, total = _row_sums_start((BLOCK_HK, BLOCK_G * BLOCK_M), FP32_DOT)   # the rows' running sums
+    k_norm2 = tl.zeros((BLOCK_HK, 1, 1), dtype=tl.float32)   # max ‖k_j‖² so far, per key head
     key_end = Tk
     if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
         key_end = tl.minimum(Tk, row0 + BLOCK_M)
@@ -275,9 +298,8 @@ def _qk_stats_kernel(
         if DIAGONAL:
             # p = exp2(s − m) · exp2(m − lse₂): one exp2 per score serves the Gram and the row sums
             e_i, m, rest, total = _row_sums_step(s_i, m, rest, total, 2)
-            if not FP32_DOT:
-                k_norm2 = tl.maximum(k_norm2, k_norm2_tile)
-            p_i = tl.where(ok_i[:, :, None], e_i * tl.exp2(m - lse2_i)[:, :, None], 0.0)
+            k_norm2 = tl.maximum(k_norm2, k_norm2_tile)
+            p_i = tl.where(ok_i[:, :, None], e_i * tl.exp2((m - lse2_i).to(tl.float32))[:, :, None], 0.0)
         else:
             p_i = tl.exp2(_log2_probs(s_i, lse2_i, ok_i))
         slab_i = _slab(p_i, FP32_DOT, BLOCK_HK, BLOCK_G, BLOCK_M, BLOCK_N)
@@ -300,16 +322,14 @@ def _qk_stats_kernel(
     part = pid * tl.num_programs(1) + pair
     tl.store(gram_part_ptr + part * bh * bh + out[:, None] * bh + out[None, :], gram)
     if DIAGONAL:
-        bound = k_norm2   # unread for float32 inputs
-        if not FP32_DOT:
-            # ‖q_i‖² re-read once here (Q is L2-resident), not held across the key loop; 16 columns at a time
-            # (unrolled: a loop here would be what the kernel report takes for the hot loop)
-            q_norm2 = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
-            for c in tl.static_range(BLOCK_D // 16):
-                q_c = _load_q(q_ptr, batch, head_i, row, real_i, c * 16, D, stride_qb, stride_qh, stride_qm,
-                              stride_qd, 16).to(tl.float32)
-                q_norm2 += tl.sum(q_c * q_c, 2)
-            bound = _cancel_bound(q_norm2, tl.reshape(k_norm2, (BLOCK_HK, 1)), qk_scale)
+        # ‖q_i‖² re-read once here (Q is L2-resident), not held across the key loop; 16 columns at a time
+        # (unrolled: a loop here would be what the kernel report takes for the hot loop)
+        q_norm2 = tl.zeros((BLOCK_HK, BLOCK_G * BLOCK_M), dtype=tl.float32)
+        for c in tl.static_range(BLOCK_D // 16):
+            q_c = _load_q(q_ptr, batch, head_i, row, real_i, c * 16, D, stride_qb, stride_qh, stride_qm,
+                          stride_qd, 16).to(tl.float32)
+            q_norm2 += tl.sum(q_c * q_c, 2)
+        bound = _cancel_bound(q_norm2, tl.reshape(k_norm2, (BLOCK_HK, 1)), qk_scale)
         entropy, off = _row_results(m, rest, total, lse2_i, ok_i, bound, FP32_DOT)
         tl.store(entropy_part_ptr + part * bh + out, tl.sum(tl.reshape(entropy, (bh, BLOCK_M)), 1))
         tl.store(invalid_part_ptr + part, tl.sum(tl.sum(off.to(tl.float32), 1), 0))
@@ -407,24 +427,37 @@ def lse_tile_config(h: int, hk: int, d: int, dtype: torch.dtype = torch.bfloat16
     instructions per score than pass 2's head blocks at every report shape (`fastdiag.kernel_report`)."""
     block_g = triton.next_power_of_2(h // hk)
     block_d = max(16, triton.next_power_of_2(d))
-    # float32 (TF32×3) dots of 128 columns spilled 444–556 B at head dim 128 on sm_100; 64 do not
+    # float32 (float64 dots): 64 columns a dot; 64 rows (128 spilled 96 B at Llama-7B for sm_90, triton 3.9)
     block_dc = min(block_d, _DOT_COLUMNS if dtype == torch.float32 else 2 * _DOT_COLUMNS)
-    return dict(BLOCK_HK=1, BLOCK_G=block_g, BLOCK_M=max(1, 128 // block_g), BLOCK_N=64, BLOCK_D=block_d,
+    rows = 64 if dtype == torch.float32 else 128
+    return dict(BLOCK_HK=1, BLOCK_G=block_g, BLOCK_M=max(1, rows // block_g), BLOCK_N=64, BLOCK_D=block_d,
                 BLOCK_DC=block_dc, Q_IN_LOOP=block_dc < block_d, num_warps=NUM_WARPS, num_stages=2)
+
+
+def lse_tile_candidates(cfg: dict, dtype: torch.dtype) -> list[dict]:
+    """Pass 1's tiles and, for float32 inputs, smaller ones a launch falls back to where they spill
+    (`_launch_without_spills`; the same rows, which the launch's grid is made for): 32 keys a step, then 32
+    columns a dot. Llama-7B's spilled 204 B at 64 keys for sm_80 under triton 3.6 (196 B at 32 columns), none
+    at 32 keys."""
+    if dtype != torch.float32:
+        return [cfg]
+    return [cfg, dict(cfg, BLOCK_N=32), dict(cfg, BLOCK_N=32, BLOCK_DC=min(32, cfg["BLOCK_DC"]),
+                                             Q_IN_LOOP=cfg["Q_IN_LOOP"] or cfg["BLOCK_DC"] > 32)]
 
 
 def pass2_configs(h: int, hk: int, d: int, dtype: torch.dtype, shared_limit: int | None,
                   explicit_mask: bool = False) -> list[dict]:
-    """Pass 2's tiles to try, preferred first, on a target with ``shared_limit`` bytes of shared memory
-    per block (None: no limit applies — CPU, the interpreter). Empty: no tile fits, and pass 2 runs
-    on `qk_stats_torch` (cuBLAS in full float32; the Triton LSE of pass 1 still saves a pass).
+    """The batched pass 2's tiles to try, preferred first, on a target with ``shared_limit`` bytes of shared
+    memory per block (None: no limit applies — CPU, the interpreter). Empty: no tile fits, and pass 2 runs
+    on `qk_stats_torch` (cuBLAS; the Triton LSE of pass 1 still saves a pass).
 
-    float32 inputs run pass 2 there on every device, the interpreter included, so that it runs what a
-    GPU runs: they never fit a GPU (the TF32×3 dots hold three copies of every operand, 256–640 KB at
-    the smallest tiles at GPT-2-small and Llama-7B, compiled for sm_90, benchmarks/RESULTS.md, where the
-    largest GPU allows 227 KB), and the kernels do not bound float32 rows whose products cancel (σ_l
-    2e-4 off, silent, in the interpreter: `tests/test_qk_cancelling.py`), which the torch path scores
-    again in float64. 16-bit tiles are chosen by the estimate `_shared_bytes` (checked
+    Empty for float32 inputs on every device, the interpreter included, so that it runs what a GPU runs:
+    their pass 2 is the per-head kernel's float32 plan (`heads_config`, `_float32_heads_plans`: float64
+    scores one head at a time), or the torch path where that does not apply. The batched kernel scores them
+    in float64 too (exact: `tests/test_qk_cancelling.py` forces it), but its 3-D float64 score dots never fit
+    a GPU: at GPT-2-small for sm_90, 196 KB and 688 B spilled at the smallest tiles (16 heads x 16 rows x 16
+    keys), 393 KB and 16.9 KB spilled at the preferred ones (triton 3.9, benchmarks/RESULTS.md, "float32
+    pass 2"). 16-bit tiles are chosen by the estimate `_shared_bytes` (checked
     against the compiled metadata); a launch that still exceeds the device tries the next.
     ``explicit_mask`` (bool or additive): the mask tile's registers come on top, so the key tile starts
     at 16 (at 32, GPT-2-small spilled 8 B / 12 B on sm_90 under an additive / bool mask and the 4k
@@ -516,12 +549,26 @@ def _shared_args(q4, k4, mask4, is_causal, scale, cfg):
     return grid, q4 if mask is None else mask, args, constexprs   # a missing mask is never read
 
 
-def _row_lse(q4, k4, mask4, is_causal, scale):
+def _row_lse(q4, k4, mask4, is_causal, scale, given=None):
+    """Pass 1: the natural-log row LSE, float64 for float32 inputs (scored in float64: a float32 LSE of a
+    score of 1e4 is 6e-4 off, and pass 2's p carries it whole), float32 for 16-bit ones. ``given``
+    (another kernel's LSE, [B, H, Tq]): checked here, NaN where it disagrees (pass 2 counts the row)."""
     b, h, tq, d = q4.shape
     cfg = lse_tile_config(h, k4.shape[1], d, q4.dtype)
     grid, mask, args, constexprs = _shared_args(q4, k4, mask4, is_causal, scale, cfg)
-    lse = torch.empty(b, h, tq, dtype=torch.float32, device=q4.device)
-    _qk_lse_kernel[grid](lse, q4, k4, mask, *args, *lse.stride(), **constexprs)
+    dtype = torch.float64 if q4.dtype == torch.float32 else torch.float32
+    lse = torch.empty(b, h, tq, dtype=dtype, device=q4.device)
+    checked = (lse, (0, 0, 0)) if given is None else (given, given.stride())
+    candidates = lse_tile_candidates(cfg, q4.dtype)
+    if len(candidates) == 1:
+        _qk_lse_kernel[grid](lse, q4, k4, mask, *args, *lse.stride(), checked[0], *checked[1],
+                             HAS_GIVEN=given is not None, **constexprs)
+        return lse
+    flags = {k: v for k, v in constexprs.items() if k not in cfg}
+    limits = device_limits(q4.device)
+    _launch_without_spills(grid, (lse, q4, k4, mask, *args, *lse.stride(), checked[0], *checked[1]),
+                           dict(flags, HAS_GIVEN=given is not None), candidates, limits and limits["arch"],
+                           kernel=_qk_lse_kernel)
     return lse
 
 
@@ -529,21 +576,22 @@ def _row_lse(q4, k4, mask4, is_causal, scale):
 _UNSPILLED: dict = {}
 
 
-def _launch_without_spills(grid, args: tuple, flags: dict, candidates: list[dict], arch: int | None) -> None:
-    """Launch ``_qk_stats_kernel`` with the first of ``candidates`` (tile constexprs) that compiles
-    without spilling registers on this device (``arch``; None: no GPU), the last where all spill. The
-    choice is kept per target, dtype and constexprs (the compiler's specialisation on alignment is not
-    in the key)."""
-    key = (arch, args[3].dtype, tuple(sorted({**flags, **candidates[0]}.items())))
+def _launch_without_spills(grid, args: tuple, flags: dict, candidates: list[dict], arch: int | None,
+                           kernel=_qk_stats_kernel) -> None:
+    """Launch ``kernel`` (pass 2's batched kernel, or pass 1) with the first of ``candidates`` (tile constexprs)
+    that compiles without spilling registers on this device (``arch``; None: no GPU), the last where all
+    spill. The choice is kept per kernel, target, dtype and constexprs (the compiler's specialisation on
+    alignment is not in the key)."""
+    key = (kernel.fn.__name__, arch, args[1].dtype, args[3].dtype, tuple(sorted({**flags, **candidates[0]}.items())))
     chosen = _UNSPILLED.get(key)
     if chosen is None:
         chosen = candidates[-1]
         for cfg in candidates[:-1]:
-            if not spill_bytes(_qk_stats_kernel, grid, args, {**flags, **cfg}):    # 0, or None: no GPU
+            if not spill_bytes(kernel, grid, args, {**flags, **cfg}):    # 0, or None: no GPU
                 chosen = cfg
                 break
         _UNSPILLED[key] = chosen
-    _qk_stats_kernel[grid](*args, **flags, **chosen)
+    kernel[grid](*args, **flags, **chosen)
 
 
 def _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, limits=None):
@@ -599,6 +647,10 @@ HEADS_KERNEL_MAX_HEADS = 16
 HEADS_KERNEL_MAX_HEAD_DIM = 64
 # Heads per block of the head-pair plan: a pair's program stacks 2 blocks, the Gram dot's 16 heads.
 PAIR_HEADS = 8
+# float32 inputs (`HEAD_LOOP`): heads and head dims of one program (its Gram dot [BLOCK_H, BLOCK_H]); more run
+# on the torch path
+FP32_MAX_HEADS = 64
+FP32_MAX_HEAD_DIM = 128
 
 
 def heads_config(h: int, hk: int, d: int, element_bytes: int = 2) -> dict | None:
@@ -608,8 +660,18 @@ def heads_config(h: int, hk: int, d: int, element_bytes: int = 2) -> dict | None
     (one warpgroup: each warp's 16 rows are its own batch of the Gram dot), the Gram dot in 4 parts
     (one dot of a warp's 16 x 256 slab held 128 registers of operands): compiled for sm_90 by triton
     3.9, 255 registers, no spill, ~100 KB of shared memory, 1.0x the conflict-free wavefronts
-    (benchmarks/RESULTS.md, issue 38). ``PAIRS``: the heads do not fit one program (`heads_plans`)."""
+    (benchmarks/RESULTS.md, issue 38). ``PAIRS``: the heads do not fit one program (`heads_plans`).
+
+    float32 inputs (``element_bytes`` 4): ``HEAD_LOOP``, every head of the rows in one program, scored in
+    float64 one head at a time (`qk_heads_triton._gram_by_head`), up to `FP32_MAX_HEADS` heads of
+    `FP32_MAX_HEAD_DIM`; the tiles are `heads_plans`'."""
     group = h // hk
+    if element_bytes == 4:
+        if h > FP32_MAX_HEADS or d > FP32_MAX_HEAD_DIM:
+            return None
+        return dict(HEADS=h, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(h)), HEAD_BITS=0, BLOCK_M=64,
+                    BLOCK_N=16, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLIT=1, GRAM_CHUNKS=1, num_warps=4,
+                    num_stages=1, PAIRS=False, HEAD_LOOP=True)
     pairs = h > HEADS_KERNEL_MAX_HEADS or d > HEADS_KERNEL_MAX_HEAD_DIM
     if pairs and (h % PAIR_HEADS or h < 2 * PAIR_HEADS or PAIR_HEADS % group):
         return None
@@ -640,6 +702,8 @@ def heads_plans(cfg: dict) -> list[list[dict]]:
     test, forces it (benchmarks/RESULTS.md, issue 38)."""
     pairs = cfg.get("PAIRS", False)
     cfg = {k: v for k, v in cfg.items() if k != "PAIRS"}
+    if cfg.get("HEAD_LOOP"):
+        return _float32_heads_plans(cfg)
     row_sums = dict(cfg, BLOCK_H=1, HEAD_BITS=0, BLOCK_N=64, SPLIT=1, GRAM_CHUNKS=1, GRAM=False, ROW_SUMS=True,
                     HEAD_PROGRAMS=cfg["HEADS"], OUT_H=cfg["HEADS"])
     if pairs:
@@ -656,11 +720,34 @@ def heads_plans(cfg: dict) -> list[list[dict]]:
             [dict(whole, ROW_SUMS=False, num_warps=8, BLOCK_M=32, SPLIT=2), row_sums]]
 
 
+# float32 plans: (Gram programs' rows; the row sums' (rows, keys)), preferred first. The Gram's rows set how often
+# each K tile is read (once per 64 rows), the row sums' tiles their registers (one head, float64 scores)
+_FP32_GRAM_ROWS = (64, 32, 16)
+_FP32_ROW_SUM_TILES = ((64, 32), (32, 32), (32, 16), (16, 16))
+
+
+def _float32_heads_plans(cfg: dict) -> list[list[dict]]:
+    """float32 inputs: the Gram of all heads (``HEAD_LOOP``: heads scored in float64 one at a time, their
+    probabilities through an L2-resident scratch slab into a TF32×3 dot of `GRAM_COLUMNS` columns at a time),
+    then the row sums in programs of one head, Q re-read every key step. Each pair of tiles of
+    `_FP32_GRAM_ROWS` × `_FP32_ROW_SUM_TILES`, largest first: the launcher takes the first that compiles
+    without spilling on the device (`_heads_stats`). Held in registers for all heads, as 16-bit tiles are,
+    the float64 scores spilled everywhere (255 registers; benchmarks/RESULTS.md, "float32 pass 2")."""
+    heads = cfg["HEADS"]
+    base = {k: v for k, v in cfg.items() if k != "HEAD_LOOP"}
+    gram = dict(base, GRAM=True, ROW_SUMS=False, HEAD_LOOP=True, GRAM_COLUMNS=32, HEAD_PROGRAMS=1, OUT_H=heads)
+    row_sums = dict(base, BLOCK_H=1, HEAD_BITS=0, GRAM=False, ROW_SUMS=True, Q_STREAM=True, HEAD_PROGRAMS=heads,
+                    OUT_H=heads)
+    return [[dict(gram, BLOCK_M=m), dict(row_sums, BLOCK_M=rm, BLOCK_N=rn)]
+            for m in _FP32_GRAM_ROWS for rm, rn in _FP32_ROW_SUM_TILES]
+
+
 def heads_shared_bytes(cfg: dict, element_bytes: int) -> int:
     """Shared memory of `_qk_heads_kernel` as sm_90 compiles it: every real head's Q tile (held for the
     whole key loop; staged one head at a time where re-read every key step) and 4 KB of K tile and Gram
     staging (GPT-2-small bf16: 96 + 4 = 100 KB, compiled)."""
-    held = 1 if cfg.get("Q_STREAM") or not cfg.get("GRAM", True) else min(cfg["HEADS"], cfg["BLOCK_H"])
+    held = 1 if cfg.get("Q_STREAM") or cfg.get("HEAD_LOOP") or not cfg.get("GRAM", True) else \
+        min(cfg["HEADS"], cfg["BLOCK_H"])
     return held * cfg["BLOCK_M"] * cfg["BLOCK_D"] * element_bytes + 4096
 
 
@@ -703,24 +790,27 @@ def _heads_launches(q4, k4, mask4, is_causal, scale, rows_ok, lse, plan):
     b, h, tq, d = q4.shape
     tk = k4.shape[2]
     mask, mask_strides, mask_kind, threshold = _mask_args(mask4, (b, h, tq, tk))
-    row_tiles = triton.cdiv(tq, plan[0]["BLOCK_M"])
-    programs = b * row_tiles
-    row_sums = plan[-1]
+    gram, row_sums = plan[0], plan[-1]
+    programs = [b * triton.cdiv(tq, cfg["BLOCK_M"]) for cfg in (gram, row_sums)]   # each launch its own row tiles
     f32 = dict(dtype=torch.float32, device=q4.device)
-    pair_heads = plan[0].get("PAIR_HEADS", 0)
+    pair_heads = gram.get("PAIR_HEADS", 0)
     pairs = q4 if not pair_heads else _head_pairs(h // pair_heads, q4.device)    # unread without pairs
     gram_shape = (h, h) if not pair_heads else (pairs.shape[0], 2 * pair_heads, 2 * pair_heads)
-    outputs = (torch.empty(programs, *gram_shape, **f32), torch.empty(programs, h, **f32),
-               torch.empty(programs, row_sums["HEAD_PROGRAMS"], **f32))
+    outputs = (torch.empty(programs[0], *gram_shape, **f32), torch.empty(programs[1], h, **f32),
+               torch.empty(programs[1], row_sums["HEAD_PROGRAMS"], **f32))
     row_ok = q4 if rows_ok is None else rows_ok.view(torch.uint8)
     row_strides = (0, 0) if rows_ok is None else rows_ok.stride()
-    args = (*outputs, q4, k4, q4 if mask is None else mask, lse, row_ok, pairs, tq, tk, d, row_tiles, scale * LOG2E,
-            threshold, *q4.stride(), *k4.stride(), *mask_strides, *lse.stride(), *row_strides)
+    # HEAD_LOOP (float32): each program's probabilities of every head for one key step, [P, BLOCK_H·M·N]
+    scratch = q4 if not gram.get("HEAD_LOOP") else torch.empty(
+        programs[0], gram["BLOCK_H"] * gram["BLOCK_M"] * gram["BLOCK_N"], **f32)
     launches = []
     for cfg in plan:
+        row_tiles = triton.cdiv(tq, cfg["BLOCK_M"])
+        args = (*outputs, q4, k4, q4 if mask is None else mask, lse, row_ok, pairs, scratch, tq, tk, d, row_tiles,
+                scale * LOG2E, threshold, *q4.stride(), *k4.stride(), *mask_strides, *lse.stride(), *row_strides)
         flags = dict(IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_ROW_OK=rows_ok is not None,
                      FP32_DOT=q4.dtype == torch.float32, **cfg)
-        launches.append(((programs, flags.pop("HEAD_PROGRAMS")), args, flags))
+        launches.append(((b * row_tiles, flags.pop("HEAD_PROGRAMS")), args, flags))
     return launches, outputs
 
 
@@ -755,8 +845,8 @@ _HEADS_PLANS: dict = {}
 
 def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=None):
     """Pass 2 on `_qk_heads_kernel`, or None where it does not apply: no plan for these heads
-    (`heads_config`), float32 (`pass2_configs`: its pass 2 is the torch path), or on this device every plan
-    (`heads_plans`) exceeds shared memory or spills registers (16-bit pass 2 then materialises P).
+    (`heads_config`), or on this device every plan (`heads_plans`) exceeds shared memory or spills registers
+    (16-bit pass 2 then materialises P; float32 runs on the torch path).
     ``plan`` (an index into `heads_plans`) replaces the choice (tests run each plan)."""
     b, h, tq, d = q4.shape
     shape_key = (h, k4.shape[1], d, q4.dtype.itemsize)
@@ -764,7 +854,7 @@ def _heads_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, limits, plan=Non
         cfg = heads_config(*shape_key)
         _HEADS_PLANS[shape_key] = (cfg, None if cfg is None else heads_plans(cfg))
     cfg, plans = _HEADS_PLANS[shape_key]
-    if cfg is None or (plan is None and q4.dtype == torch.float32) or (plan is None and cfg["PAIRS"]):
+    if cfg is None or (plan is None and cfg["PAIRS"]):
         return None     # the head pairs run only when asked for (`heads_plans`: they spill everywhere)
     if plan is None and limits is not None:
         key = (limits["arch"], q4.dtype, *shape_key[:3], bool(is_causal),
@@ -813,18 +903,27 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
     True = may attend, or additive), rows_ok bool ``[B, Tq]`` (None: every row counts), lse the
     natural-log row LSE ``[B, H, Tq]`` or None (pass 1 computes it). Pass 2's tiles that exceed the
     device's shared memory fall back to smaller ones; ``tiles`` (a `tile_config`) replaces that
-    choice, without fallback (tests force head blocks with it at small shapes)."""
+    choice, without fallback (tests force head blocks with it at small shapes).
+
+    float32 inputs: pass 1 always runs (float64 scores, a float64 LSE: `_row_lse`; pass 2 needs that precision)
+    and a given LSE (the attention op's, float32) is only checked against it."""
     q4, k4 = _dot_inputs(q4, k4)
     limits = device_limits(q4.device)
     shared = limits and limits["shared_bytes"]
-    if lse is None:
-        if not pass1_fits(q4.dtype, shared):
-            return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, None, CHUNK_BYTES, check_lse=False)
+    key = (q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared, mask4 is not None)
+    configs = _PASS2_CONFIGS.get(key)
+    if configs is None:
+        configs = _PASS2_CONFIGS[key] = pass2_configs(*key)
+    if lse is None or q4.dtype == torch.float32:
+        if not pass1_fits(q4.dtype, shared, limits and limits["arch"]):
+            return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, CHUNK_BYTES,
+                                  check_lse=lse is not None)
         try:
-            lse = _row_lse(q4, k4, mask4, is_causal, scale)
+            lse = _row_lse(q4, k4, mask4, is_causal, scale, given=lse)
         except triton.runtime.errors.OutOfResources as e:
             _warn_torch_path(q4, e)
-            return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, None, CHUNK_BYTES, check_lse=False)
+            return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, CHUNK_BYTES,
+                                  check_lse=lse is not None)
     if tiles is not None:
         return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, tiles, limits)
     half = q4.dtype in (torch.float16, torch.bfloat16)
@@ -838,10 +937,6 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
         # generation; predicted 0.39 ms at [1, 32, 4096, 128] on sm_90 where the batched kernel takes
         # 3.8 (triton 3.9) / 0.86 (3.6), and the only Triton pass 2 on sm_80/86/89/120 there (benchmarks/RESULTS.md)
         return _probs_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse)
-    key = (q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared, mask4 is not None)
-    configs = _PASS2_CONFIGS.get(key)
-    if configs is None:
-        configs = _PASS2_CONFIGS[key] = pass2_configs(*key)
     for cfg in configs:
         try:
             return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, limits)
@@ -864,16 +959,20 @@ def _warn_torch_path(q4, error) -> None:
                       stacklevel=3)
 
 
-# float32 pass 1 (TF32×3 scores) needs the 227 KB of sm_90 / sm_100: compiled for sm_86 (99 KB) it
-# spills 180 B (GPT-2-small) to 11 KB (Llama-7B, additive mask) and takes 80–192 KB at 128 × 64 tiles,
-# and still spills at 64 × 32 for head dim 128 (triton 3.6, benchmarks/RESULTS.md).
-PASS1_FP32_SHARED = GPUS[90]["shared_bytes"]
+# Targets whose float32 Q/K run in Triton: both passes score in float64 (`tl.dot` on float64 operands), which
+# Triton compiles to the float64 MMA (mma.sync f64) for sm_80 and sm_90, and for sm_100 under triton 3.9 (3.6
+# fails to compile a float64 dot there: "PassManager::run failed"). For sm_86 / sm_89 / sm_120 it emits an FMA
+# loop (those GPUs run float64 at 1/64 rate) whose pass 1 spills 680 B to 56 KB at GPT-2-small and Llama-7B:
+# the torch path runs there (benchmarks/RESULTS.md, "float32 pass 2").
+FLOAT32_ARCHS = (80, 90) + ((100,) if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9) else ())
 
 
-def pass1_fits(dtype: torch.dtype, shared_limit: int | None) -> bool:
+def pass1_fits(dtype: torch.dtype, shared_limit: int | None, arch: int | None = None) -> bool:
     """Whether pass 1 runs in Triton on a target with ``shared_limit`` bytes per block (None: no limit
-    applies). Where not, the whole Q/K computation runs on `qk_stats_torch` (cuBLAS, full float32)."""
-    return shared_limit is None or dtype != torch.float32 or shared_limit >= PASS1_FP32_SHARED
+    applies — CPU, the interpreter) of architecture ``arch`` (as 90 for sm_90). Where not, the whole Q/K
+    computation runs on `qk_stats_torch` (cuBLAS; float64 scores for float32 inputs): float32 inputs off
+    `FLOAT32_ARCHS`."""
+    return shared_limit is None or dtype != torch.float32 or arch in FLOAT32_ARCHS
 
 
 def row_lse_triton(q4, k4, mask4, is_causal: bool, scale: float) -> torch.Tensor:

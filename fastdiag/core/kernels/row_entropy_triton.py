@@ -62,36 +62,50 @@ _HALF_TARGET = tl.constexpr(HALF_TARGET)
 # The device tests check it on the next GPU lent (`tests/test_qk_gpu.py::
 # test_rows_whose_products_cancel_are_named_or_exact_on_tensor_cores`: named or within 1e-3, D 64 and 128).
 # With c = 4 a row is named once ‖q_i‖·max‖k_j‖·|scale| passes ~2900 nats (16-bit target 1e-3): no
-# ordinary layer comes near (a randomly initialised GPT-2-small: 4.6 at most). Float32 inputs never run pass 2 in Triton
-# on a GPU (`qk_stats_triton.pass2_configs`), so they keep the |s| estimate alone.
+# ordinary layer comes near (a randomly initialised GPT-2-small: 4.6 at most).
 CANCEL_ROUNDING = 4 * 2.0 ** -24
 _CANCEL_ROUNDING = tl.constexpr(CANCEL_ROUNDING)
+# Float32 inputs are scored in float64 (the batched pass 2, `qk_stats_triton`): their products are exact there
+# (24 + 24 bits) and a score's error is the float64 accumulation's, at most D·2⁻⁵³·Σ_d |q_d k_jd| (worst case,
+# no statistics of rounding assumed). The same two estimates with float64's unit: |s| (2·2⁻⁵³ per unit) and the
+# Cauchy–Schwarz bound with 2·ln2·D·2⁻⁵³ ≤ 512·2⁻⁵³ per unit (D ≤ 256). A row is then named once |s| passes
+# ~4.5e10 or ‖q_i‖·max‖k_j‖·|scale| ~1.8e8 (target 1e-5): only inputs built to cancel come near.
+SCORE_ROUNDING_FP64 = 2 * 2.0 ** -53
+CANCEL_ROUNDING_FP64 = 512 * 2.0 ** -53
+_SCORE_ROUNDING_FP64 = tl.constexpr(SCORE_ROUNDING_FP64)
+_CANCEL_ROUNDING_FP64 = tl.constexpr(CANCEL_ROUNDING_FP64)
 
 
 @triton.jit
-def _row_sums_start(shape: tl.constexpr):
+def _row_sums_start(shape: tl.constexpr, SCORES_FP64: tl.constexpr = False):
     """Running (m, rest, total) before any key: m at the masked score, so a row's first real key
-    rescales whatever masked keys came before it to 0."""
-    return (tl.full(shape, _MASKED, dtype=tl.float32), tl.zeros(shape, dtype=tl.float32),
-            tl.zeros(shape, dtype=tl.float32))
+    rescales whatever masked keys came before it to 0. ``SCORES_FP64``: m in the float64 of the scores
+    (float32 inputs), the sums float32 all the same."""
+    if SCORES_FP64:
+        m = tl.full(shape, _MASKED, dtype=tl.float64)
+    else:
+        m = tl.full(shape, _MASKED, dtype=tl.float32)
+    return m, tl.zeros(shape, dtype=tl.float32), tl.zeros(shape, dtype=tl.float32)
 
 
 @triton.jit
 def _row_sums_step(s, m, rest, total, AXIS: tl.constexpr):
     """One key tile of scores ``s`` (log2 units, masked keys at MASKED, keys along ``AXIS``) into the
     rows' running ``(m, rest, total)``. Returns ``exp2(s − m_new)`` for every key (the row's
-    probabilities up to a per-row factor) and the new sums."""
+    probabilities up to a per-row factor) and the new sums. Scores and m may be float64 (float32
+    inputs): only differences of them leave it, as float32."""
     m_new = tl.maximum(m, tl.max(s, AXIS))
-    x = s - tl.expand_dims(m_new, AXIS)            # ≤ 0, exactly 0 at the top
+    x = (s - tl.expand_dims(m_new, AXIS)).to(tl.float32)      # ≤ 0, exactly 0 at the top
     e = tl.exp2(x)
     at_top = x == 0
     grew = m_new > m
     # the old sums' keys: rescaled by exp2(m − m_new) when this tile holds a higher key, the old top
     # included (then no longer the top); a tile at the maximum adds one per key tied with the top
     # beyond the one top key (at least one such key when the maximum grew)
-    alpha = tl.exp2(m - m_new)
+    rise = (m_new - m).to(tl.float32)
+    alpha = tl.exp2(-rise)
     old_rest = tl.where(grew, alpha * (1.0 + rest), rest)
-    old_total = tl.where(grew, alpha * (total + (m_new - m) * (1.0 + rest)), total)
+    old_total = tl.where(grew, alpha * (total + rise * (1.0 + rest)), total)
     ties = tl.sum(at_top.to(tl.float32), AXIS) - grew.to(tl.float32)
     rest_new = old_rest + tl.sum(tl.where(at_top, 0.0, e), AXIS) + ties
     total_new = old_total - tl.sum(e * x, AXIS)     # a masked key: 0 · −1e30 = 0
@@ -117,14 +131,15 @@ def _cancel_bound(q_norm2, k_norm_max2, qk_scale):
 def _row_results(m, rest, total, lse2, ok, bound, FP32_DOT: tl.constexpr):
     """Per row: its entropy in nats (0 where the row does not count) and whether it counts as invalid:
     its mass under the LSE off 1 by more than MASS_TOLERANCE (a wrong LSE, NaN), or, for a row that
-    counts, more error than the dtype's target allows (float32 scores too large for it, or, 16-bit
-    inputs, products that cancel: ``bound`` from `_cancel_bound`, unread for float32 inputs)."""
+    counts, more error than the dtype's target allows (scores too large for it, or products that cancel:
+    ``bound`` from `_cancel_bound`; unread for float32 inputs scored in float32, the per-head kernel's).
+    ``m`` float64: the scores were float64 (float32 inputs), so is ``lse2``, and float64's rounding applies."""
     mass_in_row = 1.0 + rest
     # log2(1 + rest) to full precision for a tiny rest: log2(u) · rest / (u − 1) with u = 1 + rest rounded
     log_mass = tl.where(mass_in_row == 1.0, rest * _LOG2E,
                         tl.log2(mass_in_row) * (rest / tl.where(mass_in_row == 1.0, 1.0, mass_in_row - 1.0)))
     entropy = (log_mass + total / mass_in_row) * _LN2
-    mass = tl.exp2(m - lse2) * mass_in_row
+    mass = tl.exp2((m - lse2).to(tl.float32)) * mass_in_row
     if FP32_DOT:
         target = _FP32_TARGET
     else:
@@ -134,7 +149,11 @@ def _row_results(m, rest, total, lse2, ok, bound, FP32_DOT: tl.constexpr):
     size = tl.maximum(tl.abs(m), tl.abs(m - gap))
     drift = tl.abs(mass - 1.0)
     wrong = (drift <= _MASS_TOLERANCE) == 0                               # NaN counts as wrong
-    imprecise = (_SCORE_ROUNDING * size > target) | (drift > target)
-    if not FP32_DOT:
-        imprecise = imprecise | (_CANCEL_ROUNDING * bound > target)
+    if m.dtype == tl.float64:
+        imprecise = (_SCORE_ROUNDING_FP64 * size > target) | (drift > target)
+        imprecise = imprecise | (_CANCEL_ROUNDING_FP64 * bound > target)
+    else:
+        imprecise = (_SCORE_ROUNDING * size > target) | (drift > target)
+        if not FP32_DOT:
+            imprecise = imprecise | (_CANCEL_ROUNDING * bound > target)
     return tl.where(ok, entropy, 0.0), ok & (wrong | imprecise)
