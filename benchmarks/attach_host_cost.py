@@ -7,7 +7,8 @@ warm-up steps, bare and with ``attach(every=1, keep_records=False)``:
 - aten ops added per measured layer (a TorchDispatchMode; ``backend="triton"`` under
   TRITON_INTERPRET=1: the launch glue is counted, each kernel launch as one op, and the tensor copies
   the interpreter makes to emulate a launch not at all: a GPU launch has none), on a float16 copy of
-  the model: float32 Q and K run pass 2 on the torch path (on a GPU no float32 tile fits), also printed,
+  the model and on the float32 model itself (its Q and K scored in float64 by the same two launches:
+  pass 1 and the per-head kernel's float32 plan, as on sm_80 / sm_90),
 - Python calls added per measured layer (``sys.setprofile`` "call" events; ``backend="torch"``),
 - ops that would make a CUDA host wait (`fastdiag.core.host_sync`), on every backend.
 
@@ -172,8 +173,8 @@ def counts(detail: bool = False, families=("gpt2", "llama"), syncs: bool = True)
     rows = []
     for family in families:
         model = tiny(family)
-        # the Triton kernels run pass 2 on 16-bit Q and K (float32 runs it on the torch path, on a GPU as
-        # in the interpreter): counted on a float16 copy, what a bf16/fp16 step on a GPU runs
+        # counted on a float16 copy (what a bf16/fp16 step on a GPU runs) and on the float32 model (its Q/K
+        # scored in float64 by pass 1 and the per-head kernel's float32 plan, as on a GPU with float64 MMA)
         half = tiny(family).half()
         ops_bare, ops_att = bare(half, count_ops), attached(half, "triton", count_ops)
         fp32_glue = (sum(attached(model, "triton", count_ops).ops.values())
@@ -187,8 +188,8 @@ def counts(detail: bool = False, families=("gpt2", "llama"), syncs: bool = True)
                    sync_ops={b: len(s) for b, s in sync.items()})
         rows.append(row)
         print(f"{family}: +{row['aten_ops_per_layer']:.1f} aten ops / measured layer (triton, float16; "
-              f"{row['with_interpreter_copies']:.1f} with the interpreter's launch copies; float32, pass 2 on "
-              f"the torch path: +{fp32_glue:.1f}), "
+              f"{row['with_interpreter_copies']:.1f} with the interpreter's launch copies; float32: "
+              f"+{fp32_glue:.1f}), "
               f"+{row['python_calls_per_layer']:.0f} Python calls / measured layer (torch), host-sync ops "
               + ", ".join(f"{b} {n}" for b, n in row["sync_ops"].items()), flush=True)
         if detail:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .constants import LOG2E, MASKED_SCORE
-from .row_entropy_triton import _cancel_bound, _key_norms2, _row_results, _row_sums_step
+from .row_entropy_triton import _cancel_bound, _key_norms2, _row_results, _row_sums_start, _row_sums_step
 
 _LOG2E = tl.constexpr(LOG2E)
 _MASKED = tl.constexpr(MASKED_SCORE)
@@ -162,33 +162,49 @@ def _gram_tile(gram, tiles, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
     return _gram_chunks(gram, slab, GRAM_CHUNKS, FP32_DOT)
 
 @triton.jit
-def _gram_by_head(gram, scratch, q_base, k_base, mask_base, lse_base, q_offsets, q_in, k_offsets, k_in, mask_offsets,
-                  mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, stride_qh, stride_kh, stride_mh,
-                  stride_lh, HEADS: tl.constexpr, GROUP: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, GRAM_COLUMNS: tl.constexpr):
-    """``gram [1, BLOCK_H, BLOCK_H]`` plus one key step, float32 inputs (``HEAD_LOOP``): the heads scored in
-    float64 one at a time by a loop, each head's probabilities (float32, from pass 1's float64 LSE) stored to
-    its row of this program's ``scratch`` slab ``[BLOCK_H, BLOCK_M·BLOCK_N]`` (L2-resident, 16 KB), which the
-    Gram dot then reads whole, in TF32×3 (float32 accuracy: p keeps 1e-7 relative, the target is 1e-5).
-    Held in registers instead, as `_stack` holds 16-bit tiles, the heads' float64 scores and the stacked
-    float32 tiles took 255 registers and spilled 64–900 B at GPT-2-small (sm_80–sm_120, triton 3.6 and 3.9)."""
+def _gram_by_head(gram, m, rest, total, k_norm2, scratch, q_base, k_base, mask_base, lse_base, q_offsets, q_in,
+                  k_offsets, k_in, mask_offsets, mask_in, visible, ok, lse_offsets, qk_scale, mask_threshold, stride_qh,
+                  stride_kh, stride_mh, stride_lh, HEADS: tl.constexpr, GROUP: tl.constexpr, MASK_KIND: tl.constexpr,
+                  ROW_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                  GRAM_COLUMNS: tl.constexpr):
+    """One key step of float32 inputs (``HEAD_LOOP``): ``gram [1, BLOCK_H, BLOCK_H]`` plus its Gram and, with
+    ROW_SUMS, the rows' running sums ``(m, rest, total)`` ``[BLOCK_M, BLOCK_H]`` (m float64, heads in order)
+    and ``k_norm2`` (`_head_tile`'s) with it. The heads are scored in float64 one at a time by a loop, each
+    head's probabilities (float32; its LSE is pass 1's float64) stored to its row of this program's
+    ``scratch`` slab ``[BLOCK_H, BLOCK_M·BLOCK_N]`` (L2-resident, 64 KB at 64 heads), which the Gram dot then reads,
+    `GRAM_COLUMNS` columns at a time, in TF32×3 (p keeps float32's 1e-7; the target is 1e-5). Held in registers
+    instead, as `_stack` holds 16-bit tiles, the heads' float64 scores and the stacked float32 tiles took 255
+    registers and spilled 64–900 B at GPT-2-small (sm_80–sm_120, triton 3.6 and 3.9); in a loop, one head's
+    are live, and a head's running sums are picked from and put back in place by a select."""
     size: tl.constexpr = BLOCK_M * BLOCK_N
     here = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    for h in range(HEADS):
-        s, _kt = _head_scores(h, q_base, k_base, mask_base, q_offsets, q_in, k_offsets, k_in, mask_offsets, mask_in,
-                              visible, qk_scale, mask_threshold, stride_qh, stride_kh, stride_mh, GROUP, MASK_KIND,
-                              True)
-        lse2 = tl.load(lse_base + h * stride_lh + lse_offsets, mask=ok, other=0.0) * _LOG2E
-        tl.store(scratch + h * size + here, tl.exp2(tl.where(ok[:, None], s - lse2[:, None], _MASKED).to(tl.float32)))
-    tl.debug_barrier()    # every head's tile stored before any is read
     place = tl.arange(0, BLOCK_H)
+    for h in range(HEADS):
+        s, kt = _head_scores(h, q_base, k_base, mask_base, q_offsets, q_in, k_offsets, k_in, mask_offsets, mask_in,
+                             visible, qk_scale, mask_threshold, stride_qh, stride_kh, stride_mh, GROUP, MASK_KIND,
+                             True)
+        lse2 = tl.load(lse_base + h * stride_lh + lse_offsets, mask=ok, other=0.0) * _LOG2E
+        if ROW_SUMS:
+            here_h = place[None, :] == h
+            m_h = tl.max(tl.where(here_h, m, float("-inf")), 1)
+            e, m_h, rest_h, total_h = _row_sums_step(s, m_h, tl.sum(tl.where(here_h, rest, 0.0), 1),
+                                                     tl.sum(tl.where(here_h, total, 0.0), 1), 1)
+            m = tl.where(here_h, m_h[:, None], m)
+            rest = tl.where(here_h, rest_h[:, None], rest)
+            total = tl.where(here_h, total_h[:, None], total)
+            k_norm2 = tl.maximum(k_norm2, tl.max(_key_norms2(kt, 0), 1, keep_dims=True))
+            p = tl.where(ok[:, None], e * tl.exp2((m_h - lse2).to(tl.float32))[:, None], 0.0)
+        else:
+            p = tl.exp2(tl.where(ok[:, None], s - lse2[:, None], _MASKED).to(tl.float32))
+        tl.store(scratch + h * size + here, p)
+    tl.debug_barrier()    # every head's tile stored before any is read
     for c in range(0, size, GRAM_COLUMNS):     # a loop: one chunk's operands live at a time
         column = c + tl.arange(0, GRAM_COLUMNS)
         slab = tl.load(scratch + place[:, None] * size + column[None, :], mask=place[:, None] < HEADS, other=0.0)
         slab_t = tl.load(scratch + place[None, :] * size + column[:, None], mask=place[None, :] < HEADS, other=0.0)
         gram += tl.dot(slab, slab_t, input_precision="tf32x3")[None, :, :]
     tl.debug_barrier()    # read before the next key step stores
-    return gram
+    return gram, m, rest, total, k_norm2
 
 
 @triton.jit
@@ -213,7 +229,8 @@ def _bit_reversed(j, BITS: tl.constexpr):
 @triton.jit
 def _qk_heads_kernel(
     gram_part_ptr, entropy_part_ptr, invalid_part_ptr,  # outputs: [P, H, H] (pairs: [P, pairs, 2·PB, 2·PB]), [P, H], [P, head programs]
-    q_ptr, k_ptr, mask_ptr, lse_ptr, row_ok_ptr, pair_ptr, scratch_ptr,   # scratch: HEAD_LOOP's, [P, BLOCK_H·BLOCK_M·BLOCK_N]
+    q_ptr, k_ptr, mask_ptr, lse_ptr, row_ok_ptr, pair_ptr,
+    scratch_ptr, scratch0,      # HEAD_LOOP: float32 slabs [P, BLOCK_H·BLOCK_M·BLOCK_N] from float32 element scratch0
     Tq, Tk, D, row_tiles, qk_scale, mask_threshold,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -234,11 +251,14 @@ def _qk_heads_kernel(
     gram = tl.zeros((SPLIT, BLOCK_H, BLOCK_H), dtype=tl.float32)
     # the rows' running sums (`row_entropy_triton`) stay in the stack's own shape and layout: reshaped to
     # [rows, heads] inside the loop they took a layout holding each value twice in every thread of a quad
-    m = _full_stack(BLOCK_H, BLOCK_M, _MASKED)
-    if FP32_DOT:
-        m = m.to(tl.float64)   # the float64 scores' running maximum (only differences leave it, as float32)
-    rest = _full_stack(BLOCK_H, BLOCK_M, 0.0)
-    total = _full_stack(BLOCK_H, BLOCK_M, 0.0)
+    if HEAD_LOOP:   # [rows, heads in order]; m the float64 scores' running maximum
+        m, rest, total = _row_sums_start((BLOCK_M, BLOCK_H), True)
+    else:
+        m = _full_stack(BLOCK_H, BLOCK_M, _MASKED)
+        rest = _full_stack(BLOCK_H, BLOCK_M, 0.0)
+        total = _full_stack(BLOCK_H, BLOCK_M, 0.0)
+        if FP32_DOT:   # float64, as `_row_sums_start` makes them for float32 inputs
+            m, rest, total = m.to(tl.float64), rest.to(tl.float64), total.to(tl.float64)
     k_norm2 = tl.zeros((1, 1), dtype=tl.float32)   # 16-bit row sums: max ‖k_j‖² so far, over the heads
     key_end = Tk
     if IS_CAUSAL:   # later key tiles are in the future of every row of this tile
@@ -286,10 +306,12 @@ def _qk_heads_kernel(
         mask_offsets = row[:, None] * stride_mm + key[None, :] * stride_mn
         mask_in = (row[:, None] < Tq) & (key[None, :] < Tk)
         if HEAD_LOOP:
-            gram = _gram_by_head(gram, scratch_ptr + pid * (BLOCK_H * BLOCK_M * BLOCK_N), q_base, k_base, mask_base,
-                                 lse_base, q_offsets, q_step, k_offsets, k_in, mask_offsets, mask_in, visible, ok,
-                                 lse_offsets, qk_scale, mask_threshold, stride_qh, stride_kh, stride_mh, stride_lh,
-                                 HEADS, GROUP, MASK_KIND, BLOCK_M, BLOCK_N, BLOCK_H, GRAM_COLUMNS)
+            gram, m, rest, total, k_norm2 = _gram_by_head(
+                gram, m, rest, total, k_norm2,
+                scratch_ptr.to(tl.pointer_type(tl.float32)) + scratch0 + pid * (BLOCK_H * BLOCK_M * BLOCK_N), q_base, k_base,
+                mask_base, lse_base, q_offsets, q_step, k_offsets, k_in, mask_offsets, mask_in, visible, ok,
+                lse_offsets, qk_scale, mask_threshold, stride_qh, stride_kh, stride_mh, stride_lh, HEADS, GROUP,
+                MASK_KIND, ROW_SUMS, BLOCK_M, BLOCK_N, BLOCK_H, GRAM_COLUMNS)
         elif PAIR_HEADS > 0:
             # block I's heads then block J's: the top level of a `_stack` of 2·PB heads (the Gram alone:
             # a pair's launch takes no row sums, its running sums pass through unchanged)

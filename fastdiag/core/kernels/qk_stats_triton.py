@@ -549,15 +549,17 @@ def _shared_args(q4, k4, mask4, is_causal, scale, cfg):
     return grid, q4 if mask is None else mask, args, constexprs   # a missing mask is never read
 
 
-def _row_lse(q4, k4, mask4, is_causal, scale, given=None):
+def _row_lse(q4, k4, mask4, is_causal, scale, given=None, spare_rows=0):
     """Pass 1: the natural-log row LSE, float64 for float32 inputs (scored in float64: a float32 LSE of a
     score of 1e4 is 6e-4 off, and pass 2's p carries it whole), float32 for 16-bit ones. ``given``
-    (another kernel's LSE, [B, H, Tq]): checked here, NaN where it disagrees (pass 2 counts the row)."""
+    (another kernel's LSE, [B, H, Tq]): checked here, NaN where it disagrees (pass 2 counts the row).
+    ``spare_rows``: batch rows allocated past B and left unwritten, ``[B + spare_rows, H, Tq]`` (pass 2's
+    float32 scratch: `float32_scratch_rows`)."""
     b, h, tq, d = q4.shape
     cfg = lse_tile_config(h, k4.shape[1], d, q4.dtype)
     grid, mask, args, constexprs = _shared_args(q4, k4, mask4, is_causal, scale, cfg)
     dtype = torch.float64 if q4.dtype == torch.float32 else torch.float32
-    lse = torch.empty(b, h, tq, dtype=dtype, device=q4.device)
+    lse = torch.empty(b + spare_rows, h, tq, dtype=dtype, device=q4.device)
     checked = (lse, (0, 0, 0)) if given is None else (given, given.stride())
     candidates = lse_tile_candidates(cfg, q4.dtype)
     if len(candidates) == 1:
@@ -603,7 +605,8 @@ def _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, limits=None):
     (block_i, block_j, off_i, off_j), gram_index, entropy_index = _gathers(h, hk, cfg, blocks, device)
     bh = cfg["BLOCK_HK"] * cfg["BLOCK_G"]
     gram_part = torch.empty(programs, blocks, bh, bh, dtype=torch.float32, device=device)
-    entropy_part = torch.empty(programs, blocks, bh, dtype=torch.float32, device=device)
+    entropy_part = torch.empty(programs, blocks, bh, dtype=torch.float64 if q4.dtype == torch.float32 else torch.float32,
+                               device=device)     # float32 inputs: float64 row sums (`_row_sums_start`)
     invalid_part = torch.empty(programs, blocks, dtype=torch.float32, device=device)
     row_ok = q4 if rows_ok is None else rows_ok.view(torch.uint8)
     row_strides = (0, 0) if rows_ok is None else rows_ok.stride()
@@ -726,11 +729,20 @@ _FP32_GRAM_ROWS = (64, 32, 16)
 _FP32_ROW_SUM_TILES = ((64, 32), (32, 32), (32, 16), (16, 16))
 
 
+def float32_scratch_rows(b: int, h: int, tq: int, cfg: dict) -> int:
+    """Batch rows of pass 1's float64 LSE ``[B + rows, H, Tq]`` past B that hold the float32 plans' scratch
+    slabs (`_heads_launches`): one allocation for both, one host op fewer per measured layer (issue 37: ≤ 16).
+    ``B·cdiv(Tq, 64)·64·BLOCK_H·BLOCK_N`` float32 elements: enough at any of `_FP32_GRAM_ROWS`."""
+    need = b * triton.cdiv(tq, max(_FP32_GRAM_ROWS)) * max(_FP32_GRAM_ROWS) * cfg["BLOCK_H"] * cfg["BLOCK_N"]
+    return triton.cdiv(need, 2 * h * tq)
+
+
 def _float32_heads_plans(cfg: dict) -> list[list[dict]]:
-    """float32 inputs: the Gram of all heads (``HEAD_LOOP``: heads scored in float64 one at a time, their
-    probabilities through an L2-resident scratch slab into a TF32×3 dot of `GRAM_COLUMNS` columns at a time),
-    then the row sums in programs of one head, Q re-read every key step. Each pair of tiles of
-    `_FP32_GRAM_ROWS` × `_FP32_ROW_SUM_TILES`, largest first: the launcher takes the first that compiles
+    """float32 inputs, ``HEAD_LOOP`` (heads scored in float64 one at a time, their probabilities through an
+    L2-resident scratch slab into a TF32×3 dot of `GRAM_COLUMNS` columns at a time, `qk_heads_triton._gram_by_head`):
+    one launch of the Gram and the row sums, `_FP32_GRAM_ROWS` rows a program; or the Gram alone, then the row
+    sums in programs of one head, Q re-read every key step (every head scored a third time), each pair of
+    `_FP32_GRAM_ROWS` × `_FP32_ROW_SUM_TILES`. Largest first: the launcher takes the first plan that compiles
     without spilling on the device (`_heads_stats`). Held in registers for all heads, as 16-bit tiles are,
     the float64 scores spilled everywhere (255 registers; benchmarks/RESULTS.md, "float32 pass 2")."""
     heads = cfg["HEADS"]
@@ -738,8 +750,9 @@ def _float32_heads_plans(cfg: dict) -> list[list[dict]]:
     gram = dict(base, GRAM=True, ROW_SUMS=False, HEAD_LOOP=True, GRAM_COLUMNS=32, HEAD_PROGRAMS=1, OUT_H=heads)
     row_sums = dict(base, BLOCK_H=1, HEAD_BITS=0, GRAM=False, ROW_SUMS=True, Q_STREAM=True, HEAD_PROGRAMS=heads,
                     OUT_H=heads)
-    return [[dict(gram, BLOCK_M=m), dict(row_sums, BLOCK_M=rm, BLOCK_N=rn)]
-            for m in _FP32_GRAM_ROWS for rm, rn in _FP32_ROW_SUM_TILES]
+    one_launch = [[dict(gram, ROW_SUMS=True, BLOCK_M=m)] for m in _FP32_GRAM_ROWS]
+    return one_launch + [[dict(gram, BLOCK_M=m), dict(row_sums, BLOCK_M=rm, BLOCK_N=rn)]
+                         for m in _FP32_GRAM_ROWS for rm, rn in _FP32_ROW_SUM_TILES]
 
 
 def heads_shared_bytes(cfg: dict, element_bytes: int) -> int:
@@ -796,17 +809,24 @@ def _heads_launches(q4, k4, mask4, is_causal, scale, rows_ok, lse, plan):
     pair_heads = gram.get("PAIR_HEADS", 0)
     pairs = q4 if not pair_heads else _head_pairs(h // pair_heads, q4.device)    # unread without pairs
     gram_shape = (h, h) if not pair_heads else (pairs.shape[0], 2 * pair_heads, 2 * pair_heads)
-    outputs = (torch.empty(programs[0], *gram_shape, **f32), torch.empty(programs[1], h, **f32),
+    # float32 inputs: the entropies' partial sums in float64 (the kernels' row sums are; see `_row_sums_start`)
+    entropy_dtype = torch.float64 if q4.dtype == torch.float32 else torch.float32
+    outputs = (torch.empty(programs[0], *gram_shape, **f32),
+               torch.empty(programs[1], h, dtype=entropy_dtype, device=q4.device),
                torch.empty(programs[1], row_sums["HEAD_PROGRAMS"], **f32))
     row_ok = q4 if rows_ok is None else rows_ok.view(torch.uint8)
     row_strides = (0, 0) if rows_ok is None else rows_ok.stride()
-    # HEAD_LOOP (float32): each program's probabilities of every head for one key step, [P, BLOCK_H·M·N]
-    scratch = q4 if not gram.get("HEAD_LOOP") else torch.empty(
-        programs[0], gram["BLOCK_H"] * gram["BLOCK_M"] * gram["BLOCK_N"], **f32)
+    # HEAD_LOOP (float32): each program's probabilities of every head for one key step, [P, BLOCK_H·M·N] float32,
+    # in the spare rows pass 1 left after the LSE (`float32_scratch_rows`), or allocated here where it left none
+    scratch, scratch0 = q4, 0
+    if gram.get("HEAD_LOOP"):
+        scratch, scratch0 = lse, b * h * tq * lse.element_size() // 4
+        if lse.numel() * lse.element_size() // 4 < scratch0 + programs[0] * gram["BLOCK_H"] * gram["BLOCK_M"] * gram["BLOCK_N"]:
+            scratch, scratch0 = torch.empty(programs[0], gram["BLOCK_H"] * gram["BLOCK_M"] * gram["BLOCK_N"], **f32), 0
     launches = []
     for cfg in plan:
         row_tiles = triton.cdiv(tq, cfg["BLOCK_M"])
-        args = (*outputs, q4, k4, q4 if mask is None else mask, lse, row_ok, pairs, scratch, tq, tk, d, row_tiles,
+        args = (*outputs, q4, k4, q4 if mask is None else mask, lse, row_ok, pairs, scratch, scratch0, tq, tk, d, row_tiles,
                 scale * LOG2E, threshold, *q4.stride(), *k4.stride(), *mask_strides, *lse.stride(), *row_strides)
         flags = dict(IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_ROW_OK=rows_ok is not None,
                      FP32_DOT=q4.dtype == torch.float32, **cfg)
@@ -914,12 +934,16 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
     configs = _PASS2_CONFIGS.get(key)
     if configs is None:
         configs = _PASS2_CONFIGS[key] = pass2_configs(*key)
+    spare_rows = 0
     if lse is None or q4.dtype == torch.float32:
         if not pass1_fits(q4.dtype, shared, limits and limits["arch"]):
             return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, CHUNK_BYTES,
                                   check_lse=lse is not None)
+        float32_heads = q4.dtype == torch.float32 and tiles is None and heads_config(*key[:3], 4)
+        if float32_heads:   # pass 2's scratch in the LSE's allocation
+            spare_rows = float32_scratch_rows(q4.shape[0], q4.shape[1], q4.shape[2], float32_heads)
         try:
-            lse = _row_lse(q4, k4, mask4, is_causal, scale, given=lse)
+            lse = _row_lse(q4, k4, mask4, is_causal, scale, given=lse, spare_rows=spare_rows)
         except triton.runtime.errors.OutOfResources as e:
             _warn_torch_path(q4, e)
             return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, CHUNK_BYTES,
@@ -943,7 +967,8 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
         except triton.runtime.errors.OutOfResources as e:
             _warn_torch_path(q4, e)
     # no tile fits this device: the same sums in PyTorch, the LSE checked against the scores
-    return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, CHUNK_BYTES, check_lse=True)
+    return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse[:q4.shape[0]] if spare_rows else lse,
+                          CHUNK_BYTES, check_lse=True)
 
 
 _WARNED: set = set()
