@@ -501,7 +501,6 @@ def _head_index(h: int, hk: int, cfg: dict, device) -> torch.Tensor:
 # Launch-invariant device tensors and configurations, per (shapes, tiles, device): built once, so a
 # launch's host work is the launch and the few ops that reduce its partial sums (`_stats`).
 _GATHERS: dict = {}
-_PASS2_CONFIGS: dict = {}
 
 
 def _gathers(h: int, hk: int, cfg: dict, blocks: int, device) -> tuple[tuple, torch.Tensor, torch.Tensor]:
@@ -930,16 +929,13 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
     q4, k4 = _dot_inputs(q4, k4)
     limits = device_limits(q4.device)
     shared = limits and limits["shared_bytes"]
-    key = (q4.shape[1], k4.shape[1], q4.shape[3], q4.dtype, shared, mask4 is not None)
-    configs = _PASS2_CONFIGS.get(key)
-    if configs is None:
-        configs = _PASS2_CONFIGS[key] = pass2_configs(*key)
     spare_rows = 0
     if lse is None or q4.dtype == torch.float32:
         if not pass1_fits(q4.dtype, shared, limits and limits["arch"]):
             return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse, CHUNK_BYTES,
                                   check_lse=lse is not None)
-        float32_heads = q4.dtype == torch.float32 and tiles is None and heads_config(*key[:3], 4)
+        float32_heads = q4.dtype == torch.float32 and tiles is None and heads_config(
+            q4.shape[1], k4.shape[1], q4.shape[3], 4)
         if float32_heads:   # pass 2's scratch in the LSE's allocation
             spare_rows = float32_scratch_rows(q4.shape[0], q4.shape[1], q4.shape[2], float32_heads)
         try:
@@ -961,12 +957,8 @@ def qk_stats_triton(q4, k4, mask4, is_causal: bool, scale: float, rows_ok=None, 
         # generation; predicted 0.39 ms at [1, 32, 4096, 128] on sm_90 where the batched kernel takes
         # 3.8 (triton 3.9) / 0.86 (3.6), and the only Triton pass 2 on sm_80/86/89/120 there (benchmarks/RESULTS.md)
         return _probs_stats(q4, k4, mask4, is_causal, scale, rows_ok, lse)
-    for cfg in configs:
-        try:
-            return _stats(q4, k4, mask4, is_causal, scale, rows_ok, lse, cfg, limits)
-        except triton.runtime.errors.OutOfResources as e:
-            _warn_torch_path(q4, e)
-    # no tile fits this device: the same sums in PyTorch, the LSE checked against the scores
+    # float32 where no per-head plan runs (the batched kernel's float64 dots fit no GPU: `pass2_configs`):
+    # the same sums in PyTorch, the LSE checked against the scores
     return qk_stats_torch(q4, k4, mask4, is_causal, scale, rows_ok, lse[:q4.shape[0]] if spare_rows else lse,
                           CHUNK_BYTES, check_lse=True)
 
