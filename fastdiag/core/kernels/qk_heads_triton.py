@@ -16,6 +16,11 @@ spilling; otherwise two (`qk_stats_triton.heads_plans`): the Gram of all heads w
 launch spills 16 B for sm_90 under triton 3.9, 104–464 B elsewhere), and the row sums alone in
 programs of ``BLOCK_H`` heads (``program_id(1)`` picks them).
 
+float32 inputs (``HEAD_LOOP``, `_gram_by_head`): every head scored in float64 (exact products; sharp rows'
+gaps kept), which held for all heads at once spills everywhere; so the heads are scored one at a time by a
+loop, their probabilities go through an L2-resident float32 slab into the Gram dot, and their rows' running
+sums (float64) are picked and put back by a select. One launch; the rows' float64 sums make σ_H's digits.
+
 `tl.join` puts the new axis last, so the stack's head axis comes out bit-reversed (`_bit_reversed`
 maps it back where the sums are stored). Everything else — the masks, the LSE in log2 units, the
 row sums and checks, the float64 reduction of the partial sums — is the batched kernel's
@@ -68,7 +73,7 @@ def _head_tile(h: tl.constexpr, q_base, k_base, mask_base, lse_base, q_offsets, 
                ROW_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_NORMS: tl.constexpr = True):
     """Head ``h``'s probabilities on one ``[BLOCK_M, BLOCK_N]`` tile (in the Gram dot's input type) and,
     with ROW_SUMS, its rows' running sums ``(m, rest, total)`` (`row_entropy_triton`) with this tile in
-    and, for 16-bit inputs, ``k_norm2`` (``[1, 1]``: the largest ‖k_j‖² of every head's keys so far, for the
+    and ``k_norm2`` (``[1, 1]``: the largest ‖k_j‖² of every head's keys so far, for the
     rows' cancellation bound) raised by this tile's (KEY_NORMS False: left as it is, the caller has them);
     zeros and the sums unchanged for a padded head (``h >= HEADS``).
 
