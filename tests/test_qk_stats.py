@@ -609,10 +609,11 @@ def test_triton_sharp_rows_exact_or_named(gap, offset, dtype):
 
 # ---- float32 Q/K on the Triton backend: float64 scores, the per-head kernel's float32 plans (issue 37) ----
 
-# (mask kind, (H, Hk), (B, Tq, Tk, D)): rows not a multiple of any tile (64, 32, 16), GQA and MQA, head dims
+# (mask kind, (H, Hk), (B, Tq, Tk, D)): rows not a multiple of any tile (64, 32, 16: the smallest plan takes
+# 37 rows in three), GQA and MQA, head dims
 # 72 and 80 (read as 128 columns), padded heads (12 and 6 in 16), every mask kind
 FP32_CASES = [
-    ("causal", (12, 12), (1, 70, 70, 64)),
+    ("causal", (12, 12), (1, 37, 37, 64)),
     ("additive-causal", (8, 2), (1, 37, 41, 72)),
     ("bool-padding", (4, 1), (2, 17, 33, 80)),
     ("bool-per-head", (6, 6), (1, 20, 19, 16)),
