@@ -423,9 +423,9 @@ def test_a_shared_mask_is_not_copied_per_batch_entry():
 def test_fp32_sigma_h_within_1e_5_of_itself_at_a_small_spread():
     """fp32 Q/K whose heads share most of their queries and keys: σ_H ≈ 1e-3 nats, and each fp32 route
     gives it within 1e-5 *relative to σ_H* (not to the entropies, ~1000x larger): the Triton passes
-    1 + 2 (interpreted), and what a GPU runs for fp32 — the Triton pass 1 LSE and the chunked PyTorch
-    pass 2 (no Triton pass-2 tile fits fp32 on any GPU). Inputs inside +inf padding (an out-of-bounds
-    read would show)."""
+    1 + 2 (interpreted; sm_80 / sm_90 run them), and the Triton pass 1 LSE with the chunked PyTorch pass 2
+    (where no float32 per-head plan applies: more than 64 heads or head dim > 128). Inputs inside +inf
+    padding (an out-of-bounds read would show)."""
     _check_backend("triton")
     from fastdiag.core.kernels import qk_stats_torch as torch_path
     from fastdiag.core.kernels import qk_stats_triton as triton_path
