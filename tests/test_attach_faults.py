@@ -299,6 +299,38 @@ def test_the_same_model_run_by_another_thread_during_a_measured_pass_is_not_reco
     assert_stats_close(stats["layers.0"], reference_stats(*model.layers[0].last))
 
 
+
+class _Uses(torch.nn.Module):
+    def __init__(self, attention):
+        super().__init__()
+        self.lin, self.att = nn.Linear(16, 16), attention
+
+    def forward(self, x):
+        return self.att(self.lin(x))
+
+
+def test_an_attention_module_shared_by_two_attached_models_is_measured_by_each_quietly():
+    """One attention module in two attached models (shared weights): each model's pass measures it, exact.
+    Before, the first model's hook on it took the second model's pass for a call outside any pass and said
+    'nothing there is measured', which was false."""
+    from tests.helpers import SDPALayer
+
+    torch.manual_seed(0)
+    shared = SDPALayer()
+    first, second = _Uses(shared), _Uses(shared)
+    x = torch.randn(2, 6, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fastdiag.attach(first, every=1) as a, fastdiag.attach(second, every=1) as b:
+            first(x)
+            want_first = reference_stats(*shared.last)
+            second(x)
+            want_second = reference_stats(*shared.last)
+            assert list(a.latest_stats()) == ["att"] and list(b.latest_stats()) == ["att"]
+            assert_stats_close(a.latest_stats()["att"], want_first)
+            assert_stats_close(b.latest_stats()["att"], want_second)
+    assert not [str(w.message) for w in caught if "fastdiag" in str(w.message)]
+
 class _TwoBlocks(torch.nn.Module):
     def __init__(self, checkpointed=None):
         super().__init__()

@@ -468,6 +468,10 @@ class Monitor:
         own): where that would have been measured, said once, never a silent nothing."""
         if torch._C._current_graph_task_id() != -1 or torch.compiler.is_exporting():
             return      # run inside a backward pass (activation checkpointing recomputing it), or traced by torch.export
+        here = threading.get_ident()
+        if any(other is not self and other._pass_thread == here and id(module) in other.calls.ids
+               for other in list(_MONITORS.values())):
+            return      # a module shared with another attached model, run by that model's pass: measured there
         if (module.training and torch.is_grad_enabled()) or self.measure_eval:
             self._warn_once("outside a pass", f"{name!r} ({type(module).__name__}) ran outside any forward pass "
                             f"of the attached {type(self.model).__name__} (model.forward(...) called directly "
