@@ -271,6 +271,34 @@ def test_a_layer_measured_before_and_missing_later_is_listed_as_missing():
         assert list(coverage["measured"]) == ["<root>"]
         assert list(coverage["missing"]) == ["<root>"] and "measured on others" in coverage["missing"]["<root>"]
 
+
+@pytest.mark.parametrize("when", ["after a measured pass", "before any pass"])
+def test_an_attention_layer_replaced_after_attach_is_named_not_silently_dropped(when):
+    """``model.layers[1] = NewLayer()`` after attach: the new module carries none of the monitor's hooks, so
+    its attention cannot be measured (before, it was left out of s̄ with no word). Named when it is set, and
+    listed in ``missing``; replacing a part with no attention (a LoRA wrapper around a projection) is quiet and
+    the layers stay exact."""
+    from tests.helpers import SDPALayer, TwoLayers, reference_stats
+
+    torch.manual_seed(0)
+    model, x = TwoLayers(), torch.randn(2, 6, 16)
+    with fastdiag.attach(model, every=1) as monitor:
+        if when == "after a measured pass":
+            model(x)
+        with pytest.warns(RuntimeWarning, match=r"'layers\.1' was set to a new SDPALayer after attach: the new module carries none of"):
+            model.layers[1] = SDPALayer()
+        assert "set to a new SDPALayer after attach" in monitor.coverage()["missing"]["layers.1"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model.layers[0].q = nn.Sequential(model.layers[0].q)       # no attention in it: quiet
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # a careful pass also names the new layer as a module outside the model
+            model(x)
+        assert_stats_close(monitor.latest_stats()["layers.0"], reference_stats(*model.layers[0].last))
+        assert "<root>" not in monitor.latest_stats()
+    assert not torch.nn.modules.module._global_module_registration_hooks
+
+
 def test_an_attention_module_without_statistics_is_named_in_a_warning_once():
     torch.manual_seed(0)
     model, x = Mixed(), torch.randn(2, 6, 16)

@@ -307,6 +307,8 @@ class Monitor:
                     else:
                         self._hook(name, m, self._kind.get(name), root=m is model)
             self._watch_held_models()
+            self._handles.append(torch.nn.modules.module.register_module_module_registration_hook(
+                self._on_submodule_set))
             for name, kind in self._kind.items():
                 if kind == "zoo":
                     zoo_handoff.hold(modules[name], self._id, self.backend)
@@ -461,6 +463,37 @@ class Monitor:
             self._handles.append(module.register_forward_pre_hook(_EagerHook(begin), with_kwargs=True,
                                                                   prepend=True))
             self._handles.append(module.register_forward_hook(_EagerHook(end), always_call=True))
+
+    def _on_submodule_set(self, parent: torch.nn.Module, name: str, submodule) -> None:
+        """torch's module registration hook (``parent.name = submodule``, ``ModuleList[i] = ...``), held while
+        attached: a module of this model set after attach carries none of the monitor's hooks, so attention in
+        it cannot be measured. Where it replaces a layer (or a module holding one) or brings attention of its
+        own (named like it, MultiheadAttention, a zoo module), that is named now and listed in ``missing`` —
+        never a layer silently left out of s̄. A part with no attention (a LoRA wrapper) is quiet."""
+        if id(parent) not in self.calls.ids or not isinstance(submodule, torch.nn.Module):
+            return
+        where = next((n for n, m in self._modules.items() if m is parent), None)
+        if where is None:
+            return
+        full = name if where == ROOT else f"{where}.{name}"
+        old = parent._modules.get(name)
+        known = [*self._how, *self._expected, *self._kind]
+        lost = [] if old is None or old is submodule else sorted(
+            {n for n in known if n == full or n.startswith(full + ".")})
+        # before the first pass only the structure is known: a replaced module of the model's own code (hooked,
+        # maybe attention) is named too; a torch.nn leaf (a projection wrapped by LoRA) is not
+        brings = any(adapters.is_mha(m) or adapters.is_zoo(m) or adapters.named_attention(m)
+                     for m in submodule.modules()) or (old is not None and not adapters.is_torch_builtin(old)
+                                                       and not self._how)
+        if not lost and not brings:
+            return
+        reason = (f"{full!r} was set to a new {type(submodule).__name__} after "
+                  "attach: the new module carries none of the monitor's hooks, so its attention is not measured "
+                  "(and not in s_bar); detach and attach again to measure it")
+        for layer in lost or [full]:
+            self._missing[layer] = (f"{full!r} was set to a new {type(submodule).__name__} after attach: not "
+                                    "hooked, its attention is not measured; detach and attach again")
+        self._warn_once(f"replaced {full}", reason)
 
     def _outside_pass(self, name: str, module: torch.nn.Module) -> None:
         """A hooked module ran with no forward pass of the attached model around it (``model.forward(x)``
