@@ -714,3 +714,27 @@ def test_a_first_measured_pass_compiled_with_dynamic_shapes_takes_the_native_cpu
             compiled(x).square().mean().backward()
             for i, layer in enumerate(model.layers):
                 assert_stats_close(monitor.latest_stats()[f"layers.{i}"], reference_stats(*layer.last), 1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama (GQA)"])
+def test_hugging_face_sdpa_compiled_with_dynamic_shapes_runs_and_matches_eager(arch):
+    """torch.compile(dynamic=True) makes the head dim, and so SDPA's scale, symbolic: checking the scale
+    (float(), isfinite) broke the graph inside the measured pass, and dynamo's fallback then raised
+    TypeError in the user's step (``arange(..., device=torch.Size)``), where it runs without attach. Now
+    the traced call keeps the scale as it comes: outputs bit-identical, the statistics those of an eager
+    measured pass of the same batch."""
+    from tests.hf_matrix import build, inputs
+    torch._dynamo.reset()
+    model = build(arch, "sdpa")
+    batch = inputs(arch, padded=False)
+    compiled = torch.compile(model, backend="eager", dynamic=True, fullgraph=True)
+    want = compiled(**batch).logits
+    with fastdiag.attach(model, every=1) as monitor:
+        got = compiled(**batch).logits
+        traced = monitor.latest_stats()
+        model(**batch)
+        eager = monitor.latest_stats()
+    assert torch.equal(got, want)
+    assert set(traced) == set(eager) and len(eager) >= 2
+    for name in eager:
+        assert_stats_close(traced[name], eager[name], 1e-6)

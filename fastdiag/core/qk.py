@@ -138,11 +138,17 @@ def _qk_head_stats(q, k, attn_mask, is_causal, scale, backend, chunk_bytes, quer
         raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
     q4, k4, mask4, qm, lse3 = _as_batched_heads(q, k, attn_mask, query_mask, lse)
     b, h, tq, d = q4.shape
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"scale: expected a number or None, got {type(scale).__name__} {scale!r}")
-    scale = d ** -0.5 if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
+    if torch.compiler.is_compiling():
+        # traced: the scale may be symbolic (dynamic shapes), and float() or isfinite() on it broke the graph
+        # inside the measured pass, where dynamo's fallback then raised in the user's step (HF GPT-2 / Llama
+        # sdpa, torch.compile(dynamic=True)); it is checked on eager calls
+        scale = d ** -0.5 if scale is None else scale
+    else:
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+            raise TypeError(f"scale: expected a number or None, got {type(scale).__name__} {scale!r}")
+        scale = d ** -0.5 if scale is None else float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
     if backend == "auto":
         backend = "triton" if q4.is_cuda and triton_available() else "torch"
     if backend == "reference":
