@@ -738,3 +738,31 @@ def test_hugging_face_sdpa_compiled_with_dynamic_shapes_runs_and_matches_eager(a
     assert set(traced) == set(eager) and len(eager) >= 2
     for name in eager:
         assert_stats_close(traced[name], eager[name], 1e-6)
+
+
+def test_a_float64_model_compiled_with_dynamic_shapes_and_fullgraph_stays_one_graph():
+    """float64 Q/K take the torch path (no native kernel), whose Gram products were cut by gcd arithmetic on
+    the sizes: symbolic under dynamic shapes, a graph break, so fullgraph=True raised in the step. Traced,
+    the Gram is one float64 product: two batch shapes, one graph each way, outputs bit-identical, exact."""
+    from tests.helpers import SDPALayer, reference_stats
+
+    class Root(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = SDPALayer()
+
+        def forward(self, x):
+            return self.block(x)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Root().double()
+    compiled = torch.compile(model, backend="eager", dynamic=True, fullgraph=True)
+    xs = [torch.randn(2, 6, 16, dtype=torch.float64), torch.randn(3, 7, 16, dtype=torch.float64)]
+    wants = [model(x) for x in xs]
+    with fastdiag.attach(model, every=1) as monitor:
+        for x, want in zip(xs, wants):
+            got = compiled(x)
+            got.sum().backward()
+            assert torch.equal(got, want)
+            assert_stats_close(monitor.latest_stats()["block"], reference_stats(*model.block.last), 1e-6)

@@ -134,7 +134,9 @@ def _gram(p: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     CUDA one float64 product per batch entry; elsewhere float32 products of at most `GRAM_COLUMNS`
     columns (whole rows: p's rows laid side by side through ``buf``), to be summed in float64."""
     b, h, n, kb = p.shape
-    if p.is_cuda:
+    if p.is_cuda or torch.compiler.is_compiling():
+        # traced, the sizes may be symbolic (dynamic shapes): the product below is cut by gcd arithmetic on
+        # them, which broke the graph (fullgraph=True raised in the step); one float64 product holds it
         flat = p.reshape(b, h, n * kb).double()
         return flat @ flat.transpose(-1, -2)
     per = math.gcd(n, max(1, GRAM_COLUMNS // kb))        # rows per product
