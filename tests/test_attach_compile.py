@@ -1,6 +1,8 @@
 """fastdiag.attach under torch.compile(fullgraph=True): two graphs (measured / not), never one per
 step, and the same statistics as eager."""
+import pickle
 import warnings
+from copy import deepcopy
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ import fastdiag
 from fastdiag.core import calls
 from fastdiag.testing import NanoGPT
 
-from tests.helpers import TwoLayers, assert_named, assert_stats_close, reference_stats
+from tests.helpers import SDPALayer, TwoLayers, assert_named, assert_stats_close, reference_stats
 
 
 def _counting(backend):
@@ -766,3 +768,52 @@ def test_a_float64_model_compiled_with_dynamic_shapes_and_fullgraph_stays_one_gr
             got.sum().backward()
             assert torch.equal(got, want)
             assert_stats_close(monitor.latest_stats()["block"], reference_stats(*model.block.last), 1e-6)
+
+
+def _sequential_root(kind):
+    torch.manual_seed(0)
+    if kind == "sequential":
+        return torch.nn.Sequential(SDPALayer(is_causal=True), torch.nn.Linear(16, 16), SDPALayer())
+    return torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True),
+                                       2, enable_nested_tensor=False)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "encoder"])
+@pytest.mark.parametrize("order", ["compile after attach", "attach the compiled", "model.compile"])
+def test_a_torch_nn_root_compiled_with_fullgraph_is_two_graphs_and_exact(kind, order):
+    """torch.compile wraps a torch.nn module's whole call, hooks and all (its forward is in a file dynamo
+    skips), so the root's step hooks, kept out of graphs, raised in the step under fullgraph=True. Attached,
+    such a root's forward gets a frame of its own: the hooks run outside, two graphs, outputs bit-identical,
+    the statistics those of eager; the frame stays after detach (a wrapper made while attached compiles it)."""
+    torch._dynamo.reset()
+    model = _sequential_root(kind)
+    x = torch.randn(2, 6, 16)
+    want_out = model(x)
+    want = _eager_stats(model, x)
+    count, graphs = _counting("eager")
+    if order == "attach the compiled":
+        run = torch.compile(model, backend=count, fullgraph=True)
+        monitor = fastdiag.attach(run, every=2)
+    else:
+        monitor = fastdiag.attach(model, every=2)
+        if order == "model.compile":
+            model.compile(backend=count, fullgraph=True)
+            run = model
+        else:
+            run = torch.compile(model, backend=count, fullgraph=True)
+    assert "forward" in model.__dict__
+    for _ in range(4):
+        out = run(x)
+    assert torch.equal(out, want_out)
+    assert len(graphs) == 2, "one graph measured, one not"
+    assert [r["step"] for r in monitor.history()] == [0, 2]
+    stats = monitor.latest_stats()
+    assert list(stats) == list(want)
+    for name in want:
+        assert_stats_close(stats[name].to(torch.float64), want[name].to(torch.float64))
+    monitor.detach()
+    assert torch.equal(run(x), want_out)
+    assert len(graphs) == 3, "detached: the model's own graph, without hooks"
+    copy = pickle.loads(pickle.dumps(model))
+    assert "forward" not in copy.__dict__ or copy.forward.__self__ is copy
+    assert torch.equal(copy(x), want_out) and torch.equal(deepcopy(model)(x), want_out)

@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from fastdiag.core import adapters, calls, passes, zoo_handoff
+from fastdiag.core import adapters, calls, compiled_root, passes, zoo_handoff
 from fastdiag.core.calls import ROOT
 from fastdiag.core.diagnostics import BACKENDS, triton_available
 from fastdiag.core.kernels import qk_stats_cpu
@@ -150,12 +150,15 @@ def _foreign_marker(module: torch.nn.Module) -> str:
     return f"<outside the model: {id(module)}>"
 
 
-def _unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
-    """``torch.compile(model)`` returns a wrapper; hook the module inside it (same names, same hooks)."""
+def _unwrap_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, list]:
+    """``torch.compile(model)`` returns a wrapper; hook the module inside it (same names, same hooks).
+    The module, and the wrappers around it."""
+    wrappers = []
     while type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None),
                                                                     torch.nn.Module):
+        wrappers.append(model)
         model = model._orig_mod
-    return model
+    return model, wrappers
 
 
 
@@ -212,10 +215,11 @@ class Monitor:
             raise TypeError(f"keep_records: expected a bool, got {type(keep_records).__name__}")
         if not keep_records and log is not None:
             raise ValueError("log: a logger receives the records, and keep_records=False keeps none")
-        model = _unwrap_compiled(model)
+        model, wrappers = _unwrap_compiled(model)
         if model in _ATTACHED:
             raise ValueError("model: already attached; detach the other monitor first")
         self.model, self.every, self.backend = model, every, backend
+        self._wrappers = wrappers        # torch.compile's wrappers handed to attach (`compiled_root`)
         self._pass_frame = None          # the root's call running the pass in progress (`_pass_abandoned`)
         self._cpu_kernel_ready = False   # `_cpu_kernel_ready`: the native CPU kernel built (or not buildable)
         self.measure_eval, self.all_reduce, self.group = measure_eval, all_reduce, group
@@ -463,6 +467,7 @@ class Monitor:
             self._handles.append(module.register_forward_pre_hook(_EagerHook(begin), with_kwargs=True,
                                                                   prepend=True))
             self._handles.append(module.register_forward_hook(_EagerHook(end), always_call=True))
+            compiled_root.give_own_frame(module, self._wrappers)
 
     def _on_submodule_set(self, parent: torch.nn.Module, name: str, submodule) -> None:
         """torch's module registration hook (``parent.name = submodule``, ``ModuleList[i] = ...``), held while
@@ -602,6 +607,7 @@ class Monitor:
                             "differentiated per sample, and the statistics' ops have no batching rules; "
                             "passes outside transforms are measured as usual")
         self.calls.provenance.clear()
+        self._place_lazy_hooks(training)
         if not self._measuring:
             self.calls.state = passes.IDLE
             return
@@ -614,10 +620,7 @@ class Monitor:
         # fresh every pass: a compiled graph sees the same state on every pass
         plan = self._plans.get(self._plan_key(training)) if len(_MONITORS) == 1 else None
         self.calls.state = passes.PassState(plan=plan, recorder=None if plan is not None else PlanRecorder())
-        if training:
-            for name, module, kind in self._lazy_hooks:
-                self._hook(name, module, kind, False, self._lazy_handles)
-        else:
+        if not training:
             for name, module, kind in self._lazy_hooks:
                 if kind == "mha" and name in self._selected:
                     self.calls.refuse(name, "an eval pass: nn.TransformerEncoderLayer keeps torch's eval fast path (one "
@@ -627,6 +630,19 @@ class Monitor:
             self._mode.lean = False
             self._mode.__enter__()
             self._mode_entered = True
+
+    def _place_lazy_hooks(self, training: bool) -> None:
+        """The hooks inside nn.TransformerEncoderLayers (`_lazy`): held from a training pass until an eval
+        pass, which torch runs through its fused kernel only with no hook on or inside the layer. Held
+        across a training run's passes, measured or not: a compiled model guards on its hook dicts, and
+        hooks put on and taken off every measured pass recompiled it each time (new hook ids)."""
+        if training and self._lazy_hooks and not self._lazy_handles:
+            for name, module, kind in self._lazy_hooks:
+                self._hook(name, module, kind, False, self._lazy_handles)
+        elif not training and self._lazy_handles:
+            for handle in self._lazy_handles:
+                handle.remove()
+            self._lazy_handles = []
 
     def _pass_abandoned(self) -> bool:
         """Whether the pass in progress was left by a BaseException (a KeyboardInterrupt: torch runs the
@@ -654,9 +670,9 @@ class Monitor:
         if measured and not raised:
             self.calls.unconfirmed()
         self.calls.provenance.clear()
-        for handle in self._lazy_handles + self._foreign_handles:
+        for handle in self._foreign_handles:
             handle.remove()
-        self._lazy_handles, self._foreign_handles = [], []
+        self._foreign_handles = []
         if measured and not raised:
             self._check_padding(self.step)
             self._learn(training)
