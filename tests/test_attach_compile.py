@@ -779,7 +779,8 @@ def _sequential_root(kind):
 
 
 @pytest.mark.parametrize("kind", ["sequential", "encoder"])
-@pytest.mark.parametrize("order", ["compile after attach", "attach the compiled", "model.compile"])
+@pytest.mark.parametrize("order", ["compile after attach", "attach the compiled", "model.compile",
+                                   "compile, then attach the model"])
 def test_a_torch_nn_root_compiled_with_fullgraph_is_two_graphs_and_exact(kind, order):
     """torch.compile wraps a torch.nn module's whole call, hooks and all (its forward is in a file dynamo
     skips), so the root's step hooks, kept out of graphs, raised in the step under fullgraph=True. Attached,
@@ -794,6 +795,10 @@ def test_a_torch_nn_root_compiled_with_fullgraph_is_two_graphs_and_exact(kind, o
     if order == "attach the compiled":
         run = torch.compile(model, backend=count, fullgraph=True)
         monitor = fastdiag.attach(run, every=2)
+    elif order == "compile, then attach the model":    # the wrapper not handed to attach: found (round5)
+        model = _sequential_root(kind)                 # the same weights, never attached (no own frame yet)
+        run = torch.compile(model, backend=count, fullgraph=True)
+        monitor = fastdiag.attach(model, every=2)
     else:
         monitor = fastdiag.attach(model, every=2)
         if order == "model.compile":
