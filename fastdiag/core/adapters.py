@@ -203,20 +203,13 @@ def _in_compiled_graph() -> bool:
 
 
 def tracing() -> bool:
-    """`torch.compiler.is_compiling()`, read by dynamo once per trace as a constant (`mark_tracing`, at
-    attach). Called plainly in `AttentionMode.__torch_function__` while dynamo traced it, it made
+    """`torch.compiler.is_compiling()`, read by dynamo once per trace as a constant (marked at attach:
+    `calls.stack_reader_ready`). Called plainly in `AttentionMode.__torch_function__` while dynamo traced it, it made
     ``Tensor.dim()`` come back None in a graph that builds an ``nn.Linear`` (a teacher or a lazily made
     layer created in a compiled forward: the user's step raised TypeError; torch 2.13,
     `tests/test_attach_compile.py`). A marked ``functools.partial`` of it, one Python call fewer, still
     raised there."""
     return torch.compiler.is_compiling()
-
-
-def mark_tracing() -> None:
-    """Marks `tracing` for dynamo: at attach, not at import (marking imports torch._dynamo, 1.3 s, which
-    a command that never attaches does not need)."""
-    if not getattr(tracing, "_dynamo_marked_constant", False):
-        torch.compiler.assume_constant_result(tracing)
 
 
 _OWN = threading.local()  # depth of fastdiag's own statistics computations running in this thread

@@ -64,12 +64,13 @@ _SOFTMAX_MODULES = (torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.Softmin, tor
 
 
 def stack_reader_ready() -> bool:
-    """Marks `_traced_verdict` for torch.compile (``torch.compiler.assume_constant_result``: run while
-    tracing, its result a constant of the graph) once torch._dynamo is imported (torch.compile imports it
-    before a compiled pass; fastdiag never imports it itself: 1.7 s). Whether it is marked."""
-    if "torch._dynamo" not in sys.modules:
-        return False
-    torch.compiler.assume_constant_result(_traced_verdict)
+    """At attach: marks the two functions torch.compile runs while it traces and keeps the results of as
+    constants of the graph (``torch.compiler.assume_constant_result``): `adapters.tracing` and
+    `_traced_verdict`. At attach, not at import: marking imports torch._dynamo (1.3 s), which a command
+    that never attaches does not need. Whether dynamo's module stack is read (`_traced_verdict`)."""
+    for fn in (adapters.tracing, _traced_verdict):
+        if not getattr(fn, "_dynamo_marked_constant", False):
+            torch.compiler.assume_constant_result(fn)
     return True
 
 
@@ -128,7 +129,7 @@ class AttentionCalls:
         self.candidate_ids = itertools.count()
         self.warned_softmax: set[str] = set()
         self.warned_foreign: set[tuple] = set()
-        self.read_stack = False     # `_traced_verdict` is marked for torch.compile (the monitor, eagerly)
+        self.read_stack = False     # `_traced_verdict` is marked for torch.compile (the monitor, at attach)
         self.ids = {id(m) for m in modules.values()}   # this model's modules, by id: all others are another's
 
     def with_padding(self, rows: torch.Tensor | None, b: int, t: int, device: torch.device,

@@ -5,17 +5,19 @@
 ``nn.TransformerEncoder``). Then it wraps the whole call, hooks included (``OptimizedModule._initialize``),
 and the monitor's begin and end hooks, which must never be traced (`torch.compiler.disable`: they move
 the step counter), are a graph break inside the compiled region; under ``fullgraph=True`` dynamo raised
-in the user's step. Such a root gets an instance ``forward`` at attach: the class's own forward behind a
-frame in this file, which dynamo compiles, so torch.compile takes the hooks-outside path as it does for a
-root class of the user's own. Wrappers made before attach (``attach(torch.compile(seq))``, or one not handed to attach) are set
-up again. It stays after detach: a wrapper made while attached compiles that frame (without it,
-``fullgraph=True`` finds no frame to compile and raises), and it computes what the class's forward does.
+in the user's step. Such a root gets an instance ``forward`` while attached: the class's own forward
+behind a frame in this file, which dynamo compiles, so torch.compile takes the hooks-outside path as it
+does for a root class of the user's own. torch.compile's wrappers around the root — handed to attach, made
+before attach and not handed to it (`_wrappers_made_before`), or made while attached (seen by the
+monitor's module registration hook) — are set up again at attach and at detach, which removes the attribute: a wrapper made while attached would otherwise go on compiling a
+frame that no longer runs (under ``fullgraph=True``: no frame to compile, an error).
 """
 from __future__ import annotations
 
 import gc
 import inspect
 import types
+import weakref
 
 import torch
 
@@ -30,23 +32,42 @@ def _inlined_by_compile(module: torch.nn.Module) -> bool:
     return isinstance(module.forward, types.MethodType) and trace_rules.check(module.forward)
 
 
-def give_own_frame(root: torch.nn.Module, wrappers: list) -> bool:
-    """For a root whose call torch.compile would inline hooks and all (see the module docstring): set
-    its instance ``forward`` and set up the ``wrappers`` (torch.compile's, around it) again. Whether it did.
+class OwnFrame:
+    """A root's instance ``forward`` (a method named ``forward`` with the class forward's signature: a
+    deepcopy gets one bound to the copy, a pickle the class's own) and the torch.compile wrappers around
+    it. A hook handle of the monitor: ``remove`` at detach."""
 
-    The instance forward is a method named ``forward`` with the class forward's signature: a copy
-    (``copy.deepcopy``) gets one bound to the copy, a pickle (``getattr(copy, "forward")``) the class's."""
+    def __init__(self, root: torch.nn.Module, wrappers: list):
+        function = types.FunctionType(_class_forward.__code__, _class_forward.__globals__, "forward")
+        function.__qualname__ = f"{type(root).__qualname__}.forward"
+        function.__signature__ = inspect.signature(type(root).forward)
+        self.root, self.forward = root, types.MethodType(function, root)
+        self.wrappers: weakref.WeakSet = weakref.WeakSet([*wrappers, *_wrappers_made_before(root)])
+        object.__setattr__(root, "forward", self.forward)
+        self._set_up_wrappers()
+
+    def adopt(self, wrapper: torch.nn.Module) -> None:
+        """A torch.compile wrapper made around the root while attached (before its own set-up runs)."""
+        self.wrappers.add(wrapper)
+
+    def remove(self) -> None:
+        if self.root.__dict__.get("forward") is self.forward:
+            del self.root.__dict__["forward"]
+            self._set_up_wrappers()
+
+    def _set_up_wrappers(self) -> None:
+        for wrapper in list(self.wrappers):
+            initialize = getattr(wrapper, "_initialize", None)
+            if callable(initialize):
+                initialize()
+
+
+def give_own_frame(root: torch.nn.Module, wrappers: list) -> OwnFrame | None:
+    """For a root whose call torch.compile would inline hooks and all (see the module docstring): its
+    `OwnFrame`, set; else None."""
     if "forward" in root.__dict__ or not _inlined_by_compile(root):
-        return False
-    function = types.FunctionType(_class_forward.__code__, _class_forward.__globals__, "forward")
-    function.__qualname__ = f"{type(root).__qualname__}.forward"
-    function.__signature__ = inspect.signature(type(root).forward)
-    object.__setattr__(root, "forward", types.MethodType(function, root))
-    for wrapper in [*wrappers, *(w for w in _wrappers_made_before(root) if all(w is not h for h in wrappers))]:
-        initialize = getattr(wrapper, "_initialize", None)
-        if callable(initialize):
-            initialize()
-    return True
+        return None
+    return OwnFrame(root, wrappers)
 
 
 def _wrappers_made_before(root: torch.nn.Module) -> list:

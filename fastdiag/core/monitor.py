@@ -220,6 +220,7 @@ class Monitor:
             raise ValueError("model: already attached; detach the other monitor first")
         self.model, self.every, self.backend = model, every, backend
         self._wrappers = wrappers        # torch.compile's wrappers handed to attach (`compiled_root`)
+        self._own_frame: compiled_root.OwnFrame | None = None
         self._pass_frame = None          # the root's call running the pass in progress (`_pass_abandoned`)
         self._cpu_kernel_ready = False   # `_cpu_kernel_ready`: the native CPU kernel built (or not buildable)
         self.measure_eval, self.all_reduce, self.group = measure_eval, all_reduce, group
@@ -300,7 +301,7 @@ class Monitor:
                     raise ValueError(message)
                 self._missing[name] = reason
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
-        adapters.mark_tracing()
+        self.calls.read_stack = calls.stack_reader_ready()
         _MONITORS[self._id] = self
         _ATTACHED[model] = self
         try:
@@ -467,7 +468,9 @@ class Monitor:
             self._handles.append(module.register_forward_pre_hook(_EagerHook(begin), with_kwargs=True,
                                                                   prepend=True))
             self._handles.append(module.register_forward_hook(_EagerHook(end), always_call=True))
-            compiled_root.give_own_frame(module, self._wrappers)
+            self._own_frame = compiled_root.give_own_frame(module, self._wrappers)
+            if self._own_frame is not None:
+                self._handles.append(self._own_frame)
 
     def _on_submodule_set(self, parent: torch.nn.Module, name: str, submodule) -> None:
         """torch's module registration hook (``parent.name = submodule``, ``ModuleList[i] = ...``), held while
@@ -475,6 +478,8 @@ class Monitor:
         it cannot be measured. Where it replaces a layer (or a module holding one) or brings attention of its
         own (named like it, MultiheadAttention, a zoo module), that is named now and listed in ``missing`` —
         never a layer silently left out of s̄. A part with no attention (a LoRA wrapper) is quiet."""
+        if self._own_frame is not None and submodule is self.model and name == "_orig_mod":
+            self._own_frame.adopt(parent)      # torch.compile(model) while attached (`compiled_root`)
         if id(parent) not in self.calls.ids or not isinstance(submodule, torch.nn.Module):
             return
         where = next((n for n, m in self._modules.items() if m is parent), None)
@@ -611,8 +616,6 @@ class Monitor:
         if not self._measuring:
             self.calls.state = passes.IDLE
             return
-        if not self.calls.read_stack:
-            self.calls.read_stack = calls.stack_reader_ready()
         if not self._cpu_kernel_ready:
             self._cpu_kernel_ready = _cpu_kernel_ready(self.model)
         if self._held_rescan != "no":  # a model held since attach (a teacher set later) is hooked too
