@@ -383,3 +383,40 @@ def test_activation_checkpointing_recomputes_quietly_and_stays_exact(how):
     assert [str(w.message) for w in caught if "fastdiag" in str(w.message)] == []
     assert set(stats) == {"block", "block2"}
     assert_stats_close(stats["block2"], reference_stats(*model.block2.last), 1e-4)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_submodule_replaced_by_its_compiled_wrapper_after_attach_keeps_the_step_running(fullgraph):
+    """``model.blocks = torch.compile(model.blocks)`` after attach, the root eager: the measured pass's global
+    module hooks (another model's modules) ran inside the compiled region, and dynamo raised in the user's step
+    (AssertionError: ... already tracked for mutation; found by round5). Now they step aside where traced, and
+    the wrapper of the model's own module is no other model: bit-identical, the blocks' layers exact."""
+    class Host(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = TwoLayers()
+
+        def forward(self, x):
+            return self.blocks(x)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Host()
+    twin = copy.deepcopy(model)
+    twin.blocks = torch.compile(twin.blocks, backend="eager", fullgraph=fullgraph)
+    x = torch.randn(2, 6, 16)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fastdiag")     # nothing named: no layer left out
+        with fastdiag.attach(model, every=1) as monitor:
+            model.blocks = torch.compile(model.blocks, backend="eager", fullgraph=fullgraph)
+            out = model(x)
+            stats = monitor.latest_stats()
+    want = twin(x)
+    out.square().mean().backward()
+    want.square().mean().backward()
+    assert torch.equal(out, want)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters()))
+    layers = model.blocks._orig_mod.layers
+    assert sorted(stats) == ["blocks.layers.0", "blocks.layers.1"]
+    for i, layer in enumerate(layers):
+        assert_stats_close(stats[f"blocks.layers.{i}"], reference_stats(*layer.last))

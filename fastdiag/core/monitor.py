@@ -487,6 +487,9 @@ class Monitor:
             return
         full = name if where == ROOT else f"{where}.{name}"
         old = parent._modules.get(name)
+        if old is not None and (getattr(submodule, "_orig_mod", None) is old or getattr(old, "_orig_mod", None)
+                                is submodule):
+            return      # torch.compile's wrapper set in place of the module it wraps, or taken off: still hooked
         known = [*self._how, *self._expected, *self._kind]
         lost = [] if old is None or old is submodule else sorted(
             {n for n in known if n == full or n.startswith(full + ".")})
@@ -741,9 +744,13 @@ class Monitor:
     def _foreign_enter(self, module, args) -> None:
         """A torch.nn leaf made on the fly (``nn.Softmax(-1)(s)``) is the calling module's own code, not another
         model. Another model's torch.nn fast-path module in eval runs with the mode left out, as this model's
-        own do (`_suspend_mode`): its outputs stay bit-identical, and nothing in it is this model's attention."""
-        if id(module) in self.calls.ids or not self._measuring or self._other_thread() \
-                or adapters.is_torch_builtin(module) and not module._modules:
+        own do (`_suspend_mode`): its outputs stay bit-identical, and nothing in it is this model's attention.
+        Neither hook acts where torch.compile traces it (a compiled submodule of an eager root: a compiled
+        pass tells another model by where it is held and by dynamo's stack; reading this stack there made
+        dynamo raise in the step), nor on a torch.compile wrapper of this model's module set after attach."""
+        if torch.compiler.is_compiling() or id(module) in self.calls.ids or not self._measuring \
+                or self._other_thread() or adapters.is_torch_builtin(module) and not module._modules \
+                or id(getattr(module, "_orig_mod", None)) in self.calls.ids:
             return
         self.calls.state.stack.append((None, module))
         if isinstance(module, _FAST_PATH_MODULES) and not module.training and not self._suspended:
@@ -756,6 +763,8 @@ class Monitor:
                                 "of this model; attach that model itself to measure it as its own")
 
     def _foreign_leave(self, module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return
         if self._suspended and self._suspended[-1] == _foreign_marker(module):
             self._resume_mode()
         stack = self.calls.state.stack
