@@ -838,3 +838,31 @@ def test_a_torch_nn_root_compiled_with_fullgraph_is_two_graphs_and_exact(kind, o
             return
     assert torch.equal(run(x), want_out)
     assert len(graphs) == (4 if order == "model.compile" else 3)
+
+
+@pytest.mark.parametrize("root", ["encoder", "holder"])
+def test_a_compiled_encoder_in_eval_names_its_layers_only(root):
+    """A compiled nn.TransformerEncoder on a measured eval pass (measure_eval=True): traced, the monitor's mode
+    cannot be left for torch's fast path, so the slow path's attention ops ran inside it and were taken for the
+    encoder's own ('<root>': "2 attention ops in one call", found by round5). They belong to the layers, named
+    as not measured on eval passes as eager names them; the training pass before stays exact."""
+    torch._dynamo.reset()
+    encoder = _sequential_root("encoder")
+    model = encoder if root == "encoder" else torch.nn.Sequential(torch.nn.Linear(16, 16), encoder)
+    x = torch.randn(2, 6, 16)
+    want = model.eval()(x)
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        monitor = fastdiag.attach(model, every=1, measure_eval=True)
+        run = torch.compile(model, backend="eager")
+        run(x)
+        trained = set(monitor.latest_stats())
+        model.eval()
+        out = run(x)
+    assert torch.equal(out, want)
+    prefix = "" if root == "encoder" else "1."
+    layers = {f"{prefix}layers.0.self_attn", f"{prefix}layers.1.self_attn"}
+    assert trained == layers
+    assert set(monitor.coverage()["missing"]) == layers
+    monitor.detach()

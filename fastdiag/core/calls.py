@@ -261,7 +261,7 @@ class AttentionCalls:
             caller = stack[outer - 1][0] if outer > 0 else None
             self.state.foreign.setdefault((caller, _class_name(stack[outer][1])), _class_name(call))
             return None
-        if name in self.kinds or name not in self.selected:
+        if name in self.kinds or name not in self.selected or name in self.state.fast_path:
             return None
         verdict = _traced_verdict(self, name) if self.read_stack and torch.compiler.is_compiling() else None
         if verdict:         # another model's module ran it: its attention, named as such (`unconfirmed`)

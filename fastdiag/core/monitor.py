@@ -425,6 +425,10 @@ class Monitor:
                                                         self.backend, self.chunk_bytes, padding, dtype), "mha")
             if (fast_path or kind == "zoo" and self._only_monitor_mode()) and not self._suspended:
                 self._suspend_mode(name)
+            if fast_path and torch.compiler.is_compiling():
+                # traced, the mode cannot be left: torch's slow path runs inside it, whose attention ops
+                # belong to layers named as not measured on eval passes (`_begin`), never to this module
+                state.fast_path.add(name)
 
         def post(mod, args, output):
             if not self._measuring or self._other_thread():

@@ -27,6 +27,7 @@ class PassState:
     unread: set = field(default_factory=set)         # compiled: modules with an attention op not read so
     padding_used: bool = False                       # a handed-in mask matched an attention call
     compiled_calls: int = 0                          # hooked module calls so far in a compiled pass
+    fast_path: set = field(default_factory=set)      # compiled: eval fast-path modules whose mode stayed on
     # lean passes
     runs: dict = field(default_factory=dict)         # module -> calls so far
     events: dict = field(default_factory=dict)       # call -> (planned events, events seen so far)
