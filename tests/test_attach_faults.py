@@ -385,12 +385,15 @@ def test_activation_checkpointing_recomputes_quietly_and_stays_exact(how):
     assert_stats_close(stats["block2"], reference_stats(*model.block2.last), 1e-4)
 
 
+@pytest.mark.parametrize("when", ["after attach", "before attach"])
 @pytest.mark.parametrize("fullgraph", [False, True])
-def test_a_submodule_replaced_by_its_compiled_wrapper_after_attach_keeps_the_step_running(fullgraph):
+def test_a_submodule_replaced_by_its_compiled_wrapper_after_attach_keeps_the_step_running(fullgraph, when):
     """``model.blocks = torch.compile(model.blocks)`` after attach, the root eager: the measured pass's global
     module hooks (another model's modules) ran inside the compiled region, and dynamo raised in the user's step
     (AssertionError: ... already tracked for mutation; found by round5). Now they step aside where traced, and
-    the wrapper of the model's own module is no other model: bit-identical, the blocks' layers exact."""
+    the wrapper of the model's own module is no other model: bit-identical, the blocks' layers exact. Compiled
+    before attach, the layers have the same names (torch.compile's ``_orig_mod`` is no part of a name: they
+    were ``blocks._orig_mod.layers.0``; found by round5)."""
     class Host(nn.Module):
         def __init__(self):
             super().__init__()
@@ -407,8 +410,11 @@ def test_a_submodule_replaced_by_its_compiled_wrapper_after_attach_keeps_the_ste
     x = torch.randn(2, 6, 16)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="fastdiag")     # nothing named: no layer left out
-        with fastdiag.attach(model, every=1) as monitor:
+        if when == "before attach":
             model.blocks = torch.compile(model.blocks, backend="eager", fullgraph=fullgraph)
+        with fastdiag.attach(model, every=1) as monitor:
+            if when == "after attach":
+                model.blocks = torch.compile(model.blocks, backend="eager", fullgraph=fullgraph)
             out = model(x)
             stats = monitor.latest_stats()
     want = twin(x)

@@ -162,6 +162,12 @@ def _unwrap_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, list]:
 
 
 
+def _plain_name(name: str) -> str:
+    """A module's name without torch.compile's ``_orig_mod`` (``blocks._orig_mod.layers.0`` is ``blocks.layers.0``,
+    the name it has when compiled after attach or not at all). The wrapper, listed first, gives way to the module."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def _calling_frame():
     """The frame of the module call whose hook runs this (``Module._call_impl``), or None."""
     frame = sys._getframe(2)
@@ -250,7 +256,8 @@ class Monitor:
 
         # the root is named ROOT everywhere (records, coverage, warnings), its children by their own names;
         # a TorchScript submodule (and all inside it) runs unseen: left out, and named if it does attention
-        modules = {name or ROOT: m for name, m in model.named_modules()}
+        # torch.compile's wrapper of a part is no part of its layers' names (the part itself takes its place)
+        modules = {_plain_name(name) or ROOT: m for name, m in model.named_modules()}
         scripted = [n for n, m in modules.items() if adapters.is_scripted(m)
                     and not any(n.startswith(o + ".") for o in modules if o != n and adapters.is_scripted(modules[o]))]
         modules = {n: m for n, m in modules.items() if not any(n == o or n.startswith(o + ".") for o in scripted)}
