@@ -11,7 +11,6 @@ one-time warnings it says through ``warn_once``.
 from __future__ import annotations
 
 import itertools
-import sys
 import warnings
 from dataclasses import dataclass
 

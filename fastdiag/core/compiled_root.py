@@ -7,10 +7,11 @@ and the monitor's begin and end hooks, which must never be traced (`torch.compil
 the step counter), are a graph break inside the compiled region; under ``fullgraph=True`` dynamo raised
 in the user's step. Such a root gets an instance ``forward`` while attached: the class's own forward
 behind a frame in this file, which dynamo compiles, so torch.compile takes the hooks-outside path as it
-does for a root class of the user's own. torch.compile's wrappers around the root — handed to attach, made
-before attach and not handed to it (`_wrappers_made_before`), or made while attached (seen by the
-monitor's module registration hook) — are set up again at attach and at detach, which removes the attribute: a wrapper made while attached would otherwise go on compiling a
-frame that no longer runs (under ``fullgraph=True``: no frame to compile, an error).
+does for a root class of the user's own. torch.compile's wrappers around the root — handed to attach,
+made before attach and not handed to it (`_wrappers_made_before`), or made while attached (seen by the
+monitor's module registration hook) — are set up again at attach, and at detach, which removes the
+attribute: a wrapper made while attached would otherwise go on compiling a frame that no longer runs
+(under ``fullgraph=True``: no frame to compile, an error).
 """
 from __future__ import annotations
 
