@@ -759,7 +759,7 @@ class Monitor:
         Neither hook acts where torch.compile traces it (a compiled submodule of an eager root: a compiled
         pass tells another model by where it is held and by dynamo's stack; reading this stack there made
         dynamo raise in the step), nor on a torch.compile wrapper of this model's module set after attach."""
-        if torch.compiler.is_compiling() or id(module) in self.calls.ids or not self._measuring \
+        if id(module) in self.calls.ids or torch.compiler.is_compiling() or not self._measuring \
                 or self._other_thread() or adapters.is_torch_builtin(module) and not module._modules \
                 or id(getattr(module, "_orig_mod", None)) in self.calls.ids:
             return
@@ -774,7 +774,7 @@ class Monitor:
                                 "of this model; attach that model itself to measure it as its own")
 
     def _foreign_leave(self, module, args, output) -> None:
-        if torch.compiler.is_compiling():
+        if id(module) in self.calls.ids or torch.compiler.is_compiling():   # this model's own first: most calls
             return
         if self._suspended and self._suspended[-1] == _foreign_marker(module):
             self._resume_mode()
