@@ -113,6 +113,15 @@ def test_docs_python_block_runs_as_printed(name, block, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+def test_attach_docs_print_the_readmes_checked_latest():
+    """docs/attach.md's `monitor.latest()` comment is the README's, which test_readme_snippets.py checks
+    against a real run of the same snippet and preamble (keys and values)."""
+    def latest_line(path: Path) -> str:
+        return re.search(r"^print\(monitor\.latest\(\)\).*$", path.read_text(encoding="utf-8"), flags=re.M).group(0)
+
+    assert latest_line(ROOT / "docs" / "attach.md") == latest_line(ROOT / "README.md")
+
+
 # ------------------------------------------------------------------------------ shell commands
 
 def block_commands(path: Path) -> list[list[str]]:
