@@ -122,6 +122,44 @@ def test_attach_docs_print_the_readmes_checked_latest():
     assert latest_line(ROOT / "docs" / "attach.md") == latest_line(ROOT / "README.md")
 
 
+def test_attach_docs_real_output_is_what_attach_prints():
+    """docs/attach.md's "Real output" block (a model whose `attn` calls SDPA on [B·H, T, D] and whose `gate`
+    takes a softmax it never multiplies with values) is what attach warns and `coverage()` returns."""
+    import warnings
+
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import fastdiag
+
+    class Folded(nn.Module):
+        def forward(self, x):
+            return F.scaled_dot_product_attention(x, x, x)
+
+    class HeatMap(nn.Module):
+        def forward(self, s):
+            return torch.softmax(s, -1).sum()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.gate = Folded(), HeatMap()
+
+        def forward(self, x):
+            return self.attn(x).sum() + self.gate(torch.randn(2, 2, 3, 3))
+
+    model = Net()
+    monitor = fastdiag.attach(model, every=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(4, 6, 4))
+    printed = [f"{w.category.__name__}: {w.message}" for w in caught] + [">>> monitor.coverage()", str(monitor.coverage())]
+    monitor.detach()
+    text = (ROOT / "docs" / "attach.md").read_text(encoding="utf-8")
+    block = re.search(r"^Real output .*?^```\n(.*?)^```", text, flags=re.S | re.M).group(1).splitlines()
+    assert block == printed
+
+
 # ------------------------------------------------------------------------------ shell commands
 
 def block_commands(path: Path) -> list[list[str]]:
