@@ -422,7 +422,7 @@ def gpu_ensemble_size(cfg: RunConfig, sizes: Sequence[int] = GPU_PACKS, steps: i
     `gpu_ensemble_choice` tells what was measured."""
     key = _gpu_key(cfg, sizes)
     if key not in _GPU_SIZES:
-        free = torch.cuda.mem_get_info(device)[0]
+        free = torch.cuda.mem_get_info(resolve_device(cfg.device))[0]
         probe = measure_pack(calibration_members(cfg, 8), steps=3)
         per_member = probe["peak_bytes"] / 8
         fits = [k for k in sizes if k * per_member <= GPU_MEMORY_SHARE * free]
