@@ -192,6 +192,44 @@ def test_a_compiled_softmax_whose_layout_is_not_confirmed_is_named_not_recorded(
         _compiled_pass(model, x, strict=True)
 
 
+class LogDomain(torch.nn.Module):
+    """Attention whose probabilities are formed in the log domain, over [B, H, Tq, Tk] scores."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.proj = how, torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 4, 4).transpose(1, 2) for z in self.proj(x).chunk(3, -1))
+        scores = q @ k.transpose(-1, -2) * 0.5
+        p = scores.log_softmax(-1).exp() if self.how == "log_softmax" else (scores - scores.logsumexp(-1, keepdim=True)).exp()
+        return x + (p @ v).transpose(1, 2).reshape(b, t, 16)
+
+
+@pytest.mark.parametrize("how", ["log_softmax", "logsumexp"])
+def test_compiled_attention_formed_in_the_log_domain_beside_a_measured_layer_is_named(how):
+    """log_softmax(s).exp() (measured eager) and exp(s − logsumexp) under torch.compile: the product with
+    values is not followed there, so the module is named, never silently left out of s̄ (before: the
+    SDPA layer beside it alone was recorded, with no word)."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mixer = SDPALayer(), LogDomain(how)
+
+        def forward(self, x):
+            return self.mixer(self.attn(x))
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 6, 16)
+    monitor, warned = _compiled_pass(model, x)
+    assert list(monitor.latest_stats()) == ["attn"]
+    assert "mixer" in monitor.coverage()["missing"]
+    assert len(warned) == 1 and "'mixer' (LogDomain)" in warned[0], warned
+    with pytest.raises(RuntimeError, match="'mixer'"):
+        _compiled_pass(model, x, strict=True)
+
+
 def test_a_compiled_hugging_face_eager_llama_stays_exact_and_quiet():
     """Llama's eager attention states its heads in its config only (num_attention_heads 4; batch 2, 10
     tokens): confirmed, exact against float64 of the model's own output_attentions, no warning."""

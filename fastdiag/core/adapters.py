@@ -519,7 +519,9 @@ class AttentionMode(TorchFunctionMode):
                 if confirmed:
                     self.calls.confirm(confirmed)
                 scores = softmax_input(args, kwargs)
-                if func in _LOGSUMEXPS and isinstance(scores, torch.Tensor) and scores.dim() == 4 \
+                if func in _LOGSUMEXPS | _LOG_SOFTMAXES and _in_compiled_graph():
+                    pass    # a compiled graph's own op, run by Python: named while traced (below), not again
+                elif func in _LOGSUMEXPS and isinstance(scores, torch.Tensor) and scores.dim() == 4 \
                         and softmax_dim(args, kwargs) in (-1, 3):
                     self.calls.on_logsumexp()
                 elif is_flex_attention(func):
@@ -534,6 +536,11 @@ class AttentionMode(TorchFunctionMode):
                         self.calls.on_exp_of_log_softmax(*self.calls.provenance.log_probs[scores], out)
                     finally:
                         self.busy = False
+            elif not self.busy and tracing() and func in _LOGSUMEXPS | _LOG_SOFTMAXES \
+                    and isinstance(softmax_input(args, kwargs), torch.Tensor) and softmax_input(args, kwargs).dim() == 4 \
+                    and softmax_dim(args, kwargs) in ((-1, 3) if func in _LOGSUMEXPS else range(-4, 4)):
+                # traced: no provenance, so exp(s − logsumexp) and log_softmax(s).exp() are named, not measured
+                self.calls.on_logsumexp(traced_log_softmax=func in _LOG_SOFTMAXES)
             return out
         self.busy = True
         try:

@@ -172,10 +172,9 @@ class AttentionCalls:
             warnings.warn(f"fastdiag.attach: attention in {inner}, part of {outer}: a module outside the attached "
                           f"model{where}, is not recorded as a layer of this model; attach that model itself to "
                           "measure it as its own", RuntimeWarning, stacklevel=4)
-        for name in self.state.lse:
+        for name, reason in self.state.lse.items():
             if name not in self.state.how:
-                self.refuse(name, "it takes logsumexp over [B, H, Tq, Tk] scores with no softmax or SDPA: "
-                                   "attention written as exp(s − logsumexp) cannot be measured")
+                self.refuse(name, reason)
 
     def _planned_event(self, module_call: int, op: tuple):
         """The plan's `Event` for the next attention op of the lean call ``module_call``, or None where
@@ -557,12 +556,19 @@ class AttentionCalls:
                                                     "no [B, H, Tq, Tk] layout to read heads and rows from",
                                       tuple(probs.shape), probs.dim() - 1), probs)
 
-    def on_logsumexp(self) -> None:
+    def on_logsumexp(self, traced_log_softmax: bool = False) -> None:
         """``logsumexp`` over the last axis of 4-D scores: attention written as exp(s − logsumexp)
-        forms its probabilities without a softmax; its module is named unless measured otherwise."""
+        forms its probabilities without a softmax; its module is named unless measured otherwise. So is
+        a ``log_softmax`` over 4-D scores traced by torch.compile (``traced_log_softmax``), where the
+        exp taken of it and its product with values are not followed (eager measures log_softmax().exp())."""
         where = self._attention_call()
         if where is not None:
-            self.state.lse.add(where[0])
+            self.state.lse.setdefault(where[0], (
+                "under torch.compile it takes a log_softmax over [B, H, Tq, Tk] scores, whose exp and product "
+                "with values are not followed there: attention written as log_softmax(s).exp() is not "
+                "measured (an eager pass measures it)") if traced_log_softmax else (
+                "it takes logsumexp over [B, H, Tq, Tk] scores with no softmax or SDPA: "
+                "attention written as exp(s − logsumexp) cannot be measured"))
 
     def on_flex_attention(self) -> None:
         """``flex_attention`` (a fused kernel with score_mod / block_mask): no probabilities and no

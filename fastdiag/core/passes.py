@@ -21,7 +21,8 @@ class PassState:
     called: set = field(default_factory=set)         # hooked modules whose forward ran
     candidates: dict = field(default_factory=dict)   # softmaxes not yet multiplied with values
     ops: dict = field(default_factory=dict)          # (module, call) -> attention ops in that call
-    lse: set = field(default_factory=set)            # modules taking logsumexp over 4-D scores
+    lse: dict = field(default_factory=dict)          # module -> why its log-domain probabilities (logsumexp,
+                                                     # or log_softmax under torch.compile) are not measured
     foreign: dict = field(default_factory=dict)      # (calling module, foreign model class) -> its attention's class
     read_own: set = field(default_factory=set)       # compiled: modules with an attention op read as their own
     unread: set = field(default_factory=set)         # compiled: modules with an attention op not read so
