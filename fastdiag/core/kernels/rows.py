@@ -12,9 +12,14 @@ logit gap of about 104, float16 at about 17), and a real key is not padding.
 mask, MarkupLM; Funnel −1e6, tutorials −1e9, XLNet −1e30 or −65500 in float16, Hugging Face
 ``finfo(dtype).min``, −inf), with room on both sides: a score is the mask plus ``q·k``, so a key masked
 with −1e4 stays below it while its logit is under 9000, and a −1e4 fill applied before the usual
-``1/√d`` scale (−1e4/√64 = −1250) still reads as masked for head sizes up to 100. A real logit of
-−1000 would make attention one-hot in every float format; the shift-invariance of softmax is no
-concern, since only a key hidden from every row, or a row that sees no key, changes which rows count.
+``1/√d`` scale (−1e4/√64 = −1250) still reads as masked for head sizes up to 100. On the softmax path
+(scores only) the rule misreads one case: a real key whose score is at most −1000 in every row (a token
+whose q·k is hugely negative everywhere), or a real row whose every score is that low — softmax is
+shift-invariant, so either is ordinary attention — reads as masked, and its row is left out with no
+word (found 2026-12-06: a key at −1388…−1516 in every row, 5 of 6 rows counted, σ_l 20 % off). Only a
+key hidden from every row, or a row that sees no key, changes which rows count; a key below −1000 beside
+a row's top score above it is 0 in float32 anyway. Telling them apart needs the mask tensor itself, which
+the SDPA and MultiheadAttention paths read (docs/attach.md, "Padding": a known limit).
 
 **A query row counts** when it sees a key (one not masked) in every head, and, in self-attention
 (queries and keys from the same input), when its own position is not padding: padding is a key no
