@@ -368,3 +368,73 @@ def test_a_token_drop_mask_leaves_out_the_tokens_row_and_coverage_counts_it(use_
     got = monitor.latest_stats()["<root>"]
     assert got.rows.item() == 26
     assert_stats_close(got, want)
+
+
+class _ShiftedKey(nn.Module):
+    """Self-attention whose token 2 is huge and aligned with every other (k = -x): its key scores -1388 to
+    -1516 in every row, an ordinary distribution shifted below -1000 (softmax is shift-invariant), or, with
+    ``fill``, a padded batch whose mask is that fill (added before the 1/sqrt(d) scale when ``prescaled``)."""
+
+    def __init__(self, eager, fill=None, prescaled=False):
+        super().__init__()
+        self.eager, self.fill, self.prescaled, self.num_heads = eager, fill, prescaled, 2
+
+    def forward(self, x, real=None):
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, 2, -1).transpose(1, 2) for y in (x, -x, x))
+        scale = (c // 2) ** -0.5
+        mask = None if real is None else torch.zeros(b, 1, 1, t).masked_fill(~real.view(b, 1, 1, t), self.fill)
+        self.seen = (q.detach(), k.detach(), mask)
+        if not self.eager:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, c)
+        scores = q @ k.transpose(-1, -2)
+        if mask is not None and self.prescaled:
+            scores = scores + mask
+        scores = scores * scale
+        if mask is not None and not self.prescaled:
+            scores = scores + mask
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, c)
+
+
+def test_rows_decided_by_scores_between_minus_5000_and_minus_1000_are_named_not_silently_dropped():
+    """On the softmax path only the scores are seen, and a score at most -1000 reads as masked: a real key
+    whose score is that low in every row (no mask anywhere) read as a padding position and its row was left
+    out with no word (5 of 6 rows, σ_l 20 % off; found by verify39). Where the deciding scores are finite
+    and above -5000 — where a -1e4 fill scaled by 1/√d lies too — the layer is now named (all_rows;
+    strict=True raises); SDPA reads no scores, counts the row and is exact; masks below -5000 stay quiet."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 6, 8) * 0.3 + 3.0
+    x[0, 2] = 250.0 + torch.randn(8)
+    for eager in (True, False):
+        model = _ShiftedKey(eager)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with fastdiag.attach(model, every=1) as monitor:
+                model(x)
+                monitor.latest()
+                coverage = monitor.coverage()
+        named = [str(w.message) for w in caught if "fastdiag" in str(w.message)]
+        if eager:
+            assert len(named) == 1 and "between -5000 and -1000" in named[0] and "'<root>' (_ShiftedKey)" in named[0]
+            assert list(coverage["all_rows"]) == ["<root>"]
+        else:
+            assert named == [] and coverage["all_rows"] == {}
+            q, k, _ = model.seen
+            got = monitor.latest_stats()["<root>"]
+            assert got.rows.item() == 6
+            assert_stats_close(got, _hs((q.double() @ k.double().transpose(-1, -2) * 0.5).softmax(-1)))
+    with pytest.raises(RuntimeError, match="between -5000 and -1000"):
+        with fastdiag.attach(_ShiftedKey(True), every=1, strict=True) as monitor:
+            monitor.model(x)
+            monitor.latest()
+    # a padded batch: a -1e4 fill scaled after (-2500 at d 16) is named, the fills below -5000 are quiet
+    y, real = torch.randn(2, 6, 32), _padded()
+    for fill, prescaled, loud in ((-1e4, True, True), (-1e4, False, False), (torch.finfo(torch.float32).min, False, False)):
+        model = _ShiftedKey(True, fill, prescaled)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with fastdiag.attach(model, every=1) as monitor:
+                model(y, real)
+                monitor.latest()
+        assert any("between -5000 and -1000" in str(w.message) for w in caught) == loud, (fill, prescaled)
+        assert monitor.latest_stats()["<root>"].rows.item() == int(real.sum())

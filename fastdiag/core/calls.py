@@ -53,6 +53,10 @@ UNKNOWN_PROVENANCE = ("whether its queries and keys come from the same input is 
 KEYS_BEYOND_QUERIES = ("its keys outnumber its queries (a memory prefix: k = cat(memory, x)), so which key is a "
                        "query's own position is not known and its padding rows cannot be told: every row that "
                        "sees a key is counted, padding rows included")
+LOW_SCORES = ("some query rows were left out only because every score of theirs (or of their own key, in every row) "
+              "lies between -5000 and -1000: read as an additive mask (a -1e4 fill scaled by 1/sqrt(d)), but real "
+              "logits that low give the same scores, so they may be real rows dropped; where no mask was added, "
+              "attn_implementation='sdpa' (the mask itself is read there) measures them")
 SEEN_ONLY_BY_ITSELF = ("its mask lets positions be seen by their own query row only (XLNet's padding: a padded "
                        "query attends to itself): they cannot be told from real tokens and are counted; "
                        "monitor.set_padding(attention_mask) leaves them out")
@@ -506,7 +510,10 @@ class AttentionCalls:
         if sink:
             hidden = hidden[..., :-1]
         rows = row_rule.sees_a_key(hidden)
-        if self._self_attention(name, same_input, b, tq, hidden.shape[-1]):
+        self_attention = self._self_attention(name, same_input, b, tq, hidden.shape[-1])
+        self.suspect(name, adapters.own_statistics(row_rule.decided_by_low_scores, scores.detach()[..., :hidden.shape[-1]],
+                                                   hidden, bool(self_attention)), LOW_SCORES)
+        if self_attention:
             from_mask = rows & row_rule.real_positions(hidden)
             self._padding_positions(name, hidden, b, tq)
             rows = self.with_padding(from_mask, b, tq, probs.device, name)

@@ -19,7 +19,9 @@ shift-invariant, so either is ordinary attention — reads as masked, and its ro
 word (found 2026-12-06: a key at −1388…−1516 in every row, 5 of 6 rows counted, σ_l 20 % off). Only a
 key hidden from every row, or a row that sees no key, changes which rows count; a key below −1000 beside
 a row's top score above it is 0 in float32 anyway. Telling them apart needs the mask tensor itself, which
-the SDPA and MultiheadAttention paths read (docs/attach.md, "Padding": a known limit).
+the SDPA and MultiheadAttention paths read; where the deciding scores are finite and above
+`AMBIGUOUS_ABOVE` (−5000: every fill in use but a −1e4 one scaled by 1/√d lies below it) the layer is
+named (`decided_by_low_scores`), so the misreading is never silent there (docs/attach.md, "Padding").
 
 **A query row counts** when it sees a key (one not masked) in every head, and, in self-attention
 (queries and keys from the same input), when its own position is not padding: padding is a key no
@@ -34,6 +36,8 @@ import torch.nn.functional as F
 
 # A score or additive-mask value at or below this masks its key (-inf included); see the module docstring.
 MASKED_AT = -1000.0
+# Scores in (AMBIGUOUS_ABOVE, MASKED_AT] read as masked but may be real logits (`decided_by_low_scores`).
+AMBIGUOUS_ABOVE = -5000.0
 
 
 def visible(mask: torch.Tensor) -> torch.Tensor:
@@ -133,6 +137,17 @@ def self_attention_rows(hidden: torch.Tensor) -> torch.Tensor:
     """Bool ``[B, T]``: the rows that count in self-attention, by the masks alone (`sees_a_key` and
     `real_positions`)."""
     return sees_a_key(hidden) & real_positions(hidden)
+
+
+def decided_by_low_scores(scores: torch.Tensor, hidden: torch.Tensor, self_attention: bool) -> torch.Tensor:
+    """Bool scalar (a device tensor, no sync): on a path that sees only the scores, some query row is left
+    out only because of finite scores in (`AMBIGUOUS_ABOVE`, `MASKED_AT`] — where a −1e4 fill scaled by
+    1/√d (−1250 at d 64) and a real logit that low (softmax is shift-invariant) give the same scores, so
+    whether the row is padding cannot be told. ``hidden`` = `masked` of ``scores``, ``[B, H, Tq, Tk]``."""
+    firm = hidden & ~(scores > AMBIGUOUS_ABOVE)
+    if self_attention:
+        return (self_attention_rows(firm) & ~self_attention_rows(hidden)).any()
+    return (sees_a_key(firm) & ~sees_a_key(hidden)).any()
 
 
 def seen_only_by_itself(hidden: torch.Tensor) -> torch.Tensor:
