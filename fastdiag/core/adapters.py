@@ -159,6 +159,7 @@ _SDPA = F.scaled_dot_product_attention
 _SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax}
 _LOGSUMEXPS = {torch.logsumexp, torch.Tensor.logsumexp}
 _LOG_SOFTMAXES = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax, torch.special.log_softmax}
+_LOG_DOMAIN = _LOGSUMEXPS | _LOG_SOFTMAXES
 _EXPS = {torch.exp, torch.Tensor.exp}
 _MHA_FORWARD = F.multi_head_attention_forward
 _HANDED_OVER = _SOFTMAXES | {_MHA_FORWARD}   # besides SDPA: what the mode hands to `AttentionCalls` as it runs
@@ -519,7 +520,7 @@ class AttentionMode(TorchFunctionMode):
                 if confirmed:
                     self.calls.confirm(confirmed)
                 scores = softmax_input(args, kwargs)
-                if func in _LOGSUMEXPS | _LOG_SOFTMAXES and _in_compiled_graph():
+                if func in _LOG_DOMAIN and _in_compiled_graph():
                     pass    # a compiled graph's own op, run by Python: named while traced (below), not again
                 elif func in _LOGSUMEXPS and isinstance(scores, torch.Tensor) and scores.dim() == 4 \
                         and softmax_dim(args, kwargs) in (-1, 3):
@@ -536,11 +537,12 @@ class AttentionMode(TorchFunctionMode):
                         self.calls.on_exp_of_log_softmax(*self.calls.provenance.log_probs[scores], out)
                     finally:
                         self.busy = False
-            elif not self.busy and tracing() and func in _LOGSUMEXPS | _LOG_SOFTMAXES \
-                    and isinstance(softmax_input(args, kwargs), torch.Tensor) and softmax_input(args, kwargs).dim() == 4 \
-                    and softmax_dim(args, kwargs) in ((-1, 3) if func in _LOGSUMEXPS else range(-4, 4)):
-                # traced: no provenance, so exp(s − logsumexp) and log_softmax(s).exp() are named, not measured
-                self.calls.on_logsumexp(traced_log_softmax=func in _LOG_SOFTMAXES)
+            elif not self.busy and func in _LOG_DOMAIN and tracing():
+                scores = softmax_input(args, kwargs)
+                if isinstance(scores, torch.Tensor) and scores.dim() == 4 \
+                        and softmax_dim(args, kwargs) in ((-1, 3) if func in _LOGSUMEXPS else range(-4, 4)):
+                    # traced: no provenance, so exp(s − logsumexp) and log_softmax(s).exp() are named, not measured
+                    self.calls.on_logsumexp(traced_log_softmax=func in _LOG_SOFTMAXES)
             return out
         self.busy = True
         try:

@@ -503,18 +503,20 @@ class AttentionCalls:
         # Masked keys are read from the scores the model's mask was added into (row_rule: -inf, HF's
         # finfo.min, XLNet -1e30, Funnel -1e6, MarkupLM -1e4), never from zeros in P: a sharp softmax
         # gives real keys exactly 0 (float32 at a logit gap of 104), and a real key is not padding.
-        hidden = row_rule.masked(scores.detach())
+        scores = scores.detach()
         # An attention sink (a per-head logit concatenated as the last score column, gpt-oss) is in the
         # measured distribution, but it is no key: the padding rules read the real keys only.
         sink = name in self.sinks and self.sinks[name] == h and tk > 1
         if sink:
-            hidden = hidden[..., :-1]
+            scores = scores[..., :-1]
+        hidden = row_rule.masked(scores)
         rows = row_rule.sees_a_key(hidden)
         self_attention = self._self_attention(name, same_input, b, tq, hidden.shape[-1])
-        self.suspect(name, adapters.own_statistics(row_rule.decided_by_low_scores, scores.detach()[..., :hidden.shape[-1]],
-                                                   hidden, bool(self_attention)), LOW_SCORES)
         if self_attention:
             from_mask = rows & row_rule.real_positions(hidden)
+        self.suspect(name, adapters.own_statistics(row_rule.decided_by_low_scores, scores, hidden,
+                                                   from_mask if self_attention else rows, self_attention), LOW_SCORES)
+        if self_attention:
             self._padding_positions(name, hidden, b, tq)
             rows = self.with_padding(from_mask, b, tq, probs.device, name)
             if rows is from_mask:  # no handed-in padding for this call

@@ -161,7 +161,6 @@ def _unwrap_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, list]:
     return model, wrappers
 
 
-
 def _plain_name(name: str) -> str:
     """A module's name without torch.compile's ``_orig_mod`` (``blocks._orig_mod.layers.0`` is ``blocks.layers.0``,
     the name it has when compiled after attach or not at all). The wrapper, listed first, gives way to the module."""
@@ -174,6 +173,7 @@ def _calling_frame():
     while frame is not None and frame.f_code is not torch.nn.Module._call_impl.__code__:
         frame = frame.f_back
     return frame
+
 
 def _cpu_kernel_ready(model: torch.nn.Module) -> bool:
     """At a measured pass's begin (eager, also when the model runs compiled): a model on the CPU gets the
@@ -225,8 +225,7 @@ class Monitor:
         if model in _ATTACHED:
             raise ValueError("model: already attached; detach the other monitor first")
         self.model, self.every, self.backend = model, every, backend
-        self._wrappers = wrappers        # torch.compile's wrappers handed to attach (`compiled_root`)
-        self._own_frame: compiled_root.OwnFrame | None = None
+        self._own_frame: compiled_root.OwnFrame | None = None   # a torch.nn root's frame (`compiled_root`)
         self._pass_frame = None          # the root's call running the pass in progress (`_pass_abandoned`)
         self._cpu_kernel_ready = False   # `_cpu_kernel_ready`: the native CPU kernel built (or not buildable)
         self.measure_eval, self.all_reduce, self.group = measure_eval, all_reduce, group
@@ -321,6 +320,10 @@ class Monitor:
             self._watch_held_models()
             self._handles.append(torch.nn.modules.module.register_module_module_registration_hook(
                 self._on_submodule_set))
+            if self._auto:      # the root's step hooks, kept out of compiled graphs
+                self._own_frame = compiled_root.give_own_frame(model, wrappers)
+                if self._own_frame is not None:
+                    self._handles.append(self._own_frame)
             for name, kind in self._kind.items():
                 if kind == "zoo":
                     zoo_handoff.hold(modules[name], self._id, self.backend)
@@ -479,9 +482,6 @@ class Monitor:
             self._handles.append(module.register_forward_pre_hook(_EagerHook(begin), with_kwargs=True,
                                                                   prepend=True))
             self._handles.append(module.register_forward_hook(_EagerHook(end), always_call=True))
-            self._own_frame = compiled_root.give_own_frame(module, self._wrappers)
-            if self._own_frame is not None:
-                self._handles.append(self._own_frame)
 
     def _on_submodule_set(self, parent: torch.nn.Module, name: str, submodule) -> None:
         """torch's module registration hook (``parent.name = submodule``, ``ModuleList[i] = ...``), held while

@@ -139,15 +139,15 @@ def self_attention_rows(hidden: torch.Tensor) -> torch.Tensor:
     return sees_a_key(hidden) & real_positions(hidden)
 
 
-def decided_by_low_scores(scores: torch.Tensor, hidden: torch.Tensor, self_attention: bool) -> torch.Tensor:
+def decided_by_low_scores(scores: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor,
+                          self_attention: bool) -> torch.Tensor:
     """Bool scalar (a device tensor, no sync): on a path that sees only the scores, some query row is left
     out only because of finite scores in (`AMBIGUOUS_ABOVE`, `MASKED_AT`] — where a −1e4 fill scaled by
     1/√d (−1250 at d 64) and a real logit that low (softmax is shift-invariant) give the same scores, so
-    whether the row is padding cannot be told. ``hidden`` = `masked` of ``scores``, ``[B, H, Tq, Tk]``."""
+    whether the row is padding cannot be told. ``hidden`` = `masked` of ``scores``, ``[B, H, Tq, Tk]``;
+    ``rows`` the rows it lets count (`self_attention_rows` of it in self-attention, else `sees_a_key`)."""
     firm = hidden & ~(scores > AMBIGUOUS_ABOVE)
-    if self_attention:
-        return (self_attention_rows(firm) & ~self_attention_rows(hidden)).any()
-    return (sees_a_key(firm) & ~sees_a_key(hidden)).any()
+    return ((self_attention_rows(firm) if self_attention else sees_a_key(firm)) & ~rows).any()
 
 
 def seen_only_by_itself(hidden: torch.Tensor) -> torch.Tensor:
